@@ -1,0 +1,11 @@
+//! Kafka plumbing shared by every Sortie service: client configuration (with SASL/TLS
+//! pass-through and the Java-compatible partitioner), the topology in `topology/` and its
+//! apply/check against a broker, and the local single-node broker used by `sortie dev` and
+//! the tests.
+//!
+//! This crate knows topics and clients, never run semantics: it must not decode Sortie
+//! records or decide anything about runs.
+
+mod config;
+
+pub use config::KafkaConfig;
