@@ -1,1 +1,22 @@
-//! placeholder
+//! Sortie's public contract on the wire: the Rust types of every topic's Avro value
+//! (`schemas/*.avsc` are the source of truth and are embedded here), their encoding in the
+//! Confluent wire format through a schema registry, the canonical partitioner
+//! (`murmur2(key) % n`, identical to the Java client's default), and topic names.
+//!
+//! This crate converts bytes to types and back, once, at the edge. It performs no Kafka
+//! I/O and holds no run semantics: whether a decoded record makes sense is the caller's
+//! business; whether it decodes at all is this crate's, and the answer is a typed
+//! [`DecodeError`] the caller can dead-letter.
+
+mod codec;
+mod partitioner;
+pub mod records;
+mod resolve;
+mod schemas;
+mod topics;
+
+pub use codec::{from_datum, to_datum, Codec, CodecConfig, DecodeError, EncodeError};
+pub use partitioner::{murmur2, partition_for};
+pub use records::Record;
+pub use schemas::RecordKind;
+pub use topics::Topics;

@@ -1,0 +1,289 @@
+//! Encoding and decoding in the Confluent wire format: magic byte `0`, the schema id as a
+//! big-endian `u32`, then the Avro binary body. Schemas live in a registry under
+//! TopicNameStrategy (`<topic>-value`).
+
+use std::time::Duration;
+
+use apache_avro::{
+    from_value, reader::datum::GenericDatumReader, types::Value, writer::datum::GenericDatumWriter,
+    Schema,
+};
+use schema_registry_converter::{
+    async_impl::{
+        avro::{AvroDecoder, AvroEncoder},
+        schema_registry::SrSettings,
+    },
+    error::SRCError,
+    schema_registry_common::{SchemaType, SubjectNameStrategy, SuppliedSchema},
+};
+
+use crate::{records::Record, resolve::Resolver, RecordKind};
+
+/// Where the registry is and whether this process may register schemas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CodecConfig {
+    /// Base URL of a Confluent-compatible schema registry, e.g. `http://127.0.0.1:8081`.
+    pub registry_url: String,
+    /// Register Sortie's schemas when missing (dev, tests). When false the subject's
+    /// latest registered version is used, and it must be the schema this build knows.
+    pub auto_register: bool,
+}
+
+/// Why a record could not be encoded.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    /// The registry could not be reached or answered 5xx; worth retrying.
+    #[error("schema registry unavailable: {0}")]
+    RegistryUnavailable(String),
+    /// The registry refused the schema (incompatible, invalid) or the subject is missing.
+    #[error("schema registry refused {subject}: {message}")]
+    RegistryRefused { subject: String, message: String },
+    /// The value does not fit its own schema: a defect in this crate.
+    #[error("value does not fit schema {kind:?}: {message}")]
+    Schema { kind: RecordKind, message: String },
+}
+
+impl EncodeError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, EncodeError::RegistryUnavailable(_))
+    }
+}
+
+/// Why bytes could not be turned into a record. Every variant but
+/// [`DecodeError::RegistryUnavailable`] is final for those bytes: the caller dead-letters
+/// the record with [`DecodeError::reason_code`] and moves on.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// No value at all (a tombstone) where a record was expected.
+    #[error("record has no value")]
+    Empty,
+    /// Not magic byte 0 + 4-byte schema id + body.
+    #[error("not in the Confluent wire format: {0}")]
+    NotWireFormat(String),
+    /// The schema id is unknown to the registry.
+    #[error("unknown schema id: {0}")]
+    UnknownSchema(String),
+    /// Written with a schema of another record type.
+    #[error("expected a {expected} record, found {found}")]
+    WrongSchema { expected: String, found: String },
+    /// The body does not decode with its writer schema, or cannot be read as this build's
+    /// schema (an incompatible writer).
+    #[error("malformed Avro body: {0}")]
+    Malformed(String),
+    /// The registry could not be reached; the bytes may be fine. Retry, do not dead-letter.
+    #[error("schema registry unavailable: {0}")]
+    RegistryUnavailable(String),
+}
+
+impl DecodeError {
+    /// The `reason_code` of the dead letter for this error.
+    pub fn reason_code(&self) -> &'static str {
+        match self {
+            DecodeError::Empty | DecodeError::NotWireFormat(_) | DecodeError::Malformed(_) => {
+                "undecodable"
+            }
+            DecodeError::UnknownSchema(_) => "unknown_schema",
+            DecodeError::WrongSchema { .. } => "wrong_schema",
+            DecodeError::RegistryUnavailable(_) => "registry_unavailable",
+        }
+    }
+
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, DecodeError::RegistryUnavailable(_))
+    }
+}
+
+/// Encodes and decodes Sortie records through a schema registry.
+///
+/// `schema_registry_converter` caches failed look-ups and never retries them by itself, so
+/// after a transient registry failure the codec clears those cached errors; callers
+/// pre-register with [`Codec::prepare`] at start-up, which retries.
+pub struct Codec {
+    encoder: AvroEncoder,
+    decoder: AvroDecoder,
+    auto_register: bool,
+}
+
+impl std::fmt::Debug for Codec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Codec")
+            .field("auto_register", &self.auto_register)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Codec {
+    pub fn new(config: &CodecConfig) -> Self {
+        let settings = || SrSettings::new(config.registry_url.trim_end_matches('/').to_owned());
+        Self {
+            encoder: AvroEncoder::new(settings()),
+            decoder: AvroDecoder::new(settings()),
+            auto_register: config.auto_register,
+        }
+    }
+
+    fn strategy(&self, topic: &str, kind: RecordKind) -> SubjectNameStrategy {
+        if self.auto_register {
+            SubjectNameStrategy::TopicNameStrategyWithSchema(
+                topic.to_owned(),
+                false,
+                SuppliedSchema::new(
+                    Some(kind.full_name().to_owned()),
+                    SchemaType::Avro,
+                    kind.schema_text().to_owned(),
+                ),
+            )
+        } else {
+            SubjectNameStrategy::TopicNameStrategy(topic.to_owned(), false)
+        }
+    }
+
+    /// Registers (or looks up) the value schema of `kind` for `topic` and returns its id,
+    /// retrying transient registry failures until `patience` runs out.
+    pub async fn prepare(
+        &self,
+        topic: &str,
+        kind: RecordKind,
+        patience: Duration,
+    ) -> Result<u32, EncodeError> {
+        let strategy = self.strategy(topic, kind);
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let subject = strategy
+                .get_subject()
+                .map_err(|e| encode_error(topic, kind, e))?;
+            match self
+                .encoder
+                .get_schema_and_id(&subject, strategy.clone())
+                .await
+            {
+                Ok(schema) => return Ok(schema.id),
+                Err(e) => {
+                    let error = encode_error(topic, kind, e);
+                    self.encoder.remove_errors_from_cache();
+                    if !error.is_retryable() || tokio::time::Instant::now() + backoff > deadline {
+                        return Err(error);
+                    }
+                    tracing::warn!(topic, error = %error, "Schema registry not ready; retrying.");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// Encodes `record` for `topic` in the Confluent wire format.
+    pub async fn encode<R: Record>(&self, topic: &str, record: &R) -> Result<Vec<u8>, EncodeError> {
+        let strategy = self.strategy(topic, R::KIND);
+        let result = self.encoder.encode_struct(record, &strategy).await;
+        result.map_err(|e| {
+            let error = encode_error(topic, R::KIND, e);
+            if error.is_retryable() {
+                self.encoder.remove_errors_from_cache();
+            }
+            error
+        })
+    }
+
+    /// Decodes a Confluent wire-format value into `R`, resolving the writer's schema against
+    /// this build's (so records written with an older compatible schema read fine).
+    pub async fn decode<R: Record>(&self, bytes: Option<&[u8]>) -> Result<R, DecodeError> {
+        let bytes = bytes.ok_or(DecodeError::Empty)?;
+        if bytes.len() < 5 || bytes[0] != 0 {
+            return Err(DecodeError::NotWireFormat(format!(
+                "{} bytes, first byte {:?}",
+                bytes.len(),
+                bytes.first()
+            )));
+        }
+        let decoded = self.decoder.decode(Some(bytes)).await.map_err(|e| {
+            let error = decode_error(e);
+            if error.is_retryable() {
+                self.decoder.remove_errors_from_cache();
+            }
+            error
+        })?;
+        let found = decoded
+            .name
+            .map(|name| name.fullname(None))
+            .unwrap_or_else(|| "a non-record schema".to_owned());
+        if found != R::KIND.full_name() {
+            return Err(DecodeError::WrongSchema {
+                expected: R::KIND.full_name().to_owned(),
+                found,
+            });
+        }
+        let id = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]);
+        let writer = self.decoder.get_schema(id).await.map_err(decode_error)?;
+        value_to_record(decoded.value, &writer.parsed)
+    }
+}
+
+/// Resolves a value decoded with its writer's schema against this build's schema of `R`.
+fn value_to_record<R: Record>(value: Value, writer: &Schema) -> Result<R, DecodeError> {
+    let reader = R::KIND.schema();
+    let value = if writer == reader {
+        value
+    } else {
+        Resolver::new(writer, reader)
+            .and_then(|resolver| resolver.resolve(value, writer, reader))
+            .map_err(|e| {
+                DecodeError::Malformed(format!("cannot read as this build's schema: {e}"))
+            })?
+    };
+    from_value(&value).map_err(|e| DecodeError::Malformed(e.to_string()))
+}
+
+/// Encodes `record` as a bare Avro datum (no wire-format header) with this build's schema.
+/// Used where the schema is known out of band: golden files, hashes, tests.
+pub fn to_datum<R: Record>(record: &R) -> Result<Vec<u8>, EncodeError> {
+    GenericDatumWriter::builder(R::KIND.schema())
+        .build()
+        .and_then(|writer| writer.write_ser_to_vec(record))
+        .map_err(|e| EncodeError::Schema {
+            kind: R::KIND,
+            message: e.to_string(),
+        })
+}
+
+/// Decodes a bare Avro datum written with `writer` into `R` (this build's schema).
+pub fn from_datum<R: Record>(writer: &Schema, mut bytes: &[u8]) -> Result<R, DecodeError> {
+    let value = GenericDatumReader::builder(writer)
+        .build()
+        .and_then(|reader| reader.read_value(&mut bytes))
+        .map_err(|e| DecodeError::Malformed(e.to_string()))?;
+    value_to_record(value, writer)
+}
+
+fn encode_error(topic: &str, kind: RecordKind, e: SRCError) -> EncodeError {
+    let message = describe(&e);
+    if e.retriable {
+        EncodeError::RegistryUnavailable(message)
+    } else if message.contains("Could not get Avro bytes") {
+        EncodeError::Schema { kind, message }
+    } else {
+        EncodeError::RegistryRefused {
+            subject: format!("{topic}-value"),
+            message,
+        }
+    }
+}
+
+fn decode_error(e: SRCError) -> DecodeError {
+    let message = describe(&e);
+    if e.retriable {
+        DecodeError::RegistryUnavailable(message)
+    } else if message.contains("Could not transform bytes") {
+        DecodeError::Malformed(message)
+    } else {
+        DecodeError::UnknownSchema(message)
+    }
+}
+
+fn describe(e: &SRCError) -> String {
+    match &e.cause {
+        Some(cause) => format!("{}: {cause}", e.error),
+        None => e.error.clone(),
+    }
+}

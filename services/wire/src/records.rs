@@ -1,0 +1,421 @@
+//! Rust mirrors of the Avro records in `schemas/`. Field order and names follow the
+//! schemas exactly; union branches follow the schema's branch order (the encoder picks
+//! a branch by variant index). JSON payloads stay strings here: parsing them is the
+//! business of whoever owns their meaning.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::RecordKind;
+
+/// A Rust type that is the value of one of Sortie's topics.
+pub trait Record: Serialize + serde::de::DeserializeOwned {
+    const KIND: RecordKind;
+}
+
+/// Milliseconds since the Unix epoch (Avro `timestamp-millis`).
+pub type Millis = i64;
+
+// ---------------------------------------------------------------- sortie.commands
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunCommand {
+    pub command_id: String,
+    pub tenant: String,
+    pub run_id: String,
+    pub issuer: Issuer,
+    pub issued_at: Millis,
+    pub body: CommandBody,
+}
+
+impl Record for RunCommand {
+    const KIND: RecordKind = RecordKind::RunCommand;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Issuer {
+    pub principal: String,
+    pub roles: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CommandBody {
+    StartRun(StartRun),
+    ResumeRun(ResumeRun),
+    CancelRun(CancelRun),
+    ReconcileOperation(ReconcileOperation),
+}
+
+impl CommandBody {
+    /// The command kind as named in events (`CommandAccepted.command`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CommandBody::StartRun(_) => "StartRun",
+            CommandBody::ResumeRun(_) => "ResumeRun",
+            CommandBody::CancelRun(_) => "CancelRun",
+            CommandBody::ReconcileOperation(_) => "ReconcileOperation",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartRun {
+    pub graph_id: String,
+    pub graph_version: Option<i32>,
+    pub input: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumeRun {
+    pub interrupt_id: String,
+    pub proposal_hash: String,
+    pub decision: Decision,
+    pub payload: Option<String>,
+    pub comment: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Decision {
+    Approve,
+    Reject,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelRun {
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconcileOperation {
+    pub operation_id: String,
+    pub outcome: ReconcileOutcome,
+    pub output: Option<String>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ReconcileOutcome {
+    Succeeded,
+    Failed,
+}
+
+// ---------------------------------------------------------------- sortie.intents.<queue>
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepIntent {
+    pub operation_id: String,
+    pub attempt: i32,
+    pub tenant: String,
+    pub run_id: String,
+    pub step_id: String,
+    pub node: String,
+    pub graph_id: String,
+    pub graph_version: i32,
+    pub tool: String,
+    pub queue: String,
+    pub side_effect: SideEffectClass,
+    pub args: String,
+    pub config: String,
+    pub timeout_ms: Option<i64>,
+    pub issued_at: Millis,
+}
+
+impl Record for StepIntent {
+    const KIND: RecordKind = RecordKind::StepIntent;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum SideEffectClass {
+    Pure,
+    Idempotent,
+    Keyed,
+    Reconcilable,
+    Unsafe,
+}
+
+// ---------------------------------------------------------------- sortie.step-results
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepResult {
+    pub operation_id: String,
+    pub attempt: i32,
+    pub tenant: String,
+    pub run_id: String,
+    pub step_id: String,
+    pub status: StepStatus,
+    pub retryable: bool,
+    pub output: Option<String>,
+    pub error: Option<StepError>,
+    pub executor: String,
+    pub started_at: Millis,
+    pub finished_at: Option<Millis>,
+}
+
+impl Record for StepResult {
+    const KIND: RecordKind = RecordKind::StepResult;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum StepStatus {
+    Started,
+    Succeeded,
+    Failed,
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepError {
+    pub code: String,
+    pub message: String,
+    pub retry_after_ms: Option<i64>,
+}
+
+// ---------------------------------------------------------------- sortie.run-events
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunEvent {
+    pub tenant: String,
+    pub run_id: String,
+    pub seq: i64,
+    pub state_version: i64,
+    pub at: Millis,
+    pub command_id: Option<String>,
+    pub operation_id: Option<String>,
+    pub prev_hash: Option<String>,
+    pub hash: Option<String>,
+    pub body: EventBody,
+}
+
+impl Record for RunEvent {
+    const KIND: RecordKind = RecordKind::RunEvent;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EventBody {
+    CommandAccepted(CommandAccepted),
+    CommandRejected(CommandRejected),
+    RunStarted(RunStarted),
+    StepDispatched(StepDispatched),
+    StepStarted(StepStarted),
+    StepSucceeded(StepSucceeded),
+    StepFailed(StepFailed),
+    StepOutcomeUnknown(StepOutcomeUnknown),
+    OperationReconciled(OperationReconciled),
+    Interrupted(Interrupted),
+    InterruptDecided(InterruptDecided),
+    InterruptEscalated(InterruptEscalated),
+    InterruptExpired(InterruptExpired),
+    CancelRequested(CancelRequested),
+    RunStatusChanged(RunStatusChanged),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandAccepted {
+    pub command_id: String,
+    pub command: String,
+    pub duplicate: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandRejected {
+    pub command_id: String,
+    pub command: String,
+    pub code: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunStarted {
+    pub graph_id: String,
+    pub graph_version: i32,
+    pub input: String,
+    pub started_by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepDispatched {
+    pub step_id: String,
+    pub node: String,
+    pub attempt: i32,
+    pub tool: String,
+    pub queue: String,
+    pub args: String,
+    pub compensates: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepStarted {
+    pub step_id: String,
+    pub attempt: i32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepSucceeded {
+    pub step_id: String,
+    pub attempt: i32,
+    pub output: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepFailed {
+    pub step_id: String,
+    pub attempt: i32,
+    pub code: String,
+    pub message: String,
+    pub retryable: bool,
+    pub retry_at: Option<Millis>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepOutcomeUnknown {
+    pub step_id: String,
+    pub attempt: i32,
+    pub message: String,
+    pub needs_operator: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperationReconciled {
+    pub step_id: String,
+    pub outcome: ReconcileOutcome,
+    pub by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Interrupted {
+    pub interrupt_id: String,
+    pub step_id: String,
+    pub node: String,
+    pub proposal: String,
+    pub proposal_hash: String,
+    pub reason: String,
+    pub required_role: Option<String>,
+    pub approver_group: Option<String>,
+    pub quorum: i32,
+    pub expires_at: Option<Millis>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InterruptDecided {
+    pub interrupt_id: String,
+    pub proposal_hash: String,
+    pub decision: Decision,
+    pub decided_by: String,
+    pub payload: Option<String>,
+    pub comment: Option<String>,
+    #[serde(rename = "final")]
+    pub is_final: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InterruptEscalated {
+    pub interrupt_id: String,
+    pub approver_group: String,
+    pub expires_at: Millis,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InterruptExpired {
+    pub interrupt_id: String,
+    pub on_timeout: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CancelRequested {
+    pub requested_by: String,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunStatusChanged {
+    pub status: RunStatus,
+    pub reason: Option<String>,
+    pub output: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum RunStatus {
+    Running,
+    WaitingApproval,
+    NeedsReconciliation,
+    Cancelling,
+    Compensating,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+// ---------------------------------------------------------------- sortie.run-state
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunState {
+    pub tenant: String,
+    pub run_id: String,
+    pub graph_id: String,
+    pub graph_version: i32,
+    pub status: RunStatus,
+    pub version: i64,
+    pub last_event_seq: i64,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+    pub labels: BTreeMap<String, String>,
+    pub state: String,
+}
+
+impl Record for RunState {
+    const KIND: RecordKind = RecordKind::RunState;
+}
+
+// ---------------------------------------------------------------- sortie.graphs
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphDefinition {
+    pub graph_id: String,
+    pub version: i32,
+    pub tenant: Option<String>,
+    pub definition: String,
+    pub definition_hash: String,
+    pub published_by: String,
+    pub published_at: Millis,
+}
+
+impl Record for GraphDefinition {
+    const KIND: RecordKind = RecordKind::GraphDefinition;
+}
+
+// ---------------------------------------------------------------- sortie.dead-letters
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub reason_code: String,
+    pub reason: String,
+    pub service: String,
+    pub original_topic: String,
+    pub original_partition: i32,
+    pub original_offset: i64,
+    pub original_timestamp: Option<Millis>,
+    #[serde(with = "apache_avro::serde::bytes_opt")]
+    pub original_key: Option<Vec<u8>>,
+    #[serde(with = "apache_avro::serde::bytes_opt")]
+    pub original_value: Option<Vec<u8>>,
+    pub original_headers: Vec<Header>,
+    pub failed_at: Millis,
+}
+
+impl Record for DeadLetter {
+    const KIND: RecordKind = RecordKind::DeadLetter;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Header {
+    pub key: String,
+    #[serde(with = "apache_avro::serde::bytes_opt")]
+    pub value: Option<Vec<u8>>,
+}
