@@ -1,6 +1,6 @@
 // Prints the Java client's murmur2 and default keyed partition for a fixed set of keys,
 // so sortie-wire can prove its partitioner matches byte for byte. Regenerate with:
-//   java -cp 'target/kafka/libs/*' dev/kafka/Murmur2Vectors.java > services/wire/tests/data/murmur2-vectors.tsv
+//   java -cp 'target/kafka-test/libs/*' dev/kafka/Murmur2Vectors.java > services/wire/tests/data/murmur2-vectors.tsv
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.HexFormat;

@@ -7,7 +7,11 @@ mod registry;
 mod topology;
 
 #[derive(Debug, Parser)]
-#[command(name = "sortie", version, about = "Durable execution for long-running AI agent runs")]
+#[command(
+    name = "sortie",
+    version,
+    about = "Durable execution for long-running AI agent runs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

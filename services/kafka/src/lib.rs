@@ -7,5 +7,7 @@
 //! records or decide anything about runs.
 
 mod config;
+pub mod local;
+pub mod topology;
 
 pub use config::KafkaConfig;
