@@ -1,6 +1,96 @@
-#[derive(Debug, clap::Args)]
-pub struct Args {}
+//! `sortie registry serve`: the Confluent-compatible schema registry subset, persisted in
+//! a compacted Kafka topic (see the `sortie-registry` crate).
 
-pub async fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not built yet")
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use sortie_kafka::KafkaConfig;
+use sortie_registry::Registry;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Serve the registry's REST API until Ctrl-C (or SIGTERM).
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Kafka bootstrap servers.
+    #[arg(
+        long,
+        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
+    bootstrap_servers: String,
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    addr: SocketAddr,
+    /// The compacted topic holding the registry's state; one registry instance per topic.
+    #[arg(long, default_value = sortie_registry::DEFAULT_TOPIC)]
+    topic: String,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    match args.command {
+        Command::Serve(args) => serve(args).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let kafka = KafkaConfig::new(&args.bootstrap_servers);
+    let registry = Registry::open(&kafka, &args.topic).await.with_context(|| {
+        format!(
+            "opening the registry on topic {} at {}",
+            args.topic, args.bootstrap_servers
+        )
+    })?;
+    let listener = tokio::net::TcpListener::bind(args.addr)
+        .await
+        .with_context(|| format!("listening on {}", args.addr))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(
+        url = %format!("http://{addr}"),
+        topic = %args.topic,
+        bootstrap_servers = %args.bootstrap_servers,
+        "The schema registry is serving."
+    );
+    sortie_registry::serve(listener, Arc::new(registry), shutdown_signal()).await?;
+    tracing::info!("The schema registry stopped.");
+    Ok(())
+}
+
+/// Completes on Ctrl-C or, on Unix, SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::warn!(%error, "Cannot listen for Ctrl-C.");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "Cannot listen for SIGTERM.");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("Shutting down the schema registry.");
 }
