@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what building and testing Sortie needs and a fresh machine may lack:
+# a C toolchain and OpenSSL headers for librdkafka, a JDK and Maven for the local Kafka
+# broker (fetched from Maven Central by dev/kafka/pom.xml), Python's venv for the
+# outside-client tests, and rustfmt/clippy. Idempotent; quick when nothing is missing.
+set -euo pipefail
+
+missing=()
+need() { command -v "$1" >/dev/null 2>&1 || missing+=("$2"); }
+need cc build-essential
+need make build-essential
+need pkg-config pkg-config
+need cmake cmake
+need java openjdk-17-jre-headless
+need mvn maven
+need python3 python3
+[ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
+[ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "Installing: ${missing[*]}" >&2
+    if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "cargo is missing: install Rust (https://rustup.rs) first" >&2
+    exit 1
+fi
+if command -v rustup >/dev/null 2>&1; then
+    for component in rustfmt clippy; do
+        rustup component list --installed 2>/dev/null | grep -q "^$component" ||
+            rustup component add "$component" >/dev/null
+    done
+fi
