@@ -42,15 +42,29 @@ pub fn workspace_root() -> PathBuf {
     here.parent().unwrap_or(here).to_path_buf()
 }
 
-/// The local test broker (`<workspace>/target/kafka-test`, port 19092). Tests that
-/// restart the broker (crash tests) use it directly; others only need [`bootstrap`].
+/// The local test broker (`<workspace>/target/kafka-test`). Tests that restart the
+/// broker (crash tests) use it directly; others only need [`bootstrap`].
+///
+/// Its port is the one its data dir was configured with; a fresh data dir takes the first
+/// of 19092, 19192, ... whose broker and controller ports are free, so two checkouts on
+/// one machine (a developer's tree and a CI clone) do not collide.
 pub fn test_broker() -> LocalBroker {
     let root = workspace_root();
+    let data_dir = root.join("target").join("kafka-test");
+    let port = sortie_kafka::local::configured_port(&data_dir).unwrap_or_else(free_test_port);
     LocalBroker::new(BrokerConfig::new(
-        root.join("target").join("kafka-test"),
-        TEST_BROKER_PORT,
+        data_dir,
+        port,
         root.join("dev").join("kafka").join("pom.xml"),
     ))
+}
+
+fn free_test_port() -> u16 {
+    let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    (0..20)
+        .map(|i| TEST_BROKER_PORT + 100 * i)
+        .find(|port| free(*port) && free(port + 1))
+        .unwrap_or(TEST_BROKER_PORT)
 }
 
 /// The bootstrap servers for tests. Blocking: starts (or reuses) the local broker on the

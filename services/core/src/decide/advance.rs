@@ -1,0 +1,484 @@
+//! The engine: after any change, move the run forward: dispatch what became ready, register
+//! approvals, drive agent loops, wind down (compensations) and finish.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
+
+use super::Ctx;
+use crate::{
+    event::StepRole,
+    graph::{Graph, Node, OnReject},
+    json::{self as j, Reference},
+    state::{InterruptStatus, RunState, Step, StepStatus},
+    status::RunStatus,
+};
+
+/// Where a graph node stands in a run.
+#[derive(Debug, Clone, PartialEq)]
+enum NodeState {
+    /// Its incoming edges are not all decided yet.
+    Waiting,
+    /// Proposed, in flight, retrying, looping, or awaiting a human.
+    Active,
+    Done(Value),
+    /// Every incoming edge was decided and none was taken (dead path).
+    Skipped,
+}
+
+/// A new step to propose, decided while the run is only read.
+struct Proposal<'g> {
+    node: &'g Node,
+    step_id: String,
+    args: Value,
+    role: StepRole,
+}
+
+pub(crate) fn advance(ctx: &mut Ctx<'_>) {
+    let Some(run) = &ctx.state else { return };
+    if run.status.is_terminal() {
+        return;
+    }
+    let Some(graph) = ctx.graph() else { return };
+    if run.ending.is_some() {
+        return wind_down(ctx, graph);
+    }
+    if let Some(reason) = failure(run, graph) {
+        return begin_failure(ctx, reason);
+    }
+
+    let (states, proposals, problem) = plan(run, graph);
+    if let Some(reason) = problem {
+        return begin_failure(ctx, reason);
+    }
+    if run.steps_taken() + proposals.len() > graph.max_steps as usize {
+        let reason = format!(
+            "the run would exceed the graph's max_steps ({})",
+            graph.max_steps
+        );
+        return begin_failure(ctx, reason);
+    }
+    for p in proposals {
+        ctx.propose(p.node, p.step_id, p.args, p.role);
+    }
+
+    let run = ctx.run();
+    let busy = run.steps.values().any(|s| !s.status.is_settled());
+    let settled = states
+        .values()
+        .all(|s| matches!(s, NodeState::Done(_) | NodeState::Skipped));
+    if settled && !busy && run.open_interrupts().next().is_none() {
+        let output = final_output(graph, &states);
+        ctx.set_status(RunStatus::Succeeded, None, Some(output));
+        return;
+    }
+    let status = if run.open_interrupts().next().is_some() {
+        RunStatus::WaitingApproval
+    } else if run
+        .steps
+        .values()
+        .any(|s| s.status == StepStatus::NeedsOperator)
+    {
+        RunStatus::NeedsReconciliation
+    } else {
+        RunStatus::Running
+    };
+    ctx.set_status(status, None, None);
+}
+
+/// A terminal failure among the forward steps, if any.
+fn failure(run: &RunState, graph: &Graph) -> Option<String> {
+    if let Some(step) = run.steps.values().find(|s| {
+        s.status == StepStatus::Failed && !matches!(s.role, StepRole::Compensation { .. })
+    }) {
+        return Some(format!(
+            "step {} failed: {}",
+            step.step_id,
+            step.error.as_deref().unwrap_or("no reason given")
+        ));
+    }
+    for interrupt in run.interrupts.values() {
+        let rejected_to_fail = interrupt.status == InterruptStatus::Rejected
+            && graph
+                .node(&interrupt.node)
+                .is_some_and(|n| n.on_reject == OnReject::Fail);
+        if rejected_to_fail {
+            return Some(format!("approval {} was rejected", interrupt.interrupt_id));
+        }
+    }
+    None
+}
+
+/// Walks the graph in topological order and decides what to propose next.
+fn plan<'g>(
+    run: &RunState,
+    graph: &'g Graph,
+) -> (
+    BTreeMap<&'g str, NodeState>,
+    Vec<Proposal<'g>>,
+    Option<String>,
+) {
+    let mut states: BTreeMap<&str, NodeState> = BTreeMap::new();
+    let mut proposals = Vec::new();
+    for node in graph.topological() {
+        let mut decided = true;
+        let mut taken = false;
+        let mut incoming = 0;
+        for edge in graph.incoming(&node.id) {
+            incoming += 1;
+            match states.get(edge.from.as_str()) {
+                Some(NodeState::Done(output)) => {
+                    taken |= edge.when.as_ref().is_none_or(|c| c.holds(output));
+                }
+                Some(NodeState::Skipped) => {}
+                _ => decided = false,
+            }
+        }
+        let state = if incoming > 0 && !decided {
+            NodeState::Waiting
+        } else if incoming > 0 && !taken {
+            NodeState::Skipped
+        } else {
+            match progress(run, graph, node, &mut proposals) {
+                Ok(state) => state,
+                Err(problem) => return (states, proposals, Some(problem)),
+            }
+        };
+        states.insert(node.id.as_str(), state);
+    }
+    (states, proposals, None)
+}
+
+/// Where one ready graph node stands, adding the proposals it needs.
+fn progress<'g>(
+    run: &RunState,
+    graph: &'g Graph,
+    node: &'g Node,
+    out: &mut Vec<Proposal<'g>>,
+) -> Result<NodeState, String> {
+    // Approval first: an open one holds the node; a rejected one may send it elsewhere.
+    let interrupts: Vec<_> = run
+        .interrupts
+        .values()
+        .filter(|i| i.node == node.id && i.role == StepRole::Node)
+        .collect();
+    if interrupts.iter().any(|i| i.status == InterruptStatus::Open) {
+        return Ok(NodeState::Active);
+    }
+    if let Some(rejected) = interrupts
+        .iter()
+        .find(|i| i.status == InterruptStatus::Rejected)
+    {
+        let OnReject::Goto(target) = &node.on_reject else {
+            return Ok(NodeState::Active); // the failure path handles it
+        };
+        let role = StepRole::Substitute {
+            for_node: node.id.clone(),
+        };
+        return match run.steps.values().find(|s| s.role == role) {
+            Some(step) if step.status == StepStatus::Succeeded => {
+                Ok(NodeState::Done(step.output.clone().unwrap_or(Value::Null)))
+            }
+            Some(_) => Ok(NodeState::Active),
+            None => {
+                let target = graph
+                    .node(target)
+                    .ok_or_else(|| format!("unknown node {target}"))?;
+                let args = render(run, target, None, &rejected.proposal["args"]);
+                out.push(Proposal {
+                    node: target,
+                    step_id: run.next_step_id(&target.id),
+                    args,
+                    role,
+                });
+                Ok(NodeState::Active)
+            }
+        };
+    }
+    if interrupts
+        .iter()
+        .any(|i| i.status == InterruptStatus::Expired)
+    {
+        return Ok(NodeState::Active); // the expiry path decided the run's fate
+    }
+
+    let latest = run
+        .steps
+        .values()
+        .filter(|s| s.node == node.id && s.role == StepRole::Node)
+        .max_by_key(|s| iteration(&s.step_id));
+    let Some(latest) = latest else {
+        let pending_approval = interrupts
+            .iter()
+            .any(|i| i.status == InterruptStatus::Approved);
+        if !pending_approval {
+            let args = render(run, node, None, &node.args);
+            out.push(Proposal {
+                node,
+                step_id: run.next_step_id(&node.id),
+                args,
+                role: StepRole::Node,
+            });
+        }
+        return Ok(NodeState::Active);
+    };
+    if latest.status != StepStatus::Succeeded {
+        return Ok(NodeState::Active);
+    }
+    let output = latest.output.clone().unwrap_or(Value::Null);
+    let requests = next_steps(&output);
+    if requests.is_empty() || node.may_request.is_empty() {
+        return Ok(NodeState::Done(output));
+    }
+
+    // An agent loop: run the requested steps, then invoke the node again with their results.
+    let by = StepRole::Requested {
+        by: latest.step_id.clone(),
+    };
+    let children: Vec<&Step> = run.steps.values().filter(|s| s.role == by).collect();
+    let reserved = run.interrupts.values().filter(|i| i.role == by).count();
+    if children.is_empty() && reserved == 0 {
+        let mut taken: BTreeMap<String, u32> = BTreeMap::new();
+        for (name, args) in requests {
+            if !node.may_request.iter().any(|m| m == &name) {
+                return Err(format!(
+                    "step {} asked for node {name:?}, which node {} may not request",
+                    latest.step_id, node.id
+                ));
+            }
+            let target = graph
+                .node(&name)
+                .ok_or_else(|| format!("unknown node {name}"))?;
+            let base = iteration(&run.next_step_id(&name));
+            let offset = taken.entry(name.clone()).or_insert(0);
+            let step_id = format!("{name}#{}", base + *offset);
+            *offset += 1;
+            out.push(Proposal {
+                node: target,
+                step_id,
+                args,
+                role: by.clone(),
+            });
+        }
+        return Ok(NodeState::Active);
+    }
+    if children.len() >= reserved.max(1)
+        && children.iter().all(|c| c.status == StepStatus::Succeeded)
+    {
+        let mut ordered = children.clone();
+        ordered.sort_by_key(|c| (c.node.clone(), iteration(&c.step_id)));
+        let results: Vec<Value> = ordered
+            .iter()
+            .map(|c| json!({"node": c.node, "step_id": c.step_id, "args": c.args, "output": c.output}))
+            .collect();
+        let first = run
+            .steps
+            .values()
+            .filter(|s| s.node == node.id && s.role == StepRole::Node)
+            .min_by_key(|s| iteration(&s.step_id))
+            .map(|s| s.args.clone())
+            .unwrap_or_else(|| json!({}));
+        let mut args = first;
+        if let Value::Object(map) = &mut args {
+            map.insert("iteration".into(), json!(iteration(&latest.step_id) + 1));
+            map.insert("previous_output".into(), output);
+            map.insert("results".into(), Value::Array(results));
+        }
+        out.push(Proposal {
+            node,
+            step_id: run.next_step_id(&node.id),
+            args,
+            role: StepRole::Node,
+        });
+    }
+    Ok(NodeState::Active)
+}
+
+/// `next_steps` an agent step asked for: `[{"node": ..., "args": {...}}]`.
+fn next_steps(output: &Value) -> Vec<(String, Value)> {
+    output
+        .get("next_steps")
+        .and_then(Value::as_array)
+        .map(|items| {
+            items
+                .iter()
+                .filter_map(|item| {
+                    let node = item.get("node")?.as_str()?.to_owned();
+                    let args = item.get("args").cloned().unwrap_or_else(|| json!({}));
+                    Some((node, args))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn iteration(step_id: &str) -> u32 {
+    step_id
+        .rsplit_once('#')
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Fills a node's argument template from the run input, earlier outputs, and (for a
+/// compensation) the step being compensated.
+fn render(run: &RunState, _node: &Node, compensated: Option<&Step>, template: &Value) -> Value {
+    let latest_output = |node: &str, part: &str| -> Option<Value> {
+        let step = run
+            .steps
+            .values()
+            .filter(|s| s.node == node && s.status == StepStatus::Succeeded)
+            .max_by_key(|s| iteration(&s.step_id))?;
+        match part {
+            "args" => Some(step.args.clone()),
+            _ => step.output.clone(),
+        }
+    };
+    j::render(template, &|reference| match reference {
+        Reference::Input(path) => j::at_path(&run.input, path).cloned(),
+        Reference::Step { node, part, path } => {
+            latest_output(node, part).and_then(|v| j::at_path(&v, path).cloned())
+        }
+        Reference::Compensated { part, path } => {
+            let step = compensated?;
+            let whole = if *part == "args" {
+                Some(step.args.clone())
+            } else {
+                step.output.clone()
+            };
+            whole.and_then(|v| j::at_path(&v, path).cloned())
+        }
+    })
+}
+
+fn final_output(graph: &Graph, states: &BTreeMap<&str, NodeState>) -> Value {
+    let mut out = serde_json::Map::new();
+    for (node, state) in states {
+        if let NodeState::Done(output) = state {
+            if graph.outgoing(node).next().is_none() {
+                out.insert((*node).to_owned(), output.clone());
+            }
+        }
+    }
+    Value::Object(out)
+}
+
+/// A forward step failed for good: wind down (compensations) or fail at once.
+pub(crate) fn begin_failure(ctx: &mut Ctx<'_>, reason: String) {
+    let Some(graph) = ctx.graph() else { return };
+    if needs_wind_down(ctx.run(), graph) {
+        ctx.set_status(RunStatus::Compensating, Some(reason), None);
+        wind_down(ctx, graph);
+    } else {
+        ctx.set_status(RunStatus::Failed, Some(reason), None);
+    }
+}
+
+fn needs_wind_down(run: &RunState, graph: &Graph) -> bool {
+    run.steps
+        .values()
+        .any(|s| s.status.is_in_flight() || s.status == StepStatus::NeedsOperator)
+        || next_compensation(run, graph).is_some()
+}
+
+/// The next completed step to compensate (latest first), and its compensation step if one
+/// was already dispatched.
+fn next_compensation<'r>(run: &'r RunState, graph: &Graph) -> Option<(&'r Step, Option<&'r Step>)> {
+    for step_id in run.completed.iter().rev() {
+        let Some(step) = run.steps.get(step_id) else {
+            continue;
+        };
+        if matches!(step.role, StepRole::Compensation { .. }) {
+            continue;
+        }
+        let Some(node) = graph.node(&step.node) else {
+            continue;
+        };
+        if node.compensate_with.is_none() {
+            continue;
+        }
+        let role = StepRole::Compensation {
+            of: step.step_id.clone(),
+        };
+        let compensation = run.steps.values().find(|s| s.role == role);
+        if compensation.is_some_and(|c| c.status == StepStatus::Succeeded) {
+            continue;
+        }
+        return Some((step, compensation));
+    }
+    None
+}
+
+/// Cancelling or failing: wait for in-flight outcomes, then compensate completed steps one
+/// at a time in reverse order of completion, then end.
+fn wind_down(ctx: &mut Ctx<'_>, graph: &Graph) {
+    let run = ctx.run();
+    let Some(ending) = run.ending.clone() else {
+        return;
+    };
+    let forward_busy = run.steps.values().any(|s| {
+        !matches!(s.role, StepRole::Compensation { .. })
+            && (s.status.is_in_flight() || s.status == StepStatus::NeedsOperator)
+    });
+    if forward_busy {
+        return; // in-flight outcomes are recorded first: cancel is not undo
+    }
+    let compensated = run
+        .steps
+        .values()
+        .filter(|s| {
+            matches!(s.role, StepRole::Compensation { .. }) && s.status == StepStatus::Succeeded
+        })
+        .count();
+    match next_compensation(run, graph) {
+        Some((step, None)) => {
+            let Some(node) = graph.node(&step.node) else {
+                return;
+            };
+            let Some(target) = node.compensate_with.as_ref().and_then(|c| graph.node(c)) else {
+                return;
+            };
+            let args = render(run, target, Some(step), &target.args);
+            let step_id = run.next_step_id(&target.id);
+            let role = StepRole::Compensation {
+                of: step.step_id.clone(),
+            };
+            if run.status == RunStatus::Cancelling || run.status == RunStatus::Compensating {
+                ctx.propose(target, step_id, args, role);
+            }
+        }
+        Some((step, Some(compensation))) => {
+            if compensation.status == StepStatus::Failed
+                || compensation.status == StepStatus::Abandoned
+            {
+                let reason = format!(
+                    "{}; compensation of {} failed: {} (compensated {compensated} steps before it)",
+                    ending.reason,
+                    step.step_id,
+                    compensation.error.as_deref().unwrap_or("no reason given"),
+                );
+                end(ctx, ending.cancelled, reason);
+            }
+            // otherwise the compensation is in flight, retrying, or awaits an operator
+        }
+        None => {
+            let reason = if compensated > 0 {
+                format!(
+                    "{}; compensation completed ({compensated} steps)",
+                    ending.reason
+                )
+            } else {
+                ending.reason.clone()
+            };
+            end(ctx, ending.cancelled, reason);
+        }
+    }
+}
+
+fn end(ctx: &mut Ctx<'_>, cancelled: bool, reason: String) {
+    let status = if cancelled {
+        RunStatus::Cancelled
+    } else {
+        RunStatus::Failed
+    };
+    ctx.set_status(status, Some(reason), None);
+}

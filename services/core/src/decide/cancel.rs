@@ -1,0 +1,33 @@
+//! CancelRun: stop new dispatches at once; in-flight outcomes are recorded, then
+//! completed steps are compensated in reverse order.
+
+use super::{advance, Ctx};
+use crate::{
+    event::EventBody,
+    input::{Command, CommandBody},
+    status::RunStatus,
+};
+
+pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
+    let CommandBody::CancelRun { reason } = &command.body else {
+        return;
+    };
+    ctx.accept(command);
+    if ctx.run().ending.as_ref().is_some_and(|e| e.cancelled) {
+        return; // already cancelling: nothing more to do
+    }
+    cancel(ctx, command.principal.clone(), reason.clone());
+}
+
+/// Begins cancellation (also used when an approval expires with `on_timeout: cancel`).
+pub(crate) fn cancel(ctx: &mut Ctx<'_>, by: String, reason: Option<String>) {
+    ctx.emit(
+        EventBody::CancelRequested {
+            requested_by: by.clone(),
+            reason: Some(reason.unwrap_or_else(|| format!("cancelled by {by}"))),
+        },
+        None,
+    );
+    ctx.set_status(RunStatus::Cancelling, None, None);
+    advance(ctx);
+}

@@ -1,0 +1,342 @@
+//! Deciding: one input → events (and intents). One handler per input kind, each in its own
+//! file; `advance` is the engine they share, moving a run forward after any change.
+
+mod advance;
+mod cancel;
+mod reconcile;
+mod report;
+mod resume;
+mod start;
+mod timer;
+
+use serde_json::Value;
+
+use crate::{
+    effect::{Effect, Intent, TimerKey},
+    event::{Event, EventBody, StepRole},
+    evolve::evolve,
+    graph::{Graph, Graphs, Node},
+    ids,
+    input::{Command, CommandBody, Input},
+    state::{Answer, RunState},
+    status::RunStatus,
+};
+
+pub(crate) use advance::{advance, begin_failure};
+
+/// What applying one input produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Applied {
+    /// In order: events, intents, timer changes, and the state write (if the run changed).
+    pub effects: Vec<Effect>,
+    /// The run's state after the input (`None`: the run does not exist).
+    pub state: Option<RunState>,
+    /// Why the input changed nothing, when it did not (counted by the reducer).
+    pub ignored: Option<&'static str>,
+}
+
+/// Applies one input to a run: the whole fold. Pure: no I/O, no clock, no randomness.
+pub fn apply(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> Applied {
+    let mut ctx = Ctx::new(state.cloned(), input, graphs);
+    let ignored = match input {
+        Input::Command(command) => {
+            ctx.command_id = Some(command.command_id.clone());
+            command_input(&mut ctx, command);
+            None
+        }
+        Input::StepReport(report) => report::handle(&mut ctx, report).err(),
+        Input::TimerFired { timer, .. } => timer::handle(&mut ctx, timer).err(),
+    };
+    ctx.finish(state, ignored)
+}
+
+fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
+    if let Some(run) = &ctx.state {
+        if let Some(answer) = run.commands.get(&command.command_id).cloned() {
+            // A duplicate: the same answer again, nothing applied twice.
+            match answer {
+                Answer::Accepted => ctx.emit(
+                    EventBody::CommandAccepted {
+                        command_id: command.command_id.clone(),
+                        command: command.body.kind().into(),
+                        duplicate: true,
+                    },
+                    None,
+                ),
+                Answer::Rejected { code, reason } => ctx.reject(command, &code, reason),
+            }
+            return;
+        }
+    }
+    match &command.body {
+        CommandBody::StartRun { .. } => start::handle(ctx, command),
+        body => {
+            let Some(run) = &ctx.state else {
+                return ctx.reject(
+                    command,
+                    "unknown_run",
+                    format!("run {} does not exist", command.run_id),
+                );
+            };
+            if run.tenant != command.tenant {
+                // Same answer as for a missing run: a tenant never learns of another's runs.
+                return ctx.reject(
+                    command,
+                    "unknown_run",
+                    format!("run {} does not exist", command.run_id),
+                );
+            }
+            if run.status.is_terminal() {
+                let reason = format!("run is {}", run.status.as_str());
+                return ctx.reject(command, "bad_state", reason);
+            }
+            match body {
+                CommandBody::ResumeRun { .. } => resume::handle(ctx, command),
+                CommandBody::CancelRun { .. } => cancel::handle(ctx, command),
+                CommandBody::ReconcileOperation { .. } => reconcile::handle(ctx, command),
+                CommandBody::StartRun { .. } => unreachable!("handled above"),
+            }
+        }
+    }
+}
+
+/// The working set of one `apply`: the evolving state and what has been decided so far.
+pub(crate) struct Ctx<'g> {
+    pub state: Option<RunState>,
+    pub graphs: &'g Graphs,
+    pub at: i64,
+    pub tenant: String,
+    pub run_id: String,
+    pub command_id: Option<String>,
+    version: i64,
+    events: Vec<Event>,
+    intents: Vec<Intent>,
+}
+
+impl<'g> Ctx<'g> {
+    fn new(state: Option<RunState>, input: &Input, graphs: &'g Graphs) -> Self {
+        let tenant = match (&state, input) {
+            (Some(run), _) => run.tenant.clone(),
+            (None, Input::Command(c)) => c.tenant.clone(),
+            (None, Input::StepReport(r)) => r.tenant.clone(),
+            (None, Input::TimerFired { .. }) => String::new(),
+        };
+        let version = state.as_ref().map_or(0, |s| s.version) + 1;
+        Self {
+            state,
+            graphs,
+            at: input.at(),
+            tenant,
+            run_id: input.run_id().to_owned(),
+            command_id: None,
+            version,
+            events: Vec::new(),
+            intents: Vec::new(),
+        }
+    }
+
+    pub fn run(&self) -> &RunState {
+        self.state
+            .as_ref()
+            .expect("a handler only asks for the run after checking it exists")
+    }
+
+    /// The graph version the run pinned.
+    pub fn graph(&self) -> Option<&'g Graph> {
+        let run = self.state.as_ref()?;
+        self.graphs.get(&run.graph_id, Some(run.graph_version))
+    }
+
+    /// Appends an event to the history and folds it into the working state at once, so
+    /// later decisions of the same input see it.
+    pub fn emit(&mut self, body: EventBody, operation_id: Option<String>) {
+        let exists = self.state.is_some() || matches!(body, EventBody::RunStarted { .. });
+        let (seq, prev_hash) = match &self.state {
+            Some(run) => (run.last_event_seq + 1, run.last_hash.clone()),
+            None if exists => (1, None),
+            None => (0, None),
+        };
+        let mut event = Event {
+            tenant: self.tenant.clone(),
+            run_id: self.run_id.clone(),
+            seq,
+            state_version: if exists { self.version } else { 0 },
+            at: self.at,
+            command_id: self.command_id.clone(),
+            operation_id,
+            prev_hash,
+            hash: None,
+            body,
+        };
+        if exists {
+            event.hash = Some(event.compute_hash());
+            self.state = evolve(self.state.take(), &event);
+        }
+        self.events.push(event);
+    }
+
+    pub fn accept(&mut self, command: &Command) {
+        self.emit(
+            EventBody::CommandAccepted {
+                command_id: command.command_id.clone(),
+                command: command.body.kind().into(),
+                duplicate: false,
+            },
+            None,
+        );
+    }
+
+    pub fn reject(&mut self, command: &Command, code: &str, reason: String) {
+        self.emit(
+            EventBody::CommandRejected {
+                command_id: command.command_id.clone(),
+                command: command.body.kind().into(),
+                code: code.into(),
+                reason,
+            },
+            None,
+        );
+    }
+
+    pub fn set_status(&mut self, status: RunStatus, reason: Option<String>, output: Option<Value>) {
+        let current = self.run().status;
+        if current == status {
+            return;
+        }
+        debug_assert!(
+            current.can_become(status),
+            "illegal transition {current:?} -> {status:?}"
+        );
+        if !current.can_become(status) {
+            return;
+        }
+        self.emit(
+            EventBody::RunStatusChanged {
+                status,
+                reason,
+                output,
+            },
+            None,
+        );
+    }
+
+    /// Either asks for approval (the node has `interrupt_before`) or dispatches attempt 1.
+    pub fn propose(&mut self, node: &Node, step_id: String, args: Value, role: StepRole) {
+        match (&node.interrupt_before, &role) {
+            (Some(approval), role) if !matches!(role, StepRole::Compensation { .. }) => {
+                let proposal = serde_json::json!({
+                    "node": node.id,
+                    "step_id": step_id,
+                    "tool": node.tool,
+                    "args": args,
+                });
+                let proposal_hash = ids::proposal_hash(&proposal);
+                let interrupt_id = ids::interrupt_id(&self.run_id, &step_id, &proposal_hash);
+                self.emit(
+                    EventBody::Interrupted {
+                        interrupt_id,
+                        step_id,
+                        node: node.id.clone(),
+                        proposal,
+                        proposal_hash,
+                        reason: approval.reason.clone(),
+                        required_role: approval.required_role.clone(),
+                        approver_group: approval.approver_group.clone(),
+                        quorum: approval.quorum,
+                        expires_at: Some(self.at + approval.timeout.0),
+                        role: role.clone(),
+                    },
+                    None,
+                );
+            }
+            _ => self.dispatch(node, step_id, 1, args, role),
+        }
+    }
+
+    /// Dispatches one attempt of a step: the event and the intent.
+    pub fn dispatch(
+        &mut self,
+        node: &Node,
+        step_id: String,
+        attempt: u32,
+        args: Value,
+        role: StepRole,
+    ) {
+        let Some(graph) = self.graph() else { return };
+        let operation_id =
+            ids::operation_id(&self.tenant, &self.run_id, &step_id, &node.tool, &args);
+        let timeout_at = node.timeout.map(|t| self.at + t.0);
+        self.intents.push(Intent {
+            operation_id: operation_id.clone(),
+            attempt,
+            tenant: self.tenant.clone(),
+            run_id: self.run_id.clone(),
+            step_id: step_id.clone(),
+            node: node.id.clone(),
+            graph_id: graph.id.clone(),
+            graph_version: graph.version,
+            tool: node.tool.clone(),
+            queue: node.queue.clone(),
+            side_effect: node.side_effect,
+            args: args.clone(),
+            config: node.config.clone(),
+            timeout_ms: node.timeout.map(|t| t.0),
+            issued_at: self.at,
+        });
+        self.emit(
+            EventBody::StepDispatched {
+                step_id,
+                node: node.id.clone(),
+                attempt,
+                tool: node.tool.clone(),
+                queue: node.queue.clone(),
+                side_effect: node.side_effect,
+                args,
+                role,
+                timeout_at,
+            },
+            Some(operation_id),
+        );
+    }
+
+    fn finish(self, before: Option<&RunState>, ignored: Option<&'static str>) -> Applied {
+        let mut effects: Vec<Effect> = self.events.into_iter().map(Effect::Emit).collect();
+        effects.extend(self.intents.into_iter().map(Effect::Dispatch));
+        let changed = self.state.as_ref() != before;
+        if let (Some(after), true) = (&self.state, changed) {
+            let old = before.map(|b| &b.timers);
+            for (key, due) in &after.timers {
+                if old.and_then(|t| t.get(key)) != Some(due) {
+                    if let Some(timer) = TimerKey::decode(key) {
+                        effects.push(Effect::ArmTimer {
+                            run_id: after.run_id.clone(),
+                            timer,
+                            due_at: *due,
+                        });
+                    }
+                }
+            }
+            for key in old.into_iter().flat_map(|t| t.keys()) {
+                if !after.timers.contains_key(key) {
+                    if let Some(timer) = TimerKey::decode(key) {
+                        effects.push(Effect::DisarmTimer {
+                            run_id: after.run_id.clone(),
+                            timer,
+                        });
+                    }
+                }
+            }
+            effects.push(Effect::WriteState(Box::new(after.clone())));
+        }
+        let ignored = if effects.is_empty() {
+            ignored.or(Some("no change"))
+        } else {
+            None
+        };
+        Applied {
+            effects,
+            state: self.state,
+            ignored,
+        }
+    }
+}

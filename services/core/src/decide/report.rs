@@ -1,0 +1,127 @@
+//! Executor reports. Executors never touch run state: they report an attempt's outcome
+//! and the fold decides. Reports for unknown operations, stale attempts or settled steps
+//! change nothing (the reducer counts them).
+
+use super::{advance, Ctx};
+use crate::{
+    event::EventBody,
+    input::{StepOutcome, StepReport},
+    state::{Step, StepStatus},
+};
+
+pub(crate) fn handle(ctx: &mut Ctx<'_>, report: &StepReport) -> Result<(), &'static str> {
+    let Some(run) = &ctx.state else {
+        return Err("unknown run");
+    };
+    if run.status.is_terminal() {
+        return Err("run already ended");
+    }
+    let Some(step) = run.step_by_operation(&report.operation_id).cloned() else {
+        return Err("unknown operation");
+    };
+    if report.attempt != step.attempt {
+        return Err("stale attempt");
+    }
+    if !step.status.is_in_flight() {
+        return Err("step already settled");
+    }
+    match &report.outcome {
+        StepOutcome::Started => {
+            if step.status == StepStatus::Started {
+                return Err("already started");
+            }
+            ctx.emit(
+                EventBody::StepStarted {
+                    step_id: step.step_id.clone(),
+                    attempt: step.attempt,
+                },
+                Some(step.operation_id.clone()),
+            );
+            return Ok(());
+        }
+        StepOutcome::Succeeded { output } => ctx.emit(
+            EventBody::StepSucceeded {
+                step_id: step.step_id.clone(),
+                attempt: step.attempt,
+                output: output.clone(),
+            },
+            Some(step.operation_id.clone()),
+        ),
+        StepOutcome::Failed {
+            retryable,
+            code,
+            message,
+            retry_after_ms,
+        } => {
+            let retry_at = retry_time(ctx, &step, *retryable, *retry_after_ms);
+            ctx.emit(
+                EventBody::StepFailed {
+                    step_id: step.step_id.clone(),
+                    attempt: step.attempt,
+                    code: code.clone(),
+                    message: message.clone(),
+                    retryable: *retryable,
+                    retry_at,
+                },
+                Some(step.operation_id.clone()),
+            );
+        }
+        StepOutcome::Unknown { code, message } => {
+            unknown(ctx, &step, format!("{code}: {message}"), false);
+        }
+    }
+    advance(ctx);
+    Ok(())
+}
+
+/// When the next attempt is due, if the policy allows one.
+fn retry_time(
+    ctx: &Ctx<'_>,
+    step: &Step,
+    retryable: bool,
+    retry_after_ms: Option<i64>,
+) -> Option<i64> {
+    if !retryable || ctx.run().ending.is_some() {
+        return None;
+    }
+    let node = ctx.graph()?.node(&step.node)?;
+    if step.attempt >= node.retry.max_attempts {
+        return None;
+    }
+    let backoff = node.retry.backoff(step.attempt, &step.operation_id);
+    Some(ctx.at + backoff.max(retry_after_ms.unwrap_or(0)))
+}
+
+/// An attempt's outcome is unknown. Classes whose receiver tolerates a repeat (or, for
+/// `reconcilable`, is asked first) get a new attempt of the same operation; `unsafe` —
+/// and any class whose attempts are spent, or a run that is winding down — waits for an
+/// operator. For `reconcilable`, an `unknown` *report* means the executor already asked
+/// the receiver and still does not know: an operator decides.
+pub(crate) fn unknown(ctx: &mut Ctx<'_>, step: &Step, message: String, timed_out: bool) {
+    let node = ctx.graph().and_then(|g| g.node(&step.node));
+    let class_retries = step.side_effect.retries_unknown()
+        && (timed_out || step.side_effect != crate::graph::SideEffect::Reconcilable);
+    let may_retry = class_retries
+        && ctx.run().ending.is_none()
+        && node.is_some_and(|n| step.attempt < n.retry.max_attempts);
+    ctx.emit(
+        EventBody::StepOutcomeUnknown {
+            step_id: step.step_id.clone(),
+            attempt: step.attempt,
+            message,
+            needs_operator: !may_retry,
+        },
+        Some(step.operation_id.clone()),
+    );
+    if may_retry {
+        if let Some(node) = node {
+            ctx.dispatch(
+                node,
+                step.step_id.clone(),
+                step.attempt + 1,
+                step.args.clone(),
+                step.role.clone(),
+            );
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! ResumeRun: a human decision on an interrupt, bound to the exact proposal.
+
+use super::{advance, begin_failure, Ctx};
+use crate::{
+    event::EventBody,
+    graph::OnReject,
+    input::{Command, CommandBody},
+    state::InterruptStatus,
+};
+
+pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
+    let CommandBody::ResumeRun {
+        interrupt_id,
+        proposal_hash,
+        approve,
+        payload,
+        comment,
+    } = &command.body
+    else {
+        return;
+    };
+    let Some(interrupt) = ctx.run().interrupts.get(interrupt_id).cloned() else {
+        return ctx.reject(
+            command,
+            "unknown_interrupt",
+            format!("interrupt {interrupt_id} is not pending on this run"),
+        );
+    };
+    match interrupt.status {
+        InterruptStatus::Open => {}
+        InterruptStatus::Expired => {
+            return ctx.reject(
+                command,
+                "expired",
+                format!("interrupt {interrupt_id} expired"),
+            );
+        }
+        InterruptStatus::Superseded => {
+            return ctx.reject(
+                command,
+                "stale_proposal",
+                format!("interrupt {interrupt_id} was superseded by a newer proposal"),
+            );
+        }
+        InterruptStatus::Approved | InterruptStatus::Rejected => {
+            return ctx.reject(
+                command,
+                "already_decided",
+                format!("interrupt {interrupt_id} is already decided"),
+            );
+        }
+    }
+    if &interrupt.proposal_hash != proposal_hash {
+        return ctx.reject(
+            command,
+            "stale_proposal",
+            format!(
+                "the decision names proposal {proposal_hash}, but the pending proposal is {}",
+                interrupt.proposal_hash
+            ),
+        );
+    }
+    if interrupt.expires_at.is_some_and(|due| ctx.at >= due) {
+        return ctx.reject(
+            command,
+            "expired",
+            format!("interrupt {interrupt_id} expired"),
+        );
+    }
+    if let Some(role) = &interrupt.required_role {
+        if !command.roles.iter().any(|r| r == role) {
+            return ctx.reject(
+                command,
+                "forbidden",
+                format!("deciding needs role {role:?}"),
+            );
+        }
+    }
+    if *approve && interrupt.approvals.iter().any(|p| p == &command.principal) {
+        return ctx.reject(
+            command,
+            "duplicate_approver",
+            format!("{} already approved", command.principal),
+        );
+    }
+    let Some(graph) = ctx.graph() else { return };
+    let Some(node) = graph.node(&interrupt.node) else {
+        return;
+    };
+
+    ctx.accept(command);
+    let is_final = !*approve || interrupt.approvals.len() as u32 + 1 >= interrupt.quorum;
+    let edited = payload
+        .as_ref()
+        .filter(|p| Some(*p) != interrupt.proposal.get("args"));
+    ctx.emit(
+        EventBody::InterruptDecided {
+            interrupt_id: interrupt_id.clone(),
+            proposal_hash: proposal_hash.clone(),
+            approve: *approve,
+            decided_by: command.principal.clone(),
+            payload: payload.clone(),
+            comment: comment.clone(),
+            is_final,
+        },
+        None,
+    );
+    if !*approve {
+        match &node.on_reject {
+            OnReject::Fail => {
+                begin_failure(ctx, format!("approval rejected by {}", command.principal))
+            }
+            OnReject::Goto(_) => advance(ctx),
+        }
+        return;
+    }
+    if !is_final {
+        return; // waiting for the rest of the quorum
+    }
+    let allow_edits = node
+        .interrupt_before
+        .as_ref()
+        .is_some_and(|a| a.allow_edits);
+    match edited {
+        // An edited call is a new proposal and needs its own approval.
+        Some(args) if !allow_edits => ctx.propose(
+            node,
+            interrupt.step_id.clone(),
+            args.clone(),
+            interrupt.role.clone(),
+        ),
+        Some(args) => ctx.dispatch(
+            node,
+            interrupt.step_id.clone(),
+            1,
+            args.clone(),
+            interrupt.role.clone(),
+        ),
+        None => {
+            let args = interrupt.proposal.get("args").cloned().unwrap_or_default();
+            ctx.dispatch(
+                node,
+                interrupt.step_id.clone(),
+                1,
+                args,
+                interrupt.role.clone(),
+            );
+        }
+    }
+    advance(ctx);
+}

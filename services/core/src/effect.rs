@@ -1,0 +1,123 @@
+//! What the fold asks its driver to do, as data.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{event::Event, graph::SideEffect, state::RunState};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Effect {
+    /// Append to the run's history (`sortie.run-events`).
+    Emit(Event),
+    /// Publish an intent to `sortie.intents.<queue>`.
+    Dispatch(Intent),
+    /// Index a timer by due time (the timer itself lives in the run state).
+    ArmTimer {
+        run_id: String,
+        timer: TimerKey,
+        due_at: i64,
+    },
+    /// Forget a timer.
+    DisarmTimer { run_id: String, timer: TimerKey },
+    /// Write the run's new state (`sortie.run-state`).
+    WriteState(Box<RunState>),
+}
+
+/// "Perform operation X, attempt N."
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Intent {
+    pub operation_id: String,
+    pub attempt: u32,
+    pub tenant: String,
+    pub run_id: String,
+    pub step_id: String,
+    pub node: String,
+    pub graph_id: String,
+    pub graph_version: u32,
+    pub tool: String,
+    pub queue: String,
+    pub side_effect: SideEffect,
+    pub args: Value,
+    pub config: Value,
+    pub timeout_ms: Option<i64>,
+    pub issued_at: i64,
+}
+
+/// A timer's identity inside its run.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum TimerKey {
+    /// The attempt of the step has not reported in time.
+    StepTimeout { step_id: String, attempt: u32 },
+    /// The next attempt of the step is due.
+    Retry { step_id: String, attempt: u32 },
+    /// The interrupt's decision window closes.
+    ApprovalExpiry { interrupt_id: String, round: u32 },
+    /// The run's wall-clock cap.
+    RunDeadline,
+}
+
+impl TimerKey {
+    /// A stable string form, used as a sled key suffix.
+    pub fn encode(&self) -> String {
+        match self {
+            TimerKey::StepTimeout { step_id, attempt } => format!("timeout/{step_id}/{attempt}"),
+            TimerKey::Retry { step_id, attempt } => format!("retry/{step_id}/{attempt}"),
+            TimerKey::ApprovalExpiry {
+                interrupt_id,
+                round,
+            } => format!("expiry/{interrupt_id}/{round}"),
+            TimerKey::RunDeadline => "deadline".to_owned(),
+        }
+    }
+
+    pub fn decode(text: &str) -> Option<TimerKey> {
+        let mut parts = text.splitn(3, '/');
+        let kind = parts.next()?;
+        if kind == "deadline" {
+            return Some(TimerKey::RunDeadline);
+        }
+        let id = parts.next()?.to_owned();
+        let n: u32 = parts.next()?.parse().ok()?;
+        Some(match kind {
+            "timeout" => TimerKey::StepTimeout {
+                step_id: id,
+                attempt: n,
+            },
+            "retry" => TimerKey::Retry {
+                step_id: id,
+                attempt: n,
+            },
+            "expiry" => TimerKey::ApprovalExpiry {
+                interrupt_id: id,
+                round: n,
+            },
+            _ => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TimerKey;
+
+    #[test]
+    fn timer_keys_round_trip() {
+        for key in [
+            TimerKey::StepTimeout {
+                step_id: "a#1".into(),
+                attempt: 2,
+            },
+            TimerKey::Retry {
+                step_id: "b#3".into(),
+                attempt: 1,
+            },
+            TimerKey::ApprovalExpiry {
+                interrupt_id: "int_x".into(),
+                round: 0,
+            },
+            TimerKey::RunDeadline,
+        ] {
+            assert_eq!(TimerKey::decode(&key.encode()), Some(key));
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! A run's history. Every state change is an event; [`crate::evolve`] folds them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{graph::SideEffect, json, status::RunStatus};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub tenant: String,
+    pub run_id: String,
+    /// 1-based, gap-free per run. 0 for the answer to a command about a run that does not exist.
+    pub seq: i64,
+    /// The state version this event belongs to (one version per applied input).
+    pub state_version: i64,
+    pub at: i64,
+    pub command_id: Option<String>,
+    pub operation_id: Option<String>,
+    pub prev_hash: Option<String>,
+    pub hash: Option<String>,
+    pub body: EventBody,
+}
+
+impl Event {
+    /// The hash chaining this event to the previous one: SHA-256 over the previous hash and
+    /// the canonical JSON of everything else in the event.
+    pub fn compute_hash(&self) -> String {
+        let content = serde_json::json!({
+            "tenant": self.tenant,
+            "run_id": self.run_id,
+            "seq": self.seq,
+            "state_version": self.state_version,
+            "at": self.at,
+            "command_id": self.command_id,
+            "operation_id": self.operation_id,
+            "body": self.body,
+        });
+        json::sha256_hex(&[
+            self.prev_hash.as_deref().unwrap_or(""),
+            &json::canonical(&content),
+        ])
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum EventBody {
+    CommandAccepted {
+        command_id: String,
+        command: String,
+        duplicate: bool,
+    },
+    CommandRejected {
+        command_id: String,
+        command: String,
+        code: String,
+        reason: String,
+    },
+    RunStarted {
+        graph_id: String,
+        graph_version: u32,
+        input: Value,
+        started_by: String,
+        labels: BTreeMap<String, String>,
+        deadline_at: Option<i64>,
+    },
+    StepDispatched {
+        step_id: String,
+        node: String,
+        attempt: u32,
+        tool: String,
+        queue: String,
+        side_effect: SideEffect,
+        args: Value,
+        role: StepRole,
+        timeout_at: Option<i64>,
+    },
+    StepStarted {
+        step_id: String,
+        attempt: u32,
+    },
+    StepSucceeded {
+        step_id: String,
+        attempt: u32,
+        output: Value,
+    },
+    StepFailed {
+        step_id: String,
+        attempt: u32,
+        code: String,
+        message: String,
+        retryable: bool,
+        retry_at: Option<i64>,
+    },
+    StepOutcomeUnknown {
+        step_id: String,
+        attempt: u32,
+        message: String,
+        needs_operator: bool,
+    },
+    OperationReconciled {
+        step_id: String,
+        succeeded: bool,
+        output: Option<Value>,
+        error: Option<String>,
+        by: String,
+    },
+    Interrupted {
+        interrupt_id: String,
+        step_id: String,
+        node: String,
+        proposal: Value,
+        proposal_hash: String,
+        reason: String,
+        required_role: Option<String>,
+        approver_group: Option<String>,
+        quorum: u32,
+        expires_at: Option<i64>,
+        role: StepRole,
+    },
+    InterruptDecided {
+        interrupt_id: String,
+        proposal_hash: String,
+        approve: bool,
+        decided_by: String,
+        payload: Option<Value>,
+        comment: Option<String>,
+        is_final: bool,
+    },
+    InterruptEscalated {
+        interrupt_id: String,
+        approver_group: String,
+        expires_at: i64,
+    },
+    InterruptExpired {
+        interrupt_id: String,
+        on_timeout: String,
+    },
+    CancelRequested {
+        requested_by: String,
+        reason: Option<String>,
+    },
+    RunStatusChanged {
+        status: RunStatus,
+        reason: Option<String>,
+        output: Option<Value>,
+    },
+}
+
+/// Why a step exists.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StepRole {
+    /// A node of the graph, reached by its edges.
+    Node,
+    /// Asked for by an agent step's `next_steps`.
+    Requested { by: String },
+    /// Undoes a completed step.
+    Compensation { of: String },
+    /// Runs in place of a node whose approval was rejected (`on_reject: goto`).
+    Substitute { for_node: String },
+}
+
+impl EventBody {
+    pub fn name(&self) -> &'static str {
+        match self {
+            EventBody::CommandAccepted { .. } => "CommandAccepted",
+            EventBody::CommandRejected { .. } => "CommandRejected",
+            EventBody::RunStarted { .. } => "RunStarted",
+            EventBody::StepDispatched { .. } => "StepDispatched",
+            EventBody::StepStarted { .. } => "StepStarted",
+            EventBody::StepSucceeded { .. } => "StepSucceeded",
+            EventBody::StepFailed { .. } => "StepFailed",
+            EventBody::StepOutcomeUnknown { .. } => "StepOutcomeUnknown",
+            EventBody::OperationReconciled { .. } => "OperationReconciled",
+            EventBody::Interrupted { .. } => "Interrupted",
+            EventBody::InterruptDecided { .. } => "InterruptDecided",
+            EventBody::InterruptEscalated { .. } => "InterruptEscalated",
+            EventBody::InterruptExpired { .. } => "InterruptExpired",
+            EventBody::CancelRequested { .. } => "CancelRequested",
+            EventBody::RunStatusChanged { .. } => "RunStatusChanged",
+        }
+    }
+}

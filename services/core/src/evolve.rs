@@ -1,0 +1,381 @@
+//! Folding one event into a run's state. Pure and total: an event that does not fit the
+//! state (which the fold never emits) changes nothing but the bookkeeping.
+
+use crate::{
+    effect::TimerKey,
+    event::{Event, EventBody},
+    state::{Answer, Ending, Interrupt, InterruptStatus, RunState, Step, StepStatus},
+};
+
+/// Applies `event` to `state`. `None` is a run that does not exist (yet).
+pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
+    let mut state = match (&event.body, state) {
+        (
+            EventBody::RunStarted {
+                graph_id,
+                graph_version,
+                input,
+                started_by,
+                labels,
+                deadline_at,
+            },
+            None,
+        ) => {
+            let mut state = RunState {
+                tenant: event.tenant.clone(),
+                run_id: event.run_id.clone(),
+                graph_id: graph_id.clone(),
+                graph_version: *graph_version,
+                status: crate::RunStatus::Running,
+                version: 0,
+                last_event_seq: 0,
+                last_hash: None,
+                created_at: event.at,
+                updated_at: event.at,
+                started_by: started_by.clone(),
+                labels: labels.clone(),
+                input: input.clone(),
+                deadline_at: *deadline_at,
+                steps: Default::default(),
+                completed: Vec::new(),
+                interrupts: Default::default(),
+                timers: Default::default(),
+                commands: Default::default(),
+                ending: None,
+                output: None,
+            };
+            if let Some(due) = deadline_at {
+                state.timers.insert(TimerKey::RunDeadline.encode(), *due);
+            }
+            state
+        }
+        (_, None) => return None,
+        (_, Some(state)) => state,
+    };
+    state.version = event.state_version;
+    state.last_event_seq = event.seq;
+    state.last_hash = event.hash.clone();
+    state.updated_at = event.at;
+    apply_body(&mut state, event);
+    Some(state)
+}
+
+fn apply_body(state: &mut RunState, event: &Event) {
+    match &event.body {
+        EventBody::RunStarted { .. } => {}
+        EventBody::CommandAccepted { command_id, .. } => {
+            state
+                .commands
+                .entry(command_id.clone())
+                .or_insert(Answer::Accepted);
+        }
+        EventBody::CommandRejected {
+            command_id,
+            code,
+            reason,
+            ..
+        } => {
+            state
+                .commands
+                .entry(command_id.clone())
+                .or_insert_with(|| Answer::Rejected {
+                    code: code.clone(),
+                    reason: reason.clone(),
+                });
+        }
+        EventBody::StepDispatched {
+            step_id,
+            node,
+            attempt,
+            tool,
+            queue,
+            side_effect,
+            args,
+            role,
+            timeout_at,
+        } => {
+            let operation_id = event.operation_id.clone().unwrap_or_default();
+            let step = state.steps.entry(step_id.clone()).or_insert_with(|| Step {
+                step_id: step_id.clone(),
+                node: node.clone(),
+                operation_id: operation_id.clone(),
+                attempt: *attempt,
+                tool: tool.clone(),
+                queue: queue.clone(),
+                side_effect: *side_effect,
+                args: args.clone(),
+                role: role.clone(),
+                status: StepStatus::InFlight,
+                output: None,
+                error: None,
+            });
+            step.attempt = *attempt;
+            step.status = StepStatus::InFlight;
+            state.timers.remove(
+                &TimerKey::Retry {
+                    step_id: step_id.clone(),
+                    attempt: attempt.saturating_sub(1),
+                }
+                .encode(),
+            );
+            clear_step_timeouts(state, step_id);
+            if let Some(due) = timeout_at {
+                state.timers.insert(
+                    TimerKey::StepTimeout {
+                        step_id: step_id.clone(),
+                        attempt: *attempt,
+                    }
+                    .encode(),
+                    *due,
+                );
+            }
+        }
+        EventBody::StepStarted { step_id, .. } => {
+            if let Some(step) = state.steps.get_mut(step_id) {
+                step.status = StepStatus::Started;
+            }
+        }
+        EventBody::StepSucceeded {
+            step_id, output, ..
+        } => {
+            succeed(state, step_id, output.clone());
+        }
+        EventBody::StepFailed {
+            step_id,
+            attempt,
+            code,
+            message,
+            retry_at,
+            ..
+        } => {
+            clear_step_timeouts(state, step_id);
+            if let Some(step) = state.steps.get_mut(step_id) {
+                step.error = Some(format!("{code}: {message}"));
+                step.status = if retry_at.is_some() {
+                    StepStatus::WaitingRetry
+                } else {
+                    StepStatus::Failed
+                };
+            }
+            if let Some(due) = retry_at {
+                state.timers.insert(
+                    TimerKey::Retry {
+                        step_id: step_id.clone(),
+                        attempt: *attempt,
+                    }
+                    .encode(),
+                    *due,
+                );
+            }
+        }
+        EventBody::StepOutcomeUnknown {
+            step_id,
+            message,
+            needs_operator,
+            ..
+        } => {
+            clear_step_timeouts(state, step_id);
+            if let Some(step) = state.steps.get_mut(step_id) {
+                step.error = Some(format!("outcome unknown: {message}"));
+                if *needs_operator {
+                    step.status = StepStatus::NeedsOperator;
+                }
+            }
+        }
+        EventBody::OperationReconciled {
+            step_id,
+            succeeded,
+            output,
+            error,
+            ..
+        } => {
+            clear_step_timeouts(state, step_id);
+            if *succeeded {
+                succeed(
+                    state,
+                    step_id,
+                    output.clone().unwrap_or(serde_json::Value::Null),
+                );
+            } else if let Some(step) = state.steps.get_mut(step_id) {
+                step.status = StepStatus::Failed;
+                step.error = Some(error.clone().unwrap_or_else(|| "failed (operator)".into()));
+            }
+        }
+        EventBody::Interrupted {
+            interrupt_id,
+            step_id,
+            node,
+            proposal,
+            proposal_hash,
+            reason,
+            required_role,
+            approver_group,
+            quorum,
+            expires_at,
+            role,
+        } => {
+            // A new proposal for the same step supersedes any earlier one (an edited payload).
+            for earlier in state.interrupts.values_mut() {
+                if &earlier.step_id == step_id
+                    && matches!(
+                        earlier.status,
+                        InterruptStatus::Open | InterruptStatus::Approved
+                    )
+                {
+                    earlier.status = InterruptStatus::Superseded;
+                }
+            }
+            state.interrupts.insert(
+                interrupt_id.clone(),
+                Interrupt {
+                    interrupt_id: interrupt_id.clone(),
+                    step_id: step_id.clone(),
+                    node: node.clone(),
+                    role: role.clone(),
+                    proposal: proposal.clone(),
+                    proposal_hash: proposal_hash.clone(),
+                    reason: reason.clone(),
+                    required_role: required_role.clone(),
+                    approver_group: approver_group.clone(),
+                    quorum: *quorum,
+                    expires_at: *expires_at,
+                    round: 0,
+                    approvals: Vec::new(),
+                    status: InterruptStatus::Open,
+                },
+            );
+            if let Some(due) = expires_at {
+                state.timers.insert(
+                    TimerKey::ApprovalExpiry {
+                        interrupt_id: interrupt_id.clone(),
+                        round: 0,
+                    }
+                    .encode(),
+                    *due,
+                );
+            }
+        }
+        EventBody::InterruptDecided {
+            interrupt_id,
+            approve,
+            decided_by,
+            is_final,
+            ..
+        } => {
+            if let Some(interrupt) = state.interrupts.get_mut(interrupt_id) {
+                if *approve {
+                    interrupt.approvals.push(decided_by.clone());
+                }
+                if *is_final {
+                    interrupt.status = if *approve {
+                        InterruptStatus::Approved
+                    } else {
+                        InterruptStatus::Rejected
+                    };
+                    let round = interrupt.round;
+                    state.timers.remove(
+                        &TimerKey::ApprovalExpiry {
+                            interrupt_id: interrupt_id.clone(),
+                            round,
+                        }
+                        .encode(),
+                    );
+                }
+            }
+        }
+        EventBody::InterruptEscalated {
+            interrupt_id,
+            approver_group,
+            expires_at,
+        } => {
+            if let Some(interrupt) = state.interrupts.get_mut(interrupt_id) {
+                state.timers.remove(
+                    &TimerKey::ApprovalExpiry {
+                        interrupt_id: interrupt_id.clone(),
+                        round: interrupt.round,
+                    }
+                    .encode(),
+                );
+                interrupt.round += 1;
+                interrupt.approver_group = Some(approver_group.clone());
+                interrupt.expires_at = Some(*expires_at);
+                state.timers.insert(
+                    TimerKey::ApprovalExpiry {
+                        interrupt_id: interrupt_id.clone(),
+                        round: interrupt.round,
+                    }
+                    .encode(),
+                    *expires_at,
+                );
+            }
+        }
+        EventBody::InterruptExpired { interrupt_id, .. } => {
+            if let Some(interrupt) = state.interrupts.get_mut(interrupt_id) {
+                interrupt.status = InterruptStatus::Expired;
+                let key = TimerKey::ApprovalExpiry {
+                    interrupt_id: interrupt_id.clone(),
+                    round: interrupt.round,
+                };
+                state.timers.remove(&key.encode());
+            }
+        }
+        EventBody::CancelRequested { reason, .. } => {
+            state.ending = Some(Ending {
+                cancelled: true,
+                reason: reason.clone().unwrap_or_else(|| "cancelled".into()),
+            });
+            close_open_work(state, InterruptStatus::Superseded);
+        }
+        EventBody::RunStatusChanged {
+            status,
+            reason,
+            output,
+        } => {
+            state.status = *status;
+            if *status == crate::RunStatus::Compensating && state.ending.is_none() {
+                state.ending = Some(Ending {
+                    cancelled: false,
+                    reason: reason.clone().unwrap_or_else(|| "failed".into()),
+                });
+                close_open_work(state, InterruptStatus::Superseded);
+            }
+            if status.is_terminal() {
+                state.output = output.clone();
+                state.timers.clear();
+            }
+        }
+    }
+}
+
+fn succeed(state: &mut RunState, step_id: &str, output: serde_json::Value) {
+    clear_step_timeouts(state, step_id);
+    if let Some(step) = state.steps.get_mut(step_id) {
+        step.status = StepStatus::Succeeded;
+        step.output = Some(output);
+        step.error = None;
+        if !state.completed.iter().any(|s| s == step_id) {
+            state.completed.push(step_id.to_owned());
+        }
+    }
+}
+
+fn clear_step_timeouts(state: &mut RunState, step_id: &str) {
+    let prefix = format!("timeout/{step_id}/");
+    state.timers.retain(|key, _| !key.starts_with(&prefix));
+}
+
+/// When a run starts winding down: open approvals close, pending retries are abandoned,
+/// and their timers go. In-flight attempts stay: their real outcomes will be recorded.
+fn close_open_work(state: &mut RunState, interrupt_status: InterruptStatus) {
+    for interrupt in state.interrupts.values_mut() {
+        if interrupt.status == InterruptStatus::Open {
+            interrupt.status = interrupt_status;
+        }
+    }
+    for step in state.steps.values_mut() {
+        if step.status == StepStatus::WaitingRetry {
+            step.status = StepStatus::Abandoned;
+        }
+    }
+    state.timers.retain(|key, _| key.starts_with("timeout/"));
+}

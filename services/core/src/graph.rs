@@ -1,0 +1,735 @@
+//! Mission graphs: versioned, immutable definitions of nodes, edges and policies.
+//!
+//! A graph is a DAG of nodes. Edges are sequential, conditional on a field of the source
+//! node's output, or parallel (several edges leaving one node); a node with several
+//! incoming edges joins them: it runs once every incoming edge is decided and at least one
+//! was taken (dead-path elimination skips nodes whose every incoming edge was not taken).
+//! Loops are not edges: an agent node asks for further steps in its output
+//! (`next_steps`), bounded by the graph's `max_steps`. Detached nodes (no edges) serve as
+//! compensations or as steps an agent may request.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{duration::Millis, json};
+
+/// What retrying a node's call may mean for its receiver (SPEC §4.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SideEffect {
+    /// No external effect: retry freely.
+    Pure,
+    /// Repeating is harmless: retry with the same operation id.
+    Idempotent,
+    /// The receiver dedupes on the operation id: retry with the same operation id.
+    Keyed,
+    /// The receiver answers "what happened to operation X": ask before retrying.
+    Reconcilable,
+    /// Neither: never retry on an unknown outcome; an operator records it.
+    Unsafe,
+}
+
+impl SideEffect {
+    /// Whether an attempt whose outcome is unknown may simply be tried again.
+    pub fn retries_unknown(self) -> bool {
+        matches!(
+            self,
+            SideEffect::Pure
+                | SideEffect::Idempotent
+                | SideEffect::Keyed
+                | SideEffect::Reconcilable
+        )
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Graph {
+    pub id: String,
+    pub version: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Most steps one run may take, agent-requested ones included.
+    #[serde(default = "default_max_steps")]
+    pub max_steps: u32,
+    /// Wall-clock cap for a run, from its start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_duration: Option<Millis>,
+    pub nodes: Vec<Node>,
+    #[serde(default)]
+    pub edges: Vec<Edge>,
+}
+
+fn default_max_steps() -> u32 {
+    100
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Node {
+    pub id: String,
+    /// Handler the executor runs: `http`, `llm`, `echo`, `sleep` or a user's own.
+    pub tool: String,
+    /// Executor queue (topic `sortie.intents.<queue>`).
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    pub side_effect: SideEffect,
+    /// Argument template: strings `$input.x`, `$steps.<node>.output.x` are replaced.
+    #[serde(default = "empty_object")]
+    pub args: Value,
+    /// Handler configuration (endpoint, model, ...), passed through to the executor.
+    #[serde(default = "empty_object")]
+    pub config: Value,
+    #[serde(default)]
+    pub retry: RetryPolicy,
+    /// Per-attempt timeout; when it passes without a result the outcome is unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<Millis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interrupt_before: Option<Approval>,
+    #[serde(default)]
+    pub on_reject: OnReject,
+    /// A detached node that undoes this one on cancellation or terminal failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensate_with: Option<String>,
+    /// Detached nodes this node may ask for in its output's `next_steps`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub may_request: Vec<String>,
+}
+
+fn default_queue() -> String {
+    "default".to_owned()
+}
+
+fn empty_object() -> Value {
+    Value::Object(serde_json::Map::new())
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub initial_backoff: Millis,
+    pub max_backoff: Millis,
+    pub multiplier: f64,
+    /// Fraction of the backoff added or removed, derived from the operation id (no RNG).
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            initial_backoff: Millis(1_000),
+            max_backoff: Millis(60_000),
+            multiplier: 2.0,
+            jitter: 0.2,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Delay before attempt `attempt + 1`, with deterministic jitter from `seed`.
+    pub fn backoff(&self, attempt: u32, seed: &str) -> i64 {
+        let exponent = attempt.saturating_sub(1).min(30) as i32;
+        let base = (self.initial_backoff.0 as f64) * self.multiplier.powi(exponent);
+        let base = base.min(self.max_backoff.0 as f64);
+        let hash = json::sha256_hex(&[seed, &attempt.to_string()]);
+        let unit =
+            u64::from_str_radix(&hash[..12], 16).unwrap_or(0) as f64 / (0xffff_ffff_ffffu64 as f64);
+        let factor = 1.0 + self.jitter * (2.0 * unit - 1.0);
+        (base * factor).max(0.0).round() as i64
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Approval {
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub required_role: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approver_group: Option<String>,
+    /// How long the approval may wait. Nothing waits forever by default: 7 days.
+    #[serde(default = "default_approval_timeout")]
+    pub timeout: Millis,
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+    /// Approver groups to escalate to, in order, when `on_timeout: escalate`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub escalation: Vec<String>,
+    /// Distinct approvals required.
+    #[serde(default = "one")]
+    pub quorum: u32,
+    /// Whether an approver's edited payload may replace the arguments without a new approval.
+    #[serde(default)]
+    pub allow_edits: bool,
+}
+
+fn default_approval_timeout() -> Millis {
+    Millis(7 * 86_400_000)
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    #[default]
+    Fail,
+    Cancel,
+    Escalate,
+}
+
+impl OnTimeout {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnTimeout::Fail => "fail",
+            OnTimeout::Cancel => "cancel",
+            OnTimeout::Escalate => "escalate",
+        }
+    }
+}
+
+/// `on_reject: fail` or `on_reject: {goto: <node>}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "OnRejectRepr", into = "OnRejectRepr")]
+pub enum OnReject {
+    /// The run fails (compensations run).
+    #[default]
+    Fail,
+    /// Skip the node and continue at another (detached) node instead.
+    Goto(String),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum OnRejectRepr {
+    Word(String),
+    Goto { goto: String },
+}
+
+impl TryFrom<OnRejectRepr> for OnReject {
+    type Error = String;
+
+    fn try_from(repr: OnRejectRepr) -> Result<Self, String> {
+        match repr {
+            OnRejectRepr::Word(word) if word == "fail" => Ok(OnReject::Fail),
+            OnRejectRepr::Word(word) => Err(format!(
+                "on_reject is `fail` or `{{goto: <node>}}`, not {word:?}"
+            )),
+            OnRejectRepr::Goto { goto } => Ok(OnReject::Goto(goto)),
+        }
+    }
+}
+
+impl From<OnReject> for OnRejectRepr {
+    fn from(value: OnReject) -> Self {
+        match value {
+            OnReject::Fail => OnRejectRepr::Word("fail".into()),
+            OnReject::Goto(goto) => OnRejectRepr::Goto { goto },
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Edge {
+    pub from: String,
+    pub to: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub when: Option<Condition>,
+}
+
+/// A test on a field of the source node's output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Condition {
+    /// Dotted path into the output; empty for the whole output.
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub equals: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_equals: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exists: Option<bool>,
+}
+
+impl Condition {
+    pub fn holds(&self, output: &Value) -> bool {
+        let found = json::at_path(output, &self.path);
+        if let Some(expected) = &self.equals {
+            return found == Some(expected);
+        }
+        if let Some(unexpected) = &self.not_equals {
+            return found != Some(unexpected);
+        }
+        let present = found.is_some_and(|v| !v.is_null());
+        present == self.exists.unwrap_or(true)
+    }
+}
+
+/// One problem in a graph, naming the node (when there is one) and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{problem}", node.as_ref().map(|n| format!("node {n:?}: ")).unwrap_or_default())]
+pub struct GraphError {
+    pub node: Option<String>,
+    pub problem: String,
+}
+
+/// A graph was refused; every problem found is listed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid graph: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct InvalidGraph(pub Vec<GraphError>);
+
+impl Graph {
+    /// Parses a graph from YAML or JSON (JSON is YAML) and validates it.
+    pub fn parse(text: &str) -> Result<Graph, InvalidGraph> {
+        let graph: Graph = serde_yaml::from_str(text).map_err(|e| {
+            InvalidGraph(vec![GraphError {
+                node: None,
+                problem: e.to_string(),
+            }])
+        })?;
+        graph.validate()?;
+        Ok(graph)
+    }
+
+    pub fn node(&self, id: &str) -> Option<&Node> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+
+    pub fn key(&self) -> String {
+        format!("{}@{}", self.id, self.version)
+    }
+
+    /// Canonical JSON of the definition (what is published and hashed).
+    pub fn canonical_json(&self) -> String {
+        json::canonical(&serde_json::to_value(self).unwrap_or(Value::Null))
+    }
+
+    pub fn incoming<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Edge> + 'a {
+        self.edges.iter().filter(move |e| e.to == node)
+    }
+
+    pub fn outgoing<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Edge> + 'a {
+        self.edges.iter().filter(move |e| e.from == node)
+    }
+
+    /// Nodes reached only as compensations or agent requests, never by edges.
+    pub fn detached(&self) -> BTreeSet<&str> {
+        self.nodes
+            .iter()
+            .flat_map(|n| n.compensate_with.iter().chain(n.may_request.iter()))
+            .chain(self.nodes.iter().filter_map(|n| match &n.on_reject {
+                OnReject::Goto(target) => Some(target),
+                OnReject::Fail => None,
+            }))
+            .map(String::as_str)
+            .collect()
+    }
+
+    /// Graph nodes in topological order (detached nodes excluded).
+    pub fn topological(&self) -> Vec<&Node> {
+        let detached = self.detached();
+        let mut order = Vec::new();
+        let mut placed = BTreeSet::new();
+        while order.len() < self.nodes.len() - detached.len() {
+            let before = order.len();
+            for node in &self.nodes {
+                if detached.contains(node.id.as_str()) || placed.contains(node.id.as_str()) {
+                    continue;
+                }
+                if self
+                    .incoming(&node.id)
+                    .all(|e| placed.contains(e.from.as_str()))
+                {
+                    placed.insert(node.id.as_str());
+                    order.push(node);
+                }
+            }
+            if order.len() == before {
+                break; // a cycle; validate() refuses such graphs
+            }
+        }
+        order
+    }
+
+    pub fn validate(&self) -> Result<(), InvalidGraph> {
+        let mut problems = Vec::new();
+        let mut problem = |node: Option<&str>, text: String| {
+            problems.push(GraphError {
+                node: node.map(str::to_owned),
+                problem: text,
+            })
+        };
+        let valid_id = |id: &str| {
+            !id.is_empty()
+                && id.len() <= 64
+                && id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        };
+        if !valid_id(&self.id) {
+            problem(
+                None,
+                format!("graph id {:?} must be 1-64 of [A-Za-z0-9_-]", self.id),
+            );
+        }
+        if self.version == 0 {
+            problem(None, "version must be at least 1".into());
+        }
+        if self.nodes.is_empty() {
+            problem(None, "a graph needs at least one node".into());
+        }
+        if self.max_steps == 0 {
+            problem(None, "max_steps must be at least 1".into());
+        }
+        let mut seen = BTreeSet::new();
+        for node in &self.nodes {
+            if !valid_id(&node.id) {
+                problem(Some(&node.id), "id must be 1-64 of [A-Za-z0-9_-]".into());
+            }
+            if !seen.insert(node.id.as_str()) {
+                problem(Some(&node.id), "declared twice".into());
+            }
+        }
+        let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
+        let detached = self.detached();
+        for edge in &self.edges {
+            for end in [&edge.from, &edge.to] {
+                if !exists(end) {
+                    problem(
+                        Some(end),
+                        format!("edge {} -> {} names an unknown node", edge.from, edge.to),
+                    );
+                }
+                if detached.contains(end.as_str()) {
+                    problem(
+                        Some(end),
+                        "is a compensation, on_reject target or requested node, so it may not have edges".into(),
+                    );
+                }
+            }
+            if edge.from == edge.to {
+                problem(
+                    Some(&edge.from),
+                    "has an edge to itself; loops are agent requests (next_steps), not edges"
+                        .into(),
+                );
+            }
+            if let Some(when) = &edge.when {
+                let tests = [
+                    when.equals.is_some(),
+                    when.not_equals.is_some(),
+                    when.exists.is_some(),
+                ];
+                if tests.iter().filter(|t| **t).count() > 1 {
+                    problem(
+                        Some(&edge.from),
+                        format!(
+                            "edge to {}: give one of equals, not_equals, exists",
+                            edge.to
+                        ),
+                    );
+                }
+            }
+        }
+        if self.topological().len() + detached.len() < self.nodes.len() {
+            problem(
+                None,
+                "edges form a cycle; loops are agent requests (next_steps), not edges".into(),
+            );
+        }
+        let ancestors = self.ancestors();
+        for node in &self.nodes {
+            let id = node.id.as_str();
+            if node.tool.trim().is_empty() {
+                problem(Some(id), "tool is empty".into());
+            }
+            if node.queue.is_empty()
+                || !node
+                    .queue
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                problem(
+                    Some(id),
+                    format!("queue {:?} must be of [A-Za-z0-9_-]", node.queue),
+                );
+            }
+            if node.retry.max_attempts == 0 {
+                problem(Some(id), "retry.max_attempts must be at least 1".into());
+            }
+            if node.retry.multiplier < 1.0 || !(0.0..=1.0).contains(&node.retry.jitter) {
+                problem(
+                    Some(id),
+                    "retry.multiplier must be >= 1 and retry.jitter within 0..1".into(),
+                );
+            }
+            if !node.args.is_object() {
+                problem(Some(id), "args must be a JSON object".into());
+            }
+            for target in node.compensate_with.iter() {
+                if !exists(target) {
+                    problem(
+                        Some(id),
+                        format!("compensate_with names unknown node {target:?}"),
+                    );
+                } else if self
+                    .node(target)
+                    .and_then(|n| n.compensate_with.as_ref())
+                    .is_some()
+                {
+                    problem(
+                        Some(id),
+                        format!("compensation {target:?} may not have a compensation of its own"),
+                    );
+                }
+            }
+            for target in &node.may_request {
+                if !exists(target) {
+                    problem(
+                        Some(id),
+                        format!("may_request names unknown node {target:?}"),
+                    );
+                }
+            }
+            if let OnReject::Goto(target) = &node.on_reject {
+                if !exists(target) {
+                    problem(
+                        Some(id),
+                        format!("on_reject goto names unknown node {target:?}"),
+                    );
+                }
+                if node.interrupt_before.is_none() {
+                    problem(Some(id), "on_reject needs interrupt_before".into());
+                }
+            }
+            if let Some(approval) = &node.interrupt_before {
+                if approval.quorum == 0 {
+                    problem(
+                        Some(id),
+                        "interrupt_before.quorum must be at least 1".into(),
+                    );
+                }
+                if approval.on_timeout == OnTimeout::Escalate && approval.escalation.is_empty() {
+                    problem(
+                        Some(id),
+                        "on_timeout escalate needs an escalation list of approver groups".into(),
+                    );
+                }
+                if approval.timeout.0 <= 0 {
+                    problem(Some(id), "interrupt_before.timeout must be positive".into());
+                }
+            }
+            let is_compensation = self
+                .nodes
+                .iter()
+                .any(|n| n.compensate_with.as_deref() == Some(id));
+            for reference in json::references(&node.args) {
+                match reference {
+                    Err(e) => problem(Some(id), format!("args: {e}")),
+                    Ok(json::Reference::Step { node: source, .. }) => {
+                        if !exists(source) {
+                            problem(Some(id), format!("args refer to unknown node {source:?}"));
+                        } else if !detached.contains(id)
+                            && !ancestors.get(id).is_some_and(|a| a.contains(source))
+                        {
+                            problem(
+                                Some(id),
+                                format!(
+                                    "args refer to {source:?}, which does not always run before it"
+                                ),
+                            );
+                        }
+                    }
+                    Ok(json::Reference::Compensated { .. }) if !is_compensation => {
+                        problem(
+                            Some(id),
+                            "args use $compensated but the node compensates nothing".into(),
+                        );
+                    }
+                    Ok(_) => {}
+                }
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(InvalidGraph(problems))
+        }
+    }
+
+    /// For each node, the nodes on every path before it (all predecessors, transitively).
+    fn ancestors(&self) -> BTreeMap<&str, BTreeSet<&str>> {
+        let mut out: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+        for node in self.topological() {
+            let mut set = BTreeSet::new();
+            for edge in self.incoming(&node.id) {
+                set.insert(edge.from.as_str());
+                if let Some(more) = out.get(edge.from.as_str()) {
+                    set.extend(more.iter().copied());
+                }
+            }
+            out.insert(node.id.as_str(), set);
+        }
+        out
+    }
+}
+
+/// Identifies a published graph version.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GraphRef {
+    pub id: String,
+    pub version: u32,
+}
+
+/// The published graphs, as the reducer's global table knows them.
+#[derive(Debug, Clone, Default)]
+pub struct Graphs {
+    by_id: BTreeMap<String, BTreeMap<u32, Graph>>,
+}
+
+impl Graphs {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a published version. Versions are immutable: a second, different definition of
+    /// the same version is refused and the first one stays.
+    pub fn insert(&mut self, graph: Graph) -> Result<(), GraphError> {
+        let versions = self.by_id.entry(graph.id.clone()).or_default();
+        match versions.get(&graph.version) {
+            Some(existing) if existing != &graph => Err(GraphError {
+                node: None,
+                problem: format!(
+                    "{} is already published with another definition",
+                    graph.key()
+                ),
+            }),
+            Some(_) => Ok(()),
+            None => {
+                versions.insert(graph.version, graph);
+                Ok(())
+            }
+        }
+    }
+
+    /// A version, or the latest when `version` is `None`.
+    pub fn get(&self, id: &str, version: Option<u32>) -> Option<&Graph> {
+        let versions = self.by_id.get(id)?;
+        match version {
+            Some(v) => versions.get(&v),
+            None => versions.values().next_back(),
+        }
+    }
+
+    pub fn all(&self) -> impl Iterator<Item = &Graph> {
+        self.by_id.values().flat_map(|v| v.values())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problems(yaml: &str) -> Vec<String> {
+        match Graph::parse(yaml) {
+            Ok(_) => vec![],
+            Err(InvalidGraph(list)) => list.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[test]
+    fn a_valid_graph_parses() {
+        let graph = Graph::parse(
+            r#"
+id: refund
+version: 1
+nodes:
+  - {id: read, tool: echo, side_effect: pure, args: {order: $input.order}}
+  - {id: refund, tool: http, side_effect: keyed, args: {amount: $steps.read.output.total}, compensate_with: reverse}
+  - {id: reverse, tool: http, side_effect: keyed, args: {of: $compensated.output.id}}
+edges:
+  - {from: read, to: refund, when: {path: refundable, equals: true}}
+"#,
+        )
+        .expect("valid");
+        assert_eq!(graph.topological().len(), 2);
+        assert_eq!(
+            graph.detached().into_iter().collect::<Vec<_>>(),
+            vec!["reverse"]
+        );
+    }
+
+    #[test]
+    fn problems_name_the_node() {
+        let found = problems(
+            r#"
+id: g
+version: 1
+nodes:
+  - {id: a, tool: echo, side_effect: pure}
+  - {id: b, tool: echo, side_effect: pure, args: {x: $steps.c.output}}
+  - {id: c, tool: "", side_effect: pure, compensate_with: zzz}
+edges:
+  - {from: a, to: b}
+  - {from: b, to: a}
+  - {from: a, to: ghost}
+"#,
+        );
+        let text = found.join("\n");
+        assert!(
+            text.contains(r#"node "ghost": edge a -> ghost names an unknown node"#),
+            "{text}"
+        );
+        assert!(text.contains("cycle"), "{text}");
+        assert!(text.contains(r#"node "c": tool is empty"#), "{text}");
+        assert!(
+            text.contains(r#"node "c": compensate_with names unknown node "zzz""#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"node "b": args refer to "c", which does not always run before it"#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn missing_side_effect_is_refused() {
+        let found = problems("id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo}\n");
+        assert!(found.iter().any(|p| p.contains("side_effect")), "{found:?}");
+    }
+
+    #[test]
+    fn backoff_grows_is_capped_and_deterministic() {
+        let policy = RetryPolicy::default();
+        let first = policy.backoff(1, "op");
+        assert_eq!(first, policy.backoff(1, "op"));
+        assert!((800..=1200).contains(&first), "{first}");
+        assert!((1600..=2400).contains(&policy.backoff(2, "op")));
+        assert!(policy.backoff(20, "op") <= 72_000);
+    }
+
+    #[test]
+    fn published_versions_are_immutable() {
+        let mut graphs = Graphs::new();
+        let g =
+            Graph::parse("id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure}\n")
+                .expect("valid");
+        graphs.insert(g.clone()).expect("first");
+        graphs.insert(g.clone()).expect("same again");
+        let mut changed = g;
+        changed.nodes[0].tool = "http".into();
+        assert!(graphs.insert(changed).is_err());
+        assert_eq!(
+            graphs.get("g", None).map(|g| g.nodes[0].tool.as_str()),
+            Some("echo")
+        );
+    }
+}

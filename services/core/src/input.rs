@@ -1,0 +1,118 @@
+//! What the fold consumes: commands, executor reports, and due timers.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::effect::TimerKey;
+
+/// One input for one run. `at` is the input record's timestamp: the fold's only clock.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Input {
+    Command(Command),
+    StepReport(StepReport),
+    TimerFired {
+        run_id: String,
+        timer: TimerKey,
+        at: i64,
+    },
+}
+
+impl Input {
+    pub fn run_id(&self) -> &str {
+        match self {
+            Input::Command(c) => &c.run_id,
+            Input::StepReport(r) => &r.run_id,
+            Input::TimerFired { run_id, .. } => run_id,
+        }
+    }
+
+    pub fn at(&self) -> i64 {
+        match self {
+            Input::Command(c) => c.at,
+            Input::StepReport(r) => r.at,
+            Input::TimerFired { at, .. } => *at,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Command {
+    pub command_id: String,
+    pub tenant: String,
+    pub run_id: String,
+    pub principal: String,
+    pub roles: Vec<String>,
+    pub at: i64,
+    pub body: CommandBody,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CommandBody {
+    StartRun {
+        graph_id: String,
+        graph_version: Option<u32>,
+        input: Value,
+        labels: BTreeMap<String, String>,
+    },
+    ResumeRun {
+        interrupt_id: String,
+        proposal_hash: String,
+        approve: bool,
+        payload: Option<Value>,
+        comment: Option<String>,
+    },
+    CancelRun {
+        reason: Option<String>,
+    },
+    ReconcileOperation {
+        operation_id: String,
+        succeeded: bool,
+        output: Option<Value>,
+        error: Option<String>,
+    },
+}
+
+impl CommandBody {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CommandBody::StartRun { .. } => "StartRun",
+            CommandBody::ResumeRun { .. } => "ResumeRun",
+            CommandBody::CancelRun { .. } => "CancelRun",
+            CommandBody::ReconcileOperation { .. } => "ReconcileOperation",
+        }
+    }
+}
+
+/// An executor's report on one attempt of an operation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepReport {
+    pub operation_id: String,
+    pub attempt: u32,
+    pub tenant: String,
+    pub run_id: String,
+    pub step_id: String,
+    pub outcome: StepOutcome,
+    pub at: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum StepOutcome {
+    /// Recorded before calling an unsafe or reconcilable receiver.
+    Started,
+    Succeeded {
+        output: Value,
+    },
+    Failed {
+        retryable: bool,
+        code: String,
+        message: String,
+        retry_after_ms: Option<i64>,
+    },
+    /// The call may or may not have taken effect.
+    Unknown {
+        code: String,
+        message: String,
+    },
+}

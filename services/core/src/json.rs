@@ -1,0 +1,158 @@
+//! JSON helpers: canonical text, hashes, paths and argument templates.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// Canonical JSON text: object keys sorted (serde_json's map is ordered), no whitespace.
+pub fn canonical(value: &Value) -> String {
+    value.to_string()
+}
+
+/// Lower-case hex SHA-256 of `parts`, each followed by a unit separator.
+pub fn sha256_hex(parts: &[&str]) -> String {
+    let mut hasher = Sha256::new();
+    for part in parts {
+        hasher.update(part.as_bytes());
+        hasher.update([0x1f]);
+    }
+    hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The value at a dotted path (`order.items.0.sku`); numbers index arrays.
+pub fn at_path<'v>(value: &'v Value, path: &str) -> Option<&'v Value> {
+    if path.is_empty() {
+        return Some(value);
+    }
+    path.split('.')
+        .try_fold(value, |current, segment| match current {
+            Value::Object(map) => map.get(segment),
+            Value::Array(items) => segment.parse::<usize>().ok().and_then(|i| items.get(i)),
+            _ => None,
+        })
+}
+
+/// Where a template reference points.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reference<'t> {
+    /// `$input.<path>`: the run input.
+    Input(&'t str),
+    /// `$steps.<node>.output.<path>` or `$steps.<node>.args.<path>`.
+    Step {
+        node: &'t str,
+        part: &'t str,
+        path: &'t str,
+    },
+    /// `$compensated.output.<path>` / `$compensated.args.<path>`: in a compensation node,
+    /// the step being compensated.
+    Compensated { part: &'t str, path: &'t str },
+}
+
+/// Parses a string that is a whole template reference, e.g. `$steps.read_order.output.total`.
+pub fn reference(text: &str) -> Option<Result<Reference<'_>, String>> {
+    let rest = text.strip_prefix('$')?;
+    let (head, tail) = rest.split_once('.').unwrap_or((rest, ""));
+    Some(match head {
+        "input" => Ok(Reference::Input(tail)),
+        "steps" => {
+            let mut parts = tail.splitn(3, '.');
+            match (parts.next(), parts.next()) {
+                (Some(node), Some(part @ ("output" | "args"))) if !node.is_empty() => {
+                    Ok(Reference::Step {
+                        node,
+                        part,
+                        path: parts.next().unwrap_or(""),
+                    })
+                }
+                _ => Err(format!(
+                    "{text:?} should read $steps.<node>.output[.path] or $steps.<node>.args[.path]"
+                )),
+            }
+        }
+        "compensated" => {
+            let (part, path) = tail.split_once('.').unwrap_or((tail, ""));
+            match part {
+                "output" | "args" => Ok(Reference::Compensated { part, path }),
+                _ => Err(format!("{text:?} should read $compensated.output or $compensated.args")),
+            }
+        }
+        _ => Err(format!(
+            "{text:?} is not a reference ($input, $steps.<node>, $compensated); write $$ for a literal $"
+        )),
+    })
+}
+
+/// Every reference in a template, for validation.
+pub fn references(template: &Value) -> Vec<Result<Reference<'_>, String>> {
+    let mut out = Vec::new();
+    collect(template, &mut out);
+    out
+}
+
+fn collect<'t>(value: &'t Value, out: &mut Vec<Result<Reference<'t>, String>>) {
+    match value {
+        Value::String(s) if !s.starts_with("$$") => out.extend(reference(s)),
+        Value::Array(items) => items.iter().for_each(|v| collect(v, out)),
+        Value::Object(map) => map.values().for_each(|v| collect(v, out)),
+        _ => {}
+    }
+}
+
+/// Fills a template: every string that is a whole reference is replaced by the value it
+/// points at (`null` when absent); `$$text` stands for the literal `$text`.
+pub fn render(template: &Value, lookup: &dyn Fn(&Reference<'_>) -> Option<Value>) -> Value {
+    match template {
+        Value::String(s) if s.starts_with("$$") => Value::String(s[1..].to_owned()),
+        Value::String(s) => match reference(s) {
+            Some(Ok(r)) => lookup(&r).unwrap_or(Value::Null),
+            _ => template.clone(),
+        },
+        Value::Array(items) => Value::Array(items.iter().map(|v| render(v, lookup)).collect()),
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.clone(), render(v, lookup)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn canonical_sorts_keys() {
+        assert_eq!(
+            canonical(&json!({"b": 1, "a": [2, {"d": 3, "c": 4}]})),
+            r#"{"a":[2,{"c":4,"d":3}],"b":1}"#
+        );
+    }
+
+    #[test]
+    fn renders_references() {
+        let input = json!({"order": {"id": 7}});
+        let out = render(
+            &json!({"id": "$input.order.id", "lit": "$$input", "missing": "$input.nope", "n": 1}),
+            &|r| match r {
+                Reference::Input(path) => at_path(&input, path).cloned(),
+                _ => None,
+            },
+        );
+        assert_eq!(
+            out,
+            json!({"id": 7, "lit": "$input", "missing": null, "n": 1})
+        );
+    }
+
+    #[test]
+    fn bad_references_are_reported() {
+        assert!(matches!(reference("$steps.x.outptu"), Some(Err(_))));
+        assert!(matches!(reference("$nope"), Some(Err(_))));
+        assert_eq!(reference("plain"), None);
+    }
+}

@@ -1,0 +1,166 @@
+//! A run's state: everything the fold knows about one run, built only from its events.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{effect::TimerKey, event::StepRole, graph::SideEffect, status::RunStatus};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    pub tenant: String,
+    pub run_id: String,
+    pub graph_id: String,
+    pub graph_version: u32,
+    pub status: RunStatus,
+    /// Incremented once per applied input that changed the run.
+    pub version: i64,
+    pub last_event_seq: i64,
+    pub last_hash: Option<String>,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub started_by: String,
+    pub labels: BTreeMap<String, String>,
+    pub input: Value,
+    pub deadline_at: Option<i64>,
+    pub steps: BTreeMap<String, Step>,
+    /// Step ids of succeeded steps in the order they succeeded (compensations run in reverse).
+    pub completed: Vec<String>,
+    pub interrupts: BTreeMap<String, Interrupt>,
+    /// Armed timers: encoded [`TimerKey`] → due time.
+    pub timers: BTreeMap<String, i64>,
+    /// Every command applied to this run and its answer, so a duplicate gets the same answer.
+    pub commands: BTreeMap<String, Answer>,
+    /// Set when the run began winding down (cancel or terminal failure).
+    pub ending: Option<Ending>,
+    pub output: Option<Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    pub step_id: String,
+    pub node: String,
+    pub operation_id: String,
+    pub attempt: u32,
+    pub tool: String,
+    pub queue: String,
+    pub side_effect: SideEffect,
+    pub args: Value,
+    pub role: StepRole,
+    pub status: StepStatus,
+    pub output: Option<Value>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepStatus {
+    /// An intent for the current attempt is out.
+    InFlight,
+    /// The executor recorded that it is calling the receiver (unsafe / reconcilable).
+    Started,
+    /// The last attempt failed transiently; the next one waits for its backoff timer.
+    WaitingRetry,
+    Succeeded,
+    Failed,
+    /// The outcome is unknown and an operator must record it.
+    NeedsOperator,
+    /// Never dispatched again because the run ended while it waited for a retry.
+    Abandoned,
+}
+
+impl StepStatus {
+    pub fn is_settled(self) -> bool {
+        matches!(
+            self,
+            StepStatus::Succeeded | StepStatus::Failed | StepStatus::Abandoned
+        )
+    }
+
+    /// An attempt is out and its result may still arrive.
+    pub fn is_in_flight(self) -> bool {
+        matches!(self, StepStatus::InFlight | StepStatus::Started)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Interrupt {
+    pub interrupt_id: String,
+    pub step_id: String,
+    pub node: String,
+    pub role: StepRole,
+    pub proposal: Value,
+    pub proposal_hash: String,
+    pub reason: String,
+    pub required_role: Option<String>,
+    pub approver_group: Option<String>,
+    pub quorum: u32,
+    pub expires_at: Option<i64>,
+    /// Escalation round: 0, then 1 after the first escalation, ...
+    pub round: u32,
+    /// Principals that approved so far.
+    pub approvals: Vec<String>,
+    pub status: InterruptStatus,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InterruptStatus {
+    Open,
+    Approved,
+    Rejected,
+    Expired,
+    /// Superseded by a new proposal (an approver edited the arguments).
+    Superseded,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    Accepted,
+    Rejected { code: String, reason: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ending {
+    pub cancelled: bool,
+    pub reason: String,
+}
+
+impl RunState {
+    pub fn step_by_operation(&self, operation_id: &str) -> Option<&Step> {
+        self.steps.values().find(|s| s.operation_id == operation_id)
+    }
+
+    pub fn timer_due(&self, key: &TimerKey) -> Option<i64> {
+        self.timers.get(&key.encode()).copied()
+    }
+
+    /// The next free step id for `node`: `<node>#<n>`.
+    pub fn next_step_id(&self, node: &str) -> String {
+        let taken = self
+            .steps
+            .keys()
+            .chain(self.interrupts.values().map(|i| &i.step_id))
+            .filter_map(|id| id.rsplit_once('#'))
+            .filter(|(n, _)| *n == node)
+            .filter_map(|(_, k)| k.parse::<u32>().ok())
+            .max()
+            .unwrap_or(0);
+        format!("{node}#{}", taken + 1)
+    }
+
+    /// Steps started so far, compensations excluded (the graph's `max_steps` budget).
+    pub fn steps_taken(&self) -> usize {
+        self.steps
+            .values()
+            .filter(|s| !matches!(s.role, StepRole::Compensation { .. }))
+            .count()
+    }
+
+    pub fn open_interrupts(&self) -> impl Iterator<Item = &Interrupt> {
+        self.interrupts
+            .values()
+            .filter(|i| i.status == InterruptStatus::Open)
+    }
+}

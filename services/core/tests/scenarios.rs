@@ -1,0 +1,46 @@
+//! One test per scenario file in `tests/scenarios/`: inputs → expected events and final
+//! state, plus the determinism / event-sourcing / hash-chain checks of `support::run`.
+
+mod support;
+
+use std::path::PathBuf;
+
+fn file(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/scenarios")
+        .join(format!("{name}.yaml"))
+}
+
+macro_rules! scenarios {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                support::run(&file(stringify!($name)));
+            }
+        )*
+
+        #[test]
+        fn every_scenario_file_has_a_test() {
+            let listed = [$(stringify!($name)),*];
+            for entry in std::fs::read_dir(file("x").parent().expect("dir")).expect("scenarios dir") {
+                let path = entry.expect("entry").path();
+                let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_owned();
+                assert!(listed.contains(&stem.as_str()), "{} is not listed in scenarios!", path.display());
+            }
+        }
+    };
+}
+
+scenarios!(
+    sequence_completes,
+    conditions_fan_out_and_join,
+    retry_with_backoff,
+    terminal_failure_compensates_in_reverse,
+    unknown_outcome_by_side_effect_class,
+    commands_are_deduplicated_and_checked,
+    stale_and_duplicate_results_are_ignored,
+    agent_loop_is_bounded,
+    approval_gate,
+    cancel_while_in_flight,
+);
