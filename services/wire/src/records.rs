@@ -236,6 +236,8 @@ pub struct RunStarted {
     pub graph_version: i32,
     pub input: String,
     pub started_by: String,
+    pub labels: BTreeMap<String, String>,
+    pub deadline_at: Option<Millis>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -247,6 +249,10 @@ pub struct StepDispatched {
     pub queue: String,
     pub args: String,
     pub compensates: Option<String>,
+    pub side_effect: Option<SideEffectClass>,
+    pub timeout_at: Option<Millis>,
+    pub requested_by: Option<String>,
+    pub substitute_for: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -285,6 +291,8 @@ pub struct OperationReconciled {
     pub step_id: String,
     pub outcome: ReconcileOutcome,
     pub by: String,
+    pub output: Option<String>,
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -299,6 +307,8 @@ pub struct Interrupted {
     pub approver_group: Option<String>,
     pub quorum: i32,
     pub expires_at: Option<Millis>,
+    pub requested_by: Option<String>,
+    pub substitute_for: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

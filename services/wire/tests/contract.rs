@@ -318,6 +318,8 @@ fn every_event_kind_round_trips() {
             graph_version: 2,
             input: "{}".into(),
             started_by: "svc".into(),
+            labels: BTreeMap::new(),
+            deadline_at: Some(5),
         }),
         EventBody::StepDispatched(StepDispatched {
             step_id: "s".into(),
@@ -327,6 +329,10 @@ fn every_event_kind_round_trips() {
             queue: "default".into(),
             args: "{}".into(),
             compensates: Some("t".into()),
+            side_effect: Some(SideEffectClass::Keyed),
+            timeout_at: Some(9),
+            requested_by: None,
+            substitute_for: None,
         }),
         EventBody::StepStarted(StepStarted {
             step_id: "s".into(),
@@ -355,6 +361,8 @@ fn every_event_kind_round_trips() {
             step_id: "s".into(),
             outcome: ReconcileOutcome::Failed,
             by: "ops".into(),
+            output: None,
+            error: Some("declined".into()),
         }),
         EventBody::Interrupted(Interrupted {
             interrupt_id: "i".into(),
@@ -367,6 +375,8 @@ fn every_event_kind_round_trips() {
             approver_group: None,
             quorum: 2,
             expires_at: Some(1000),
+            requested_by: Some("agent#1".into()),
+            substitute_for: None,
         }),
         EventBody::InterruptDecided(InterruptDecided {
             interrupt_id: "i".into(),
