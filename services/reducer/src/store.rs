@@ -1,0 +1,843 @@
+//! The reducer's local sled cache: run states, the timer index by due time, and the
+//! `sortie.run-state` changelog offset each partition's cached state reflects.
+//!
+//! Kafka is the truth; this store is a cache with a marker (SPEC §13). Everything lives
+//! in sled's default tree under key prefixes, so one committed batch (states, timers and
+//! the changelog offset they reflect) is written with ONE atomic `apply_batch`:
+//!
+//! ```text
+//! r/<run_id>                                          -> run state bytes (opaque)
+//! t/<due_at: i64 as u64 ^ 1<<63, BE>/<partition: i32 BE>/<run_id>\0<timer_key> -> empty
+//! o/<partition: i32 BE>                               -> next changelog offset, u64 BE
+//! m/format                                            -> FORMAT marker
+//! ```
+//!
+//! Local state is never trusted without its marker (KAFKA-7192): an open error, a
+//! missing or different marker on a non-empty store, or an entry that cannot be read
+//! makes [`Store::open`] wipe the directory and start empty, so the caller restores the
+//! assigned partitions from the compacted changelog.
+
+use std::collections::BTreeSet;
+use std::io;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Written at creation; a store whose marker differs is wiped on open.
+const FORMAT: &[u8] = b"sortie-reducer-store/1";
+
+const MARKER_KEY: &[u8] = b"m/format";
+const RUN_PREFIX: &[u8] = b"r/";
+const TIMER_PREFIX: &[u8] = b"t/";
+const OFFSET_PREFIX: &[u8] = b"o/";
+
+/// `t/` + due (8) + `/` + partition (4) + `/`: where the run id starts in a timer key.
+const TIMER_RUN_ID_AT: usize = 2 + 8 + 1 + 4 + 1;
+
+/// Errors of the local store.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// sled failed to read or write.
+    #[error("the local store failed: {0}")]
+    Sled(#[from] sled::Error),
+    /// The store directory could not be wiped.
+    #[error("the local store directory {path} could not be wiped: {source}")]
+    Wipe {
+        /// The store directory.
+        path: PathBuf,
+        /// The file system error.
+        source: io::Error,
+    },
+    /// Another handle holds the store's lock (past a short wait); the store is not
+    /// wiped from under it.
+    #[error("the local store {path} is locked by another process: {source}")]
+    Locked {
+        /// The store directory.
+        path: PathBuf,
+        /// sled's lock error.
+        source: sled::Error,
+    },
+    /// sled panicked while opening the directory, even after it was wiped.
+    #[error("the local store {path} could not be opened: sled panicked")]
+    Panicked {
+        /// The store directory.
+        path: PathBuf,
+    },
+    /// A run id with a NUL byte cannot be a timer index key (NUL separates the timer key).
+    #[error("run id {0:?} contains a NUL byte and cannot be indexed")]
+    InvalidRunId(String),
+    /// An entry in the store does not have the shape this format writes.
+    #[error("the local store holds an unreadable entry: {0}")]
+    Corrupt(String),
+}
+
+/// Result alias of this module.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A timer whose due time has come, read from the index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueTimer {
+    /// The run-state partition the run belongs to.
+    pub partition: i32,
+    /// The run.
+    pub run_id: String,
+    /// The timer's key within the run.
+    pub timer_key: String,
+    /// When it is due (the same unit the caller armed it with).
+    pub due_at: i64,
+}
+
+/// The changes of one committed Kafka transaction, applied atomically by [`Store::apply`].
+///
+/// Operations on the same key: the last one wins.
+#[derive(Debug, Default, Clone)]
+pub struct Batch {
+    writes: sled::Batch,
+    len: usize,
+    invalid: Option<String>,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of operations recorded.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no operation was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Store a run's state bytes.
+    pub fn put_run(&mut self, run_id: &str, state: impl Into<Vec<u8>>) -> &mut Self {
+        self.len += 1;
+        self.writes.insert(run_key(run_id), state.into());
+        self
+    }
+
+    /// Remove a run's state.
+    pub fn remove_run(&mut self, run_id: &str) -> &mut Self {
+        self.len += 1;
+        self.writes.remove(run_key(run_id));
+        self
+    }
+
+    /// Index a timer by its due time.
+    pub fn arm_timer(
+        &mut self,
+        partition: i32,
+        run_id: &str,
+        timer_key: &str,
+        due_at: i64,
+    ) -> &mut Self {
+        self.len += 1;
+        if self.check_run_id(run_id) {
+            self.writes.insert(
+                timer_index_key(partition, run_id, timer_key, due_at),
+                Vec::new(),
+            );
+        }
+        self
+    }
+
+    /// Remove a timer from the index (the same arguments it was armed with).
+    pub fn disarm_timer(
+        &mut self,
+        partition: i32,
+        run_id: &str,
+        timer_key: &str,
+        due_at: i64,
+    ) -> &mut Self {
+        self.len += 1;
+        if self.check_run_id(run_id) {
+            self.writes
+                .remove(timer_index_key(partition, run_id, timer_key, due_at));
+        }
+        self
+    }
+
+    /// Record the next `sortie.run-state` offset of `partition` this batch's state reflects.
+    pub fn set_changelog_offset(&mut self, partition: i32, next_offset: u64) -> &mut Self {
+        self.len += 1;
+        self.writes.insert(
+            offset_key(partition).to_vec(),
+            next_offset.to_be_bytes().to_vec(),
+        );
+        self
+    }
+
+    fn check_run_id(&mut self, run_id: &str) -> bool {
+        if run_id.contains('\0') {
+            self.invalid.get_or_insert_with(|| run_id.to_owned());
+            false
+        } else {
+            true
+        }
+    }
+}
+
+/// The reducer's local cache: one sled database, its default tree, prefixed keys.
+#[derive(Debug, Clone)]
+pub struct Store {
+    db: sled::Db,
+    durable: bool,
+}
+
+impl Store {
+    /// Open the store at `path`, or wipe it and start empty when it cannot be trusted: an
+    /// open error (or sled panic), a missing or different format marker on a non-empty
+    /// store, or an entry that cannot be read. A store held by another process's lock is
+    /// an error, not wiped.
+    pub fn open(path: &Path) -> Result<Store> {
+        Store::open_waiting(path, LOCK_WAIT)
+    }
+
+    fn open_waiting(path: &Path, lock_wait: Duration) -> Result<Store> {
+        let reason = match catch_unwind(|| open_db(path, lock_wait)) {
+            Ok(Ok(db)) => match verify(&db) {
+                Ok(()) => return Ok(Store::new(db)),
+                Err(reason) => reason,
+            },
+            Ok(Err(error)) if is_lock_error(&error) => {
+                return Err(Error::Locked {
+                    path: path.to_owned(),
+                    source: error,
+                });
+            }
+            Ok(Err(error)) => format!("sled failed to open it ({error})"),
+            Err(_) => "sled panicked while opening it".to_owned(),
+        };
+        tracing::warn!(
+            path = %path.display(),
+            %reason,
+            "The local store cannot be trusted, so it is wiped and the assigned partitions will be restored from the changelog."
+        );
+        wipe_dir(path)?;
+        let db = match catch_unwind(|| open_db(path, lock_wait)) {
+            Ok(db) => db?,
+            Err(_) => {
+                return Err(Error::Panicked {
+                    path: path.to_owned(),
+                });
+            }
+        };
+        db.insert(MARKER_KEY, FORMAT)?;
+        db.flush()?;
+        Ok(Store::new(db))
+    }
+
+    /// A store in a temporary directory that disappears when dropped (tests).
+    pub fn temporary() -> Result<Store> {
+        let db = sled::Config::new().temporary(true).open()?;
+        db.insert(MARKER_KEY, FORMAT)?;
+        Ok(Store::new(db))
+    }
+
+    fn new(db: sled::Db) -> Store {
+        Store { db, durable: false }
+    }
+
+    /// Flush after every [`Store::apply`] (default: off). Off, sled flushes in the
+    /// background every 500 ms; a crash loses at most those writes, and since each
+    /// batch carries its changelog offset, that only makes the warm restore read a bit
+    /// more of the changelog.
+    pub fn with_durable_writes(mut self, durable: bool) -> Store {
+        self.durable = durable;
+        self
+    }
+
+    /// Apply one committed batch atomically.
+    pub fn apply(&self, batch: Batch) -> Result<()> {
+        if let Some(run_id) = batch.invalid {
+            return Err(Error::InvalidRunId(run_id));
+        }
+        self.db.apply_batch(batch.writes)?;
+        if self.durable {
+            self.db.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Write everything pending to disk (e.g. at shutdown).
+    pub fn flush(&self) -> Result<()> {
+        self.db.flush()?;
+        Ok(())
+    }
+
+    /// A run's state bytes, if cached.
+    pub fn get_run(&self, run_id: &str) -> Result<Option<Vec<u8>>> {
+        Ok(self.db.get(run_key(run_id))?.map(|v| v.to_vec()))
+    }
+
+    /// The next `sortie.run-state` offset of `partition` this cache reflects; `None`
+    /// means nothing is cached for it and it must be restored from the beginning.
+    pub fn changelog_offset(&self, partition: i32) -> Result<Option<u64>> {
+        match self.db.get(offset_key(partition))? {
+            None => Ok(None),
+            Some(value) => decode_offset(&value).map(Some).ok_or_else(|| {
+                Error::Corrupt(format!(
+                    "changelog offset of partition {partition} has {} bytes",
+                    value.len()
+                ))
+            }),
+        }
+    }
+
+    /// Up to `limit` timers with `due_at <= now` of the given partitions, in due order.
+    pub fn due_timers(
+        &self,
+        now: i64,
+        partitions: &BTreeSet<i32>,
+        limit: usize,
+    ) -> Result<Vec<DueTimer>> {
+        let mut due = Vec::new();
+        if limit == 0 || partitions.is_empty() {
+            return Ok(due);
+        }
+        for entry in self.db.scan_prefix(TIMER_PREFIX) {
+            let (key, _) = entry?;
+            let timer = decode_timer_key(&key).ok_or_else(|| corrupt_timer(&key))?;
+            if timer.due_at > now {
+                break;
+            }
+            if partitions.contains(&timer.partition) {
+                due.push(timer);
+                if due.len() == limit {
+                    break;
+                }
+            }
+        }
+        Ok(due)
+    }
+
+    /// Forget a revoked partition: remove its changelog offset and its timers in one
+    /// batch, so a later assignment restores it from the changelog. Run states stay (they
+    /// are not keyed by partition); the restore overwrites them.
+    pub fn forget_partition(&self, partition: i32) -> Result<()> {
+        let mut writes = sled::Batch::default();
+        writes.remove(&offset_key(partition)[..]);
+        for entry in self.db.scan_prefix(TIMER_PREFIX) {
+            let (key, _) = entry?;
+            let timer = decode_timer_key(&key).ok_or_else(|| corrupt_timer(&key))?;
+            if timer.partition == partition {
+                writes.remove(key);
+            }
+        }
+        self.db.apply_batch(writes)?;
+        if self.durable {
+            self.db.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Clear everything (a cold restore) and rewrite the marker.
+    pub fn wipe(&self) -> Result<()> {
+        // sled's clear is not atomic: remove the marker first, so a crash halfway leaves
+        // a store that the next open wipes instead of trusting.
+        self.db.remove(MARKER_KEY)?;
+        self.db.flush()?;
+        self.db.clear()?;
+        self.db.insert(MARKER_KEY, FORMAT)?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    /// Bytes sled uses on disk (for metrics).
+    pub fn size_on_disk(&self) -> Result<u64> {
+        Ok(self.db.size_on_disk()?)
+    }
+}
+
+/// sled releases its file lock from a background thread shortly after the last handle
+/// is dropped, so a reopen in the same process can briefly see it locked: wait that out.
+const LOCK_WAIT: Duration = Duration::from_secs(5);
+
+fn open_db(path: &Path, lock_wait: Duration) -> sled::Result<sled::Db> {
+    let deadline = Instant::now() + lock_wait;
+    loop {
+        match sled::Config::new().path(path).open() {
+            Err(error) if is_lock_error(&error) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn is_lock_error(error: &sled::Error) -> bool {
+    matches!(error, sled::Error::Io(e) if e.to_string().contains("could not acquire lock"))
+}
+
+/// Why an opened database cannot be trusted, if it cannot.
+fn verify(db: &sled::Db) -> Result<(), String> {
+    let check = || -> sled::Result<Result<(), String>> {
+        if db.tree_names().len() > 1 {
+            return Ok(Err("it holds trees this format never writes".to_owned()));
+        }
+        match db.get(MARKER_KEY)? {
+            Some(marker) if marker == FORMAT => {}
+            Some(marker) => {
+                return Ok(Err(format!(
+                    "its format marker is {:?}, not {:?}",
+                    String::from_utf8_lossy(&marker),
+                    String::from_utf8_lossy(FORMAT)
+                )));
+            }
+            None if db.is_empty() => {
+                db.insert(MARKER_KEY, FORMAT)?;
+                db.flush()?;
+                return Ok(Ok(()));
+            }
+            None => return Ok(Err("it has no format marker".to_owned())),
+        }
+        // Read every entry once: a page sled cannot read shows up now, not mid-restore.
+        for entry in db.iter() {
+            let (key, value) = entry?;
+            if let Some(reason) = malformed(&key, &value) {
+                return Ok(Err(reason));
+            }
+        }
+        Ok(Ok(()))
+    };
+    match catch_unwind(AssertUnwindSafe(check)) {
+        Ok(Ok(verdict)) => verdict,
+        Ok(Err(error)) => Err(format!("an entry cannot be read ({error})")),
+        Err(_) => Err("sled panicked while reading it".to_owned()),
+    }
+}
+
+fn malformed(key: &[u8], value: &[u8]) -> Option<String> {
+    if key == MARKER_KEY {
+        None
+    } else if let Some(run_id) = key.strip_prefix(RUN_PREFIX) {
+        std::str::from_utf8(run_id)
+            .err()
+            .map(|_| format!("run key {key:?} is not UTF-8"))
+    } else if key.starts_with(TIMER_PREFIX) {
+        decode_timer_key(key)
+            .is_none()
+            .then(|| format!("timer key {key:?} is malformed"))
+    } else if key.starts_with(OFFSET_PREFIX) {
+        (key.len() != OFFSET_PREFIX.len() + 4 || decode_offset(value).is_none())
+            .then(|| format!("changelog offset entry {key:?} is malformed"))
+    } else {
+        Some(format!("key {key:?} has an unknown prefix"))
+    }
+}
+
+/// Renames the directory aside before deleting it, so a crash mid-wipe never leaves a
+/// half-deleted store at `path`.
+fn wipe_dir(path: &Path) -> Result<()> {
+    let error = |source| Error::Wipe {
+        path: path.to_owned(),
+        source,
+    };
+    let mut aside = path.as_os_str().to_owned();
+    aside.push(".wiped");
+    let aside = PathBuf::from(aside);
+    remove_if_exists(&aside).map_err(error)?;
+    match std::fs::rename(path, &aside) {
+        Ok(()) => {
+            // `path` is already clean; a leftover aside is removed by the next wipe.
+            if let Err(e) = remove_if_exists(&aside) {
+                tracing::warn!(
+                    path = %aside.display(),
+                    error = %e,
+                    "The wiped local store could not be deleted; the next wipe retries."
+                );
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(error(e)),
+    }
+}
+
+fn remove_if_exists(path: &Path) -> io::Result<()> {
+    let result = if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
+    match result {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}
+
+fn run_key(run_id: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(RUN_PREFIX.len() + run_id.len());
+    key.extend_from_slice(RUN_PREFIX);
+    key.extend_from_slice(run_id.as_bytes());
+    key
+}
+
+fn offset_key(partition: i32) -> [u8; 6] {
+    let mut key = [0; 6];
+    key[..2].copy_from_slice(OFFSET_PREFIX);
+    key[2..].copy_from_slice(&partition.to_be_bytes());
+    key
+}
+
+fn decode_offset(value: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(value.try_into().ok()?))
+}
+
+/// Flipping the sign bit makes big-endian byte order match `i64` order, negatives included.
+fn encode_due(due_at: i64) -> [u8; 8] {
+    ((due_at as u64) ^ (1 << 63)).to_be_bytes()
+}
+
+fn decode_due(bytes: [u8; 8]) -> i64 {
+    (u64::from_be_bytes(bytes) ^ (1 << 63)) as i64
+}
+
+fn timer_index_key(partition: i32, run_id: &str, timer_key: &str, due_at: i64) -> Vec<u8> {
+    let mut key = Vec::with_capacity(TIMER_RUN_ID_AT + run_id.len() + 1 + timer_key.len());
+    key.extend_from_slice(TIMER_PREFIX);
+    key.extend_from_slice(&encode_due(due_at));
+    key.push(b'/');
+    key.extend_from_slice(&partition.to_be_bytes());
+    key.push(b'/');
+    key.extend_from_slice(run_id.as_bytes());
+    key.push(0);
+    key.extend_from_slice(timer_key.as_bytes());
+    key
+}
+
+fn decode_timer_key(key: &[u8]) -> Option<DueTimer> {
+    let rest = key.strip_prefix(TIMER_PREFIX)?;
+    let due_at = decode_due(rest.get(..8)?.try_into().ok()?);
+    if rest.get(8) != Some(&b'/') || rest.get(13) != Some(&b'/') {
+        return None;
+    }
+    let partition = i32::from_be_bytes(rest.get(9..13)?.try_into().ok()?);
+    let ids = rest.get(14..)?;
+    let nul = ids.iter().position(|&b| b == 0)?;
+    Some(DueTimer {
+        partition,
+        run_id: std::str::from_utf8(&ids[..nul]).ok()?.to_owned(),
+        timer_key: std::str::from_utf8(&ids[nul + 1..]).ok()?.to_owned(),
+        due_at,
+    })
+}
+
+fn corrupt_timer(key: &[u8]) -> Error {
+    Error::Corrupt(format!("timer key {key:?} is malformed"))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn parts(ps: &[i32]) -> BTreeSet<i32> {
+        ps.iter().copied().collect()
+    }
+
+    fn timer(partition: i32, run_id: &str, timer_key: &str, due_at: i64) -> DueTimer {
+        DueTimer {
+            partition,
+            run_id: run_id.to_owned(),
+            timer_key: timer_key.to_owned(),
+            due_at,
+        }
+    }
+
+    #[test]
+    fn round_trip_of_runs_timers_and_offsets() {
+        let store = Store::temporary().unwrap();
+        let mut batch = Batch::new();
+        batch
+            .put_run("run-1", b"state-1".to_vec())
+            .put_run("run-2", b"state-2".to_vec())
+            .arm_timer(0, "run-1", "approval", 100)
+            .set_changelog_offset(0, 42);
+        store.apply(batch).unwrap();
+
+        assert_eq!(store.get_run("run-1").unwrap(), Some(b"state-1".to_vec()));
+        assert_eq!(store.get_run("run-2").unwrap(), Some(b"state-2".to_vec()));
+        assert_eq!(store.get_run("run-3").unwrap(), None);
+        assert_eq!(store.changelog_offset(0).unwrap(), Some(42));
+        assert_eq!(store.changelog_offset(1).unwrap(), None);
+        assert_eq!(
+            store.due_timers(100, &parts(&[0]), 10).unwrap(),
+            vec![timer(0, "run-1", "approval", 100)]
+        );
+
+        let mut batch = Batch::new();
+        batch
+            .remove_run("run-2")
+            .put_run("run-1", b"state-1b".to_vec())
+            .set_changelog_offset(0, 43);
+        store.apply(batch).unwrap();
+        assert_eq!(store.get_run("run-1").unwrap(), Some(b"state-1b".to_vec()));
+        assert_eq!(store.get_run("run-2").unwrap(), None);
+        assert_eq!(store.changelog_offset(0).unwrap(), Some(43));
+        assert!(store.size_on_disk().unwrap() > 0);
+    }
+
+    #[test]
+    fn a_batch_is_all_there_after_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            let mut batch = Batch::new();
+            for i in 0..200 {
+                batch.put_run(&format!("run-{i}"), vec![7; 100]);
+                batch.arm_timer(i % 3, &format!("run-{i}"), "timeout", i64::from(i));
+            }
+            batch
+                .set_changelog_offset(0, 1000)
+                .set_changelog_offset(1, 2000);
+            store.apply(batch).unwrap();
+            store.flush().unwrap();
+        }
+        let store = Store::open(dir.path()).unwrap();
+        for i in 0..200 {
+            assert_eq!(
+                store.get_run(&format!("run-{i}")).unwrap(),
+                Some(vec![7; 100])
+            );
+        }
+        assert_eq!(store.changelog_offset(0).unwrap(), Some(1000));
+        assert_eq!(store.changelog_offset(1).unwrap(), Some(2000));
+        assert_eq!(
+            store
+                .due_timers(i64::MAX, &parts(&[0, 1, 2]), usize::MAX)
+                .unwrap()
+                .len(),
+            200
+        );
+    }
+
+    #[test]
+    fn durable_writes_survive_reopen_without_an_explicit_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap().with_durable_writes(true);
+            let mut batch = Batch::new();
+            batch
+                .put_run("run-1", b"s".to_vec())
+                .set_changelog_offset(3, 9);
+            store.apply(batch).unwrap();
+        }
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.get_run("run-1").unwrap(), Some(b"s".to_vec()));
+        assert_eq!(store.changelog_offset(3).unwrap(), Some(9));
+    }
+
+    #[test]
+    fn due_timers_are_in_due_order_filtered_and_limited() {
+        let store = Store::temporary().unwrap();
+        let mut batch = Batch::new();
+        batch
+            .arm_timer(1, "b", "t", 0)
+            .arm_timer(0, "a", "t", -5)
+            .arm_timer(0, "a", "u", i64::MIN)
+            .arm_timer(2, "c", "t", -1)
+            .arm_timer(0, "d", "t", 7)
+            .arm_timer(1, "e", "t", 10)
+            .arm_timer(0, "f", "t", i64::MAX);
+        store.apply(batch).unwrap();
+
+        let all = parts(&[0, 1, 2]);
+        assert_eq!(
+            store.due_timers(7, &all, 100).unwrap(),
+            vec![
+                timer(0, "a", "u", i64::MIN),
+                timer(0, "a", "t", -5),
+                timer(2, "c", "t", -1),
+                timer(1, "b", "t", 0),
+                timer(0, "d", "t", 7),
+            ]
+        );
+        assert_eq!(
+            store.due_timers(0, &parts(&[1, 2]), 100).unwrap(),
+            vec![timer(2, "c", "t", -1), timer(1, "b", "t", 0)]
+        );
+        assert_eq!(
+            store.due_timers(100, &all, 2).unwrap(),
+            vec![timer(0, "a", "u", i64::MIN), timer(0, "a", "t", -5)]
+        );
+        assert_eq!(store.due_timers(-6, &all, 100).unwrap().len(), 1);
+        assert!(store.due_timers(100, &parts(&[5]), 100).unwrap().is_empty());
+        assert!(store.due_timers(100, &all, 0).unwrap().is_empty());
+        assert_eq!(store.due_timers(i64::MAX, &all, 100).unwrap().len(), 7);
+    }
+
+    #[test]
+    fn disarm_removes_only_that_timer() {
+        let store = Store::temporary().unwrap();
+        let mut batch = Batch::new();
+        batch
+            .arm_timer(0, "run-1", "approval", 5)
+            .arm_timer(0, "run-1", "retry", 5);
+        store.apply(batch).unwrap();
+        let mut batch = Batch::new();
+        batch.disarm_timer(0, "run-1", "approval", 5);
+        store.apply(batch).unwrap();
+        assert_eq!(
+            store.due_timers(10, &parts(&[0]), 10).unwrap(),
+            vec![timer(0, "run-1", "retry", 5)]
+        );
+    }
+
+    #[test]
+    fn a_run_id_with_nul_is_rejected_and_nothing_is_written() {
+        let store = Store::temporary().unwrap();
+        let mut batch = Batch::new();
+        batch
+            .put_run("ok", b"x".to_vec())
+            .arm_timer(0, "a\0b", "t", 1);
+        assert!(matches!(store.apply(batch), Err(Error::InvalidRunId(_))));
+        assert_eq!(store.get_run("ok").unwrap(), None);
+    }
+
+    #[test]
+    fn forget_partition_removes_its_offset_and_timers_only() {
+        let store = Store::temporary().unwrap();
+        let mut batch = Batch::new();
+        batch
+            .put_run("run-1", b"s".to_vec())
+            .arm_timer(0, "run-1", "t", 1)
+            .arm_timer(0, "run-1", "u", 50)
+            .arm_timer(1, "run-2", "t", 2)
+            .set_changelog_offset(0, 10)
+            .set_changelog_offset(1, 20);
+        store.apply(batch).unwrap();
+        store.forget_partition(0).unwrap();
+        assert_eq!(store.changelog_offset(0).unwrap(), None);
+        assert_eq!(store.changelog_offset(1).unwrap(), Some(20));
+        assert_eq!(
+            store.due_timers(100, &parts(&[0, 1]), 10).unwrap(),
+            vec![timer(1, "run-2", "t", 2)]
+        );
+        assert_eq!(store.get_run("run-1").unwrap(), Some(b"s".to_vec()));
+    }
+
+    #[test]
+    fn wipe_clears_everything_and_keeps_the_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            let mut batch = Batch::new();
+            batch
+                .put_run("run-1", b"s".to_vec())
+                .arm_timer(0, "run-1", "t", 1)
+                .set_changelog_offset(0, 10);
+            store.apply(batch).unwrap();
+            store.wipe().unwrap();
+            assert_eq!(store.get_run("run-1").unwrap(), None);
+            assert_eq!(store.changelog_offset(0).unwrap(), None);
+            assert!(store.due_timers(100, &parts(&[0]), 10).unwrap().is_empty());
+            let mut batch = Batch::new();
+            batch.put_run("run-2", b"t".to_vec());
+            store.apply(batch).unwrap();
+            store.flush().unwrap();
+        }
+        // The marker survived the wipe: reopening keeps the data.
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.get_run("run-2").unwrap(), Some(b"t".to_vec()));
+    }
+
+    #[test]
+    fn a_db_without_the_marker_is_wiped_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = sled::open(dir.path()).unwrap();
+            db.insert(run_key("run-1"), b"stale".to_vec()).unwrap();
+            db.insert(offset_key(0), &5u64.to_be_bytes()).unwrap();
+            db.flush().unwrap();
+        }
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.get_run("run-1").unwrap(), None);
+        assert_eq!(store.changelog_offset(0).unwrap(), None);
+        drop(store);
+        // The fresh store has its marker: it is trusted on the next open.
+        let store = Store::open(dir.path()).unwrap();
+        let mut batch = Batch::new();
+        batch.put_run("run-2", b"s".to_vec());
+        store.apply(batch).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(store.get_run("run-2").unwrap(), Some(b"s".to_vec()));
+    }
+
+    #[test]
+    fn a_db_with_another_marker_or_unknown_keys_is_wiped_on_open() {
+        for (key, value) in [
+            (MARKER_KEY, &b"sortie-reducer-store/0"[..]),
+            (&b"x/unknown"[..], &b""[..]),
+            (&b"t/short"[..], &b""[..]),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let store = Store::open(dir.path()).unwrap();
+                let mut batch = Batch::new();
+                batch.put_run("run-1", b"s".to_vec());
+                store.apply(batch).unwrap();
+                store.db.insert(key, value).unwrap();
+                store.flush().unwrap();
+            }
+            let store = Store::open(dir.path()).unwrap();
+            assert_eq!(store.get_run("run-1").unwrap(), None, "key {key:?}");
+        }
+    }
+
+    #[test]
+    fn a_corrupted_directory_is_wiped_and_reopened_empty() {
+        for victim in ["conf", "db"] {
+            let dir = tempfile::tempdir().unwrap();
+            {
+                let store = Store::open(dir.path()).unwrap();
+                let mut batch = Batch::new();
+                batch
+                    .put_run("run-1", b"s".to_vec())
+                    .set_changelog_offset(0, 7);
+                store.apply(batch).unwrap();
+                store.flush().unwrap();
+            }
+            std::fs::write(dir.path().join(victim), vec![0xA5; 4096]).unwrap();
+            let store = Store::open(dir.path()).unwrap();
+            assert_eq!(store.get_run("run-1").unwrap(), None, "{victim}");
+            assert_eq!(store.changelog_offset(0).unwrap(), None, "{victim}");
+            // Usable after the wipe.
+            let mut batch = Batch::new();
+            batch.put_run("run-2", b"t".to_vec());
+            store.apply(batch).unwrap();
+            assert_eq!(store.get_run("run-2").unwrap(), Some(b"t".to_vec()));
+        }
+    }
+
+    #[test]
+    fn a_store_locked_by_a_live_handle_is_not_wiped() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Store::open(dir.path()).unwrap();
+        let mut batch = Batch::new();
+        batch.put_run("run-1", b"s".to_vec());
+        first.apply(batch).unwrap();
+        assert!(matches!(
+            Store::open_waiting(dir.path(), Duration::from_millis(50)),
+            Err(Error::Locked { .. })
+        ));
+        assert_eq!(first.get_run("run-1").unwrap(), Some(b"s".to_vec()));
+    }
+
+    #[test]
+    fn due_time_encoding_orders_like_i64() {
+        let values = [i64::MIN, -1_000, -1, 0, 1, 1_000, i64::MAX];
+        for pair in values.windows(2) {
+            assert!(encode_due(pair[0]) < encode_due(pair[1]));
+        }
+        for v in values {
+            assert_eq!(decode_due(encode_due(v)), v);
+        }
+    }
+}
