@@ -1,0 +1,227 @@
+//! `sortie graph publish|list`: publish mission graphs to the graphs topic and list the
+//! published versions (see `sortie_reducer::graphs`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use sortie_core::graph::InvalidGraph;
+use sortie_core::Graph;
+use sortie_kafka::KafkaConfig;
+use sortie_reducer::graphs::{self, GraphTable, Published};
+use sortie_wire::{Codec, CodecConfig, RecordKind, Topics};
+
+/// How long to wait for the schema registry and for the graphs topic to be read.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    action: Action,
+    #[command(flatten)]
+    options: Options,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Action {
+    /// Validate graph files (YAML or JSON) and publish each version not yet published.
+    Publish {
+        /// Graph files to publish.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// The principal recorded as the publisher.
+        #[arg(long, default_value = "cli")]
+        by: String,
+    },
+    /// List every published graph version.
+    List,
+}
+
+#[derive(Debug, clap::Args)]
+struct Options {
+    /// Kafka bootstrap servers.
+    #[arg(
+        long,
+        global = true,
+        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
+    bootstrap_servers: String,
+    /// Topic name prefix.
+    #[arg(long, global = true, default_value = Topics::DEFAULT_PREFIX)]
+    prefix: String,
+    /// Schema registry URL.
+    #[arg(
+        long,
+        global = true,
+        env = "SORTIE__REGISTRY__URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    registry_url: String,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let options = args.options;
+    let kafka = KafkaConfig::new(&options.bootstrap_servers);
+    let topics = Topics::new(options.prefix);
+    match args.action {
+        Action::Publish { files, by } => {
+            // Every file is validated before anything is published.
+            let loaded = load(&files)?;
+            let codec = codec(&options.registry_url, &topics).await?;
+            publish(&kafka, &codec, &topics, &loaded, &by).await
+        }
+        Action::List => {
+            let codec = codec(&options.registry_url, &topics).await?;
+            list(&kafka, codec, &topics).await
+        }
+    }
+}
+
+/// A codec that may register schemas, with the graph definition schema registered.
+async fn codec(registry_url: &str, topics: &Topics) -> anyhow::Result<Codec> {
+    let codec = Codec::new(&CodecConfig {
+        registry_url: registry_url.to_owned(),
+        auto_register: true,
+    });
+    codec
+        .prepare(&topics.graphs(), RecordKind::GraphDefinition, PATIENCE)
+        .await
+        .with_context(|| format!("registering the graph definition schema at {registry_url}"))?;
+    Ok(codec)
+}
+
+/// Parses and validates every file, printing each problem on its own line.
+fn load(files: &[PathBuf]) -> anyhow::Result<Vec<Graph>> {
+    let mut loaded = Vec::new();
+    let mut invalid = 0;
+    for file in files {
+        match graphs::load_file(file) {
+            Ok(graph) => loaded.push(graph),
+            Err(graphs::Error::InvalidFile {
+                path,
+                source: InvalidGraph(problems),
+            }) => {
+                invalid += 1;
+                for problem in problems {
+                    eprintln!("{}: {problem}", path.display());
+                }
+            }
+            Err(error) => {
+                invalid += 1;
+                eprintln!("{error}");
+            }
+        }
+    }
+    if invalid > 0 {
+        anyhow::bail!("{invalid} graph file(s) are invalid; nothing was published");
+    }
+    Ok(loaded)
+}
+
+async fn publish(
+    kafka: &KafkaConfig,
+    codec: &Codec,
+    topics: &Topics,
+    loaded: &[Graph],
+    by: &str,
+) -> anyhow::Result<()> {
+    let mut refused = 0;
+    for graph in loaded {
+        match graphs::publish(kafka, codec, topics, graph, by, now_ms()).await {
+            Ok(Published::Published { .. }) => println!("published {}", graph.key()),
+            Ok(Published::AlreadyPublished) => {
+                println!("{} already published (same definition)", graph.key());
+            }
+            Err(error @ graphs::Error::VersionExists { .. }) => {
+                refused += 1;
+                eprintln!("{error}");
+            }
+            Err(error) => {
+                return Err(error).with_context(|| format!("publishing {}", graph.key()));
+            }
+        }
+    }
+    if refused > 0 {
+        anyhow::bail!("{refused} graph version(s) were refused");
+    }
+    Ok(())
+}
+
+async fn list(kafka: &KafkaConfig, codec: Codec, topics: &Topics) -> anyhow::Result<()> {
+    let kafka = kafka.clone();
+    let topics = topics.clone();
+    let runtime = tokio::runtime::Handle::current();
+    let lines = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<String>> {
+        let mut table = GraphTable::open(&kafka, &topics, Arc::new(codec), runtime)?;
+        table.catch_up(PATIENCE)?;
+        Ok(table
+            .graphs()
+            .all()
+            .map(|graph| {
+                let key = graph.key();
+                let origin = table
+                    .publication(&key)
+                    .map(|p| {
+                        format!(
+                            "  published by {} at {}",
+                            p.published_by,
+                            rfc3339(p.published_at)
+                        )
+                    })
+                    .unwrap_or_default();
+                format!("{key}  {} nodes{origin}", graph.nodes.len())
+            })
+            .collect())
+    })
+    .await??;
+    if lines.is_empty() {
+        println!("no graphs published");
+    }
+    for line in lines {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// `2026-01-31T12:34:56.789Z` from Unix milliseconds (proleptic Gregorian, UTC).
+fn rfc3339(millis: i64) -> String {
+    let (days, in_day) = (millis.div_euclid(86_400_000), millis.rem_euclid(86_400_000));
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (secs, ms) = (in_day / 1_000, in_day % 1_000);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+        secs / 3_600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rfc3339;
+
+    #[test]
+    fn formats_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339(1_764_400_000_000), "2025-11-29T07:06:40.000Z");
+    }
+}

@@ -1,0 +1,645 @@
+//! The graph registry (SPEC §4.1): publishing mission graphs to `sortie.graphs` and the
+//! global table every reducer and gateway builds from it.
+//!
+//! `sortie.graphs` is compacted and keyed `graph_id@version`. Versions are immutable: a
+//! publisher reads the table first and refuses a different definition for a version that
+//! exists, and the table keeps the first definition it reads for a version and skips any
+//! later, different one. The table reads every partition from the beginning,
+//! `read_committed`, with `assign()` and no group membership, so every instance sees every
+//! graph and nothing is ever committed.
+//!
+//! Two publishers racing on the same new version can both pass the check; the table then
+//! keeps the lower offset, while compaction keeps the latest record per key. Publishing is
+//! an operator action (one CLI at a time), so this is accepted rather than guarded.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::OwnedMessage;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use sha2::{Digest, Sha256};
+use sortie_core::graph::InvalidGraph;
+use sortie_core::{Graph, Graphs};
+use sortie_kafka::KafkaConfig;
+use sortie_wire::records::GraphDefinition;
+use sortie_wire::{Codec, DecodeError, EncodeError, Topics};
+use tokio::runtime::Handle;
+
+/// How long [`publish`] may take to read the current table and to deliver its record.
+const PUBLISH_PATIENCE: Duration = Duration::from_secs(30);
+/// How long opening the table may wait for the topic's metadata.
+const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pauses between decode attempts while the schema registry is unreachable.
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// librdkafka needs a `group.id` for `assign()`; the table never joins it or commits.
+const THROWAWAY_GROUP: &str = "sortie-graph-table";
+
+/// Why publishing, reading or loading graphs failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The version exists with another definition; a changed graph needs a new version.
+    #[error(
+        "{key} is already published with a different definition; published versions are \
+         immutable, so give the changed graph a new version"
+    )]
+    VersionExists { key: String },
+    /// A version that does not fit the wire format's `int`.
+    #[error("{key}: version {version} is too large (at most {max})", max = i32::MAX)]
+    VersionOutOfRange { key: String, version: u32 },
+    /// A graph file or folder could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A graph file does not parse or does not validate; every problem is listed.
+    #[error("{}: {source}", path.display())]
+    InvalidFile { path: PathBuf, source: InvalidGraph },
+    /// The graphs topic does not exist.
+    #[error("topic {0} does not exist; create it with `sortie topology apply`")]
+    MissingTopic(String),
+    #[error("kafka failed while {doing}: {source}")]
+    Kafka { doing: String, source: KafkaError },
+    #[error("cannot encode the graph definition: {0}")]
+    Encode(#[from] EncodeError),
+    /// The schema registry stayed unreachable; the record is kept and decoded again later.
+    #[error("cannot decode graph definitions from {topic}: {source}")]
+    RegistryUnavailable { topic: String, source: DecodeError },
+    #[error("timed out after {timeout:?} reading {topic} up to the offsets captured at the start")]
+    Timeout { topic: String, timeout: Duration },
+    /// The runtime shut down while the table was being read.
+    #[error("reading {0} was cancelled")]
+    Cancelled(String),
+}
+
+fn kafka_error(doing: impl Into<String>) -> impl FnOnce(KafkaError) -> Error {
+    let doing = doing.into();
+    move |source| Error::Kafka { doing, source }
+}
+
+/// What [`publish`] did.
+// Named as its callers read it: `Published::AlreadyPublished`.
+#[allow(clippy::enum_variant_names)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Published {
+    /// A new version was written to the graphs topic.
+    Published { version: u32 },
+    /// The same definition was already published; nothing was written.
+    AlreadyPublished,
+}
+
+/// Who published a graph version, and when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Publication {
+    /// `graph_id@version`.
+    pub key: String,
+    pub definition_hash: String,
+    pub tenant: Option<String>,
+    pub published_by: String,
+    /// Milliseconds since the Unix epoch.
+    pub published_at: i64,
+}
+
+/// Lower-case hex SHA-256 of a definition's text (a record's `definition_hash`).
+pub fn definition_hash(definition: &str) -> String {
+    Sha256::digest(definition.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The record that publishing `graph` writes: its canonical JSON and that text's hash.
+pub fn definition_record(
+    graph: &Graph,
+    published_by: &str,
+    now_ms: i64,
+) -> Result<GraphDefinition, Error> {
+    let version = i32::try_from(graph.version).map_err(|_| Error::VersionOutOfRange {
+        key: graph.key(),
+        version: graph.version,
+    })?;
+    let definition = graph.canonical_json();
+    Ok(GraphDefinition {
+        graph_id: graph.id.clone(),
+        version,
+        tenant: None,
+        definition_hash: definition_hash(&definition),
+        definition,
+        published_by: published_by.to_owned(),
+        published_at: now_ms,
+    })
+}
+
+/// Publishes `graph` unless that exact definition is already published.
+///
+/// Reads the whole table first: the same definition → [`Published::AlreadyPublished`]
+/// (nothing produced); another definition of the same version → [`Error::VersionExists`].
+/// Otherwise produces the record keyed `id@version` with `acks=all` and awaits delivery.
+pub async fn publish(
+    kafka: &KafkaConfig,
+    codec: &Codec,
+    topics: &Topics,
+    graph: &Graph,
+    published_by: &str,
+    now_ms: i64,
+) -> Result<Published, Error> {
+    let topic = topics.graphs();
+    let key = graph.key();
+    let record = definition_record(graph, published_by, now_ms)?;
+    let deadline = Instant::now() + PUBLISH_PATIENCE;
+
+    let messages = {
+        let kafka = kafka.clone();
+        let reading = topic.clone();
+        let read = tokio::task::spawn_blocking(move || {
+            let mut reader = Reader::open(&kafka, &reading)?;
+            let mut messages = Vec::new();
+            reader.read_to_end(deadline, PUBLISH_PATIENCE, |m| messages.push(m))?;
+            Ok::<_, Error>(messages)
+        });
+        match read.await {
+            Ok(messages) => messages?,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => return Err(Error::Cancelled(topic)),
+        }
+    };
+    let mut table = Table::default();
+    for message in &messages {
+        let decoded = decode_patiently(codec, &topic, message.payload(), deadline).await?;
+        table.admit(&topic, message, decoded);
+    }
+    if let Some(existing) = table.publications.get(&key) {
+        let same = existing.definition_hash == record.definition_hash
+            || table.graphs.get(&graph.id, Some(graph.version)) == Some(graph);
+        return if same {
+            Ok(Published::AlreadyPublished)
+        } else {
+            Err(Error::VersionExists { key })
+        };
+    }
+
+    let payload = codec.encode(&topic, &record).await?;
+    let producer: FutureProducer = kafka
+        .producer()
+        .set("acks", "all")
+        .set("linger.ms", "0")
+        .create()
+        .map_err(kafka_error("creating a producer"))?;
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    producer
+        .send(
+            FutureRecord::to(&topic).key(&key).payload(&payload),
+            remaining,
+        )
+        .await
+        .map_err(|(error, _)| kafka_error(format!("publishing {key} to {topic}"))(error))?;
+    tracing::info!(graph = %key, topic = %topic, published_by, "Published a graph version.");
+    Ok(Published::Published {
+        version: graph.version,
+    })
+}
+
+/// Decodes, retrying while the registry is unreachable and `deadline` allows.
+async fn decode_patiently(
+    codec: &Codec,
+    topic: &str,
+    payload: Option<&[u8]>,
+    deadline: Instant,
+) -> Result<Result<GraphDefinition, DecodeError>, Error> {
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        match codec.decode::<GraphDefinition>(payload).await {
+            Err(error) if error.is_retryable() => {
+                if Instant::now() + backoff > deadline {
+                    return Err(Error::RegistryUnavailable {
+                        topic: topic.to_owned(),
+                        source: error,
+                    });
+                }
+                tracing::warn!(topic, %error, "The schema registry is unreachable; decoding the graph definition again.");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+            decoded => return Ok(decoded),
+        }
+    }
+}
+
+/// Parses and validates one graph file (YAML or JSON).
+pub fn load_file(path: impl AsRef<Path>) -> Result<Graph, Error> {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    Graph::parse(&text).map_err(|source| Error::InvalidFile {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Parses every `*.yaml`, `*.yml` and `*.json` file in a folder (not recursive), in file
+/// name order. The first invalid file fails the whole load, naming the file and its
+/// problems.
+pub fn load_dir(path: impl AsRef<Path>) -> Result<Vec<Graph>, Error> {
+    let dir = path.as_ref();
+    let io = |source| Error::Io {
+        path: dir.to_owned(),
+        source,
+    };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let path = entry.map_err(io)?.path();
+        let graph_file = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+        if graph_file && path.is_file() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    files.iter().map(load_file).collect()
+}
+
+// ---------------------------------------------------------------- the table
+
+/// The fold of graph records into published graphs, shared by [`publish`] and
+/// [`GraphTable`].
+#[derive(Debug, Default)]
+struct Table {
+    graphs: Graphs,
+    publications: BTreeMap<String, Publication>,
+    skipped: usize,
+}
+
+impl Table {
+    /// Folds one record in; true when it added a graph version. A record that cannot be
+    /// trusted is skipped with a warning and counted, never fatal.
+    fn admit(
+        &mut self,
+        topic: &str,
+        message: &OwnedMessage,
+        decoded: Result<GraphDefinition, DecodeError>,
+    ) -> bool {
+        let key = String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned();
+        let checked = decoded
+            .map_err(|e| format!("it does not decode: {e}"))
+            .and_then(|record| self.check(&key, record));
+        match checked {
+            Ok(Some((graph, publication))) => {
+                if let Err(error) = self.graphs.insert(graph) {
+                    // check() already refused redefinitions; kept for safety.
+                    self.skip(topic, message, &key, &error.to_string());
+                    return false;
+                }
+                self.publications.insert(key, publication);
+                true
+            }
+            Ok(None) => false,
+            Err(reason) => {
+                self.skip(topic, message, &key, &reason);
+                false
+            }
+        }
+    }
+
+    fn skip(&mut self, topic: &str, message: &OwnedMessage, key: &str, reason: &str) {
+        self.skipped += 1;
+        tracing::warn!(
+            topic,
+            partition = message.partition(),
+            offset = message.offset(),
+            key,
+            reason,
+            "Skipped a record on the graphs topic that is not a trustworthy graph definition."
+        );
+    }
+
+    /// The graph a record publishes, `None` when that exact version is already known.
+    fn check(
+        &self,
+        key: &str,
+        record: GraphDefinition,
+    ) -> Result<Option<(Graph, Publication)>, String> {
+        if definition_hash(&record.definition) != record.definition_hash {
+            return Err("its definition_hash is not the SHA-256 of its definition".into());
+        }
+        let graph = Graph::parse(&record.definition)
+            .map_err(|e| format!("its definition is refused: {e}"))?;
+        if graph.id != record.graph_id || i64::from(graph.version) != i64::from(record.version) {
+            return Err(format!(
+                "the record names {}@{} but its definition is {}",
+                record.graph_id,
+                record.version,
+                graph.key()
+            ));
+        }
+        if graph.key() != key {
+            return Err(format!("it is keyed {key:?} instead of {:?}", graph.key()));
+        }
+        if let Some(existing) = self.graphs.get(&graph.id, Some(graph.version)) {
+            return if existing == &graph {
+                Ok(None)
+            } else {
+                Err(format!(
+                    "it redefines {key}, which is already published with another definition"
+                ))
+            };
+        }
+        let publication = Publication {
+            key: key.to_owned(),
+            definition_hash: record.definition_hash,
+            tenant: record.tenant,
+            published_by: record.published_by,
+            published_at: record.published_at,
+        };
+        Ok(Some((graph, publication)))
+    }
+}
+
+/// The global view of the graphs topic: every partition from the beginning,
+/// `read_committed`. Blocking; meant for a plain std thread (decoding runs on `runtime`).
+pub struct GraphTable {
+    reader: Reader,
+    codec: Arc<Codec>,
+    runtime: Handle,
+    table: Table,
+    /// A record that could not be decoded because the registry was unreachable; it is
+    /// decoded again before anything after it.
+    pending: Option<OwnedMessage>,
+    registry_down: bool,
+}
+
+impl std::fmt::Debug for GraphTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GraphTable")
+            .field("topic", &self.reader.topic)
+            .field("graphs", &self.table.publications.len())
+            .field("skipped", &self.table.skipped)
+            .field("pending", &self.pending.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl GraphTable {
+    /// Assigns every partition of the graphs topic from the beginning. Reads nothing yet:
+    /// call [`GraphTable::catch_up`].
+    pub fn open(
+        kafka: &KafkaConfig,
+        topics: &Topics,
+        codec: Arc<Codec>,
+        runtime: Handle,
+    ) -> Result<Self, Error> {
+        Ok(Self {
+            reader: Reader::open(kafka, &topics.graphs())?,
+            codec,
+            runtime,
+            table: Table::default(),
+            pending: None,
+            registry_down: false,
+        })
+    }
+
+    /// Reads until every partition reaches the high watermark it had when this was called;
+    /// returns how many graph versions were added.
+    pub fn catch_up(&mut self, timeout: Duration) -> Result<usize, Error> {
+        let deadline = Instant::now() + timeout;
+        let mut added = 0;
+        let mut take = |this: &mut Self, message| -> Result<(), Error> {
+            added += usize::from(this.take(message, Some(deadline))?);
+            Ok(())
+        };
+        let targets = self.reader.targets(deadline)?;
+        if let Some(message) = self.pending.take() {
+            take(self, message)?;
+        }
+        while !self.reader.reached(&targets) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    topic: self.reader.topic.clone(),
+                    timeout,
+                });
+            }
+            if let Polled::Message(message) = self.reader.poll(left.min(FIRST_BACKOFF)) {
+                take(self, message)?;
+            }
+        }
+        Ok(added)
+    }
+
+    /// Takes whatever has arrived, without waiting; returns how many versions were added.
+    pub fn poll(&mut self) -> usize {
+        let mut added = 0;
+        if let Some(message) = self.pending.take() {
+            match self.take(message, None) {
+                Ok(new) => added += usize::from(new),
+                Err(_) => return added,
+            }
+        }
+        loop {
+            match self.reader.poll(Duration::ZERO) {
+                Polled::Nothing => return added,
+                Polled::Other => {}
+                Polled::Message(message) => match self.take(message, None) {
+                    Ok(new) => added += usize::from(new),
+                    Err(_) => return added,
+                },
+            }
+        }
+    }
+
+    /// The published graphs read so far.
+    pub fn graphs(&self) -> &Graphs {
+        &self.table.graphs
+    }
+
+    /// Who published `graph_id@version`, and when.
+    pub fn publication(&self, key: &str) -> Option<&Publication> {
+        self.table.publications.get(key)
+    }
+
+    /// How many records were skipped (undecodable, invalid, hash mismatch, redefinition).
+    pub fn skipped(&self) -> usize {
+        self.table.skipped
+    }
+
+    /// Decodes and folds one record. A registry outage keeps the record pending (retried
+    /// until `deadline` when given, once otherwise) and is returned as the error.
+    fn take(&mut self, message: OwnedMessage, deadline: Option<Instant>) -> Result<bool, Error> {
+        let mut backoff = FIRST_BACKOFF;
+        let decoded = loop {
+            let decoded = self
+                .runtime
+                .block_on(self.codec.decode::<GraphDefinition>(message.payload()));
+            match decoded {
+                Err(error) if error.is_retryable() => {
+                    let retry = deadline.is_some_and(|d| Instant::now() + backoff <= d);
+                    if !self.registry_down {
+                        self.registry_down = true;
+                        tracing::warn!(topic = %self.reader.topic, %error, "The schema registry is unreachable; graph definitions will be decoded again.");
+                    }
+                    if !retry {
+                        self.pending = Some(message);
+                        return Err(Error::RegistryUnavailable {
+                            topic: self.reader.topic.clone(),
+                            source: error,
+                        });
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+                decoded => break decoded,
+            }
+        };
+        if self.registry_down {
+            self.registry_down = false;
+            tracing::info!(topic = %self.reader.topic, "The schema registry is reachable again.");
+        }
+        Ok(self.table.admit(&self.reader.topic, &message, decoded))
+    }
+}
+
+// ---------------------------------------------------------------- the reader
+
+enum Polled {
+    Message(OwnedMessage),
+    /// An event (end of partition, a transient error) but no record.
+    Other,
+    Nothing,
+}
+
+/// An assigned, never-committing `read_committed` consumer over every partition of a topic,
+/// tracking how far each partition has been read.
+struct Reader {
+    consumer: BaseConsumer,
+    topic: String,
+    /// Per partition: every offset below this has been read (or does not exist).
+    next: BTreeMap<i32, i64>,
+}
+
+impl Reader {
+    fn open(kafka: &KafkaConfig, topic: &str) -> Result<Self, Error> {
+        let consumer: BaseConsumer = kafka
+            .client()
+            .set("group.id", THROWAWAY_GROUP)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "true")
+            .set("isolation.level", "read_committed")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .map_err(kafka_error("creating a consumer"))?;
+        let metadata = consumer
+            .fetch_metadata(Some(topic), METADATA_TIMEOUT)
+            .map_err(kafka_error(format!("fetching the metadata of {topic}")))?;
+        let partitions: Vec<i32> = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic && t.error().is_none())
+            .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+            .unwrap_or_default();
+        if partitions.is_empty() {
+            return Err(Error::MissingTopic(topic.to_owned()));
+        }
+        let mut assignment = TopicPartitionList::new();
+        for &partition in &partitions {
+            assignment
+                .add_partition_offset(topic, partition, Offset::Beginning)
+                .map_err(kafka_error(format!("assigning {topic}")))?;
+        }
+        consumer
+            .assign(&assignment)
+            .map_err(kafka_error(format!("assigning {topic}")))?;
+        Ok(Self {
+            consumer,
+            topic: topic.to_owned(),
+            next: partitions.into_iter().map(|p| (p, 0)).collect(),
+        })
+    }
+
+    /// The current high watermark of every partition.
+    fn targets(&mut self, deadline: Instant) -> Result<BTreeMap<i32, i64>, Error> {
+        let mut targets = BTreeMap::new();
+        for (&partition, next) in &mut self.next {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (low, high) = self
+                .consumer
+                .fetch_watermarks(&self.topic, partition, left)
+                .map_err(kafka_error(format!(
+                    "fetching the offsets of {}/{partition}",
+                    self.topic
+                )))?;
+            // Nothing below the log start offset exists any more.
+            *next = (*next).max(low);
+            targets.insert(partition, high);
+        }
+        Ok(targets)
+    }
+
+    fn reached(&self, targets: &BTreeMap<i32, i64>) -> bool {
+        targets
+            .iter()
+            .all(|(p, high)| self.next.get(p).is_some_and(|next| next >= high))
+    }
+
+    fn poll(&mut self, timeout: Duration) -> Polled {
+        match self.consumer.poll(timeout) {
+            None => Polled::Nothing,
+            Some(Ok(message)) => {
+                let next = self.next.entry(message.partition()).or_insert(0);
+                *next = (*next).max(message.offset() + 1);
+                Polled::Message(message.detach())
+            }
+            Some(Err(KafkaError::PartitionEOF(partition))) => {
+                // At the end the position may be past the last record (transaction markers,
+                // compacted gaps); it is where the next fetch starts.
+                let position = self.consumer.position().ok().and_then(|list| {
+                    match list.find_partition(&self.topic, partition)?.offset() {
+                        Offset::Offset(offset) => Some(offset),
+                        _ => None,
+                    }
+                });
+                if let Some(offset) = position {
+                    let next = self.next.entry(partition).or_insert(0);
+                    *next = (*next).max(offset);
+                }
+                Polled::Other
+            }
+            Some(Err(error)) => {
+                tracing::warn!(topic = %self.topic, %error, "Reading the graphs topic failed; reading on.");
+                Polled::Other
+            }
+        }
+    }
+
+    /// Reads every record up to the high watermarks of the moment, handing each to `f`.
+    fn read_to_end(
+        &mut self,
+        deadline: Instant,
+        timeout: Duration,
+        mut f: impl FnMut(OwnedMessage),
+    ) -> Result<(), Error> {
+        let targets = self.targets(deadline)?;
+        while !self.reached(&targets) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    topic: self.topic.clone(),
+                    timeout,
+                });
+            }
+            if let Polled::Message(message) = self.poll(left.min(FIRST_BACKOFF)) {
+                f(message);
+            }
+        }
+        Ok(())
+    }
+}
