@@ -31,6 +31,8 @@ use sortie_registry::Registry;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+pub mod stack;
+
 /// The environment variable that points the tests at an existing broker.
 pub const BOOTSTRAP_ENV: &str = "SORTIE_TEST_BOOTSTRAP";
 /// The test broker's PLAINTEXT port (its controller listens on the next one).

@@ -1,8 +1,11 @@
-//! `sortie`: the command line for the local broker, the topology and the schema registry.
+//! `sortie`: the command line for the local broker, the topology, the schema registry,
+//! graphs, and the services themselves (`sortie reducer`).
 
 use clap::{Parser, Subcommand};
 
 mod broker;
+mod graph;
+mod reducer;
 mod registry;
 mod topology;
 
@@ -25,6 +28,10 @@ enum Command {
     Topology(topology::Args),
     /// Serve the Confluent-compatible schema registry subset, persisted in Kafka.
     Registry(registry::Args),
+    /// Publish and list mission graphs.
+    Graph(graph::Args),
+    /// Run a reducer instance: folds commands and step results into run state, exactly once.
+    Reducer(reducer::Args),
 }
 
 #[tokio::main]
@@ -35,11 +42,35 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match cli.command {
         Command::Broker(args) => broker::run(args).await,
         Command::Topology(args) => topology::run(args).await,
         Command::Registry(args) => registry::run(args).await,
+        Command::Reducer(args) => reducer::run(args).await,
+        Command::Graph(args) => graph::run(args).await,
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub(crate) async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
     }
 }

@@ -1,0 +1,91 @@
+//! `sortie reducer`: one reducer instance, until Ctrl-C or SIGTERM.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sortie_kafka::KafkaConfig;
+use sortie_reducer::driver::{self, ReducerConfig};
+use sortie_wire::Topics;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(
+        long,
+        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
+    bootstrap_servers: String,
+    #[arg(
+        long,
+        env = "SORTIE__REGISTRY__URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    registry_url: String,
+    /// Topic name prefix.
+    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
+    prefix: String,
+    /// Where the sled cache lives (a cache: deleting it costs a cold restore, nothing else).
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__DATA_DIR",
+        default_value = "target/dev/reducer"
+    )]
+    data_dir: PathBuf,
+    /// Stable identity of this instance (the transactional id derives from it).
+    #[arg(long, env = "SORTIE__REDUCER__INSTANCE_ID", default_value = "0")]
+    instance_id: String,
+    /// Use static group membership (group.instance.id = instance id).
+    #[arg(long, env = "SORTIE__REDUCER__STATIC_MEMBERSHIP")]
+    static_membership: bool,
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__COMMIT_INTERVAL_MS",
+        default_value_t = 100
+    )]
+    commit_interval_ms: u64,
+    #[arg(long, env = "SORTIE__REDUCER__MAX_BATCH", default_value_t = 500)]
+    max_batch: usize,
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__SESSION_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    session_timeout_ms: u64,
+    /// Largest record value accepted; larger ones are dead-lettered.
+    #[arg(long, env = "SORTIE__REDUCER__MAX_PAYLOAD_BYTES", default_value_t = 1024 * 1024)]
+    max_payload_bytes: usize,
+    /// Print the effective configuration and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let mut config = ReducerConfig::new(
+        KafkaConfig::new(args.bootstrap_servers),
+        args.registry_url,
+        Topics::new(args.prefix),
+        args.data_dir,
+    );
+    config.instance_id = args.instance_id;
+    config.static_membership = args.static_membership;
+    config.commit_interval = Duration::from_millis(args.commit_interval_ms);
+    config.max_batch = args.max_batch;
+    config.session_timeout = Duration::from_millis(args.session_timeout_ms);
+    config.max_payload_bytes = args.max_payload_bytes;
+    if args.print_config {
+        println!("{config:#?}");
+        return Ok(());
+    }
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let flag = shutdown.clone();
+    tokio::spawn(async move {
+        crate::shutdown_signal().await;
+        tracing::info!("Shutting down: finishing the current batch.");
+        flag.store(true, Ordering::Relaxed);
+    });
+    let runtime = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || driver::run(config, runtime, shutdown)).await??;
+    Ok(())
+}

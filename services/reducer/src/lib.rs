@@ -1,0 +1,14 @@
+//! The reducer: folds commands and step results into run state with exactly-once
+//! semantics. It consumes the assigned partitions `read_committed`, applies a batch with
+//! `sortie-core`'s pure fold, and in ONE Kafka transaction produces intents, run events,
+//! run-state records and the consumed offsets. sled is a cache written only after the
+//! transaction commits; Kafka is the truth and can always rebuild it.
+//!
+//! The reducer never calls a receiver and never reads a clock inside the fold: the only
+//! clock it reads is for due timers, whose firing is itself an input recorded in history.
+
+pub mod convert;
+pub mod driver;
+pub mod graphs;
+pub mod restore;
+pub mod store;

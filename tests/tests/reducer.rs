@@ -1,0 +1,435 @@
+//! The reducer as its own process against the real broker: runs complete; a SIGKILL
+//! mid-run loses nothing and dispatches nothing twice; a deleted cache is rebuilt from the
+//! changelog; two reducers share the partitions and a run survives one leaving; bad
+//! records are dead-lettered while the partition keeps moving.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use sortie_core::{EventBody, RunState, RunStatus};
+use sortie_tests::stack::{command, start_run, succeed, Stack, PARTITIONS};
+use sortie_wire::partition_for;
+use sortie_wire::records as w;
+
+const THREE_STEPS: &str = r#"
+id: three
+version: 1
+nodes:
+  - {id: fetch, tool: echo, side_effect: pure, args: {order: $input.order}}
+  - {id: price, tool: echo, side_effect: idempotent, args: {from: $steps.fetch.output.step}}
+  - {id: notify, tool: echo, side_effect: keyed, args: {from: $steps.price.output.step}}
+edges:
+  - {from: fetch, to: price}
+  - {from: price, to: notify}
+"#;
+
+const GATED: &str = r#"
+id: gated
+version: 1
+nodes:
+  - {id: prepare, tool: echo, side_effect: pure}
+  - id: refund
+    tool: echo
+    side_effect: keyed
+    args: {amount: $input.amount}
+    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
+edges:
+  - {from: prepare, to: refund}
+"#;
+
+const LONG: Duration = Duration::from_secs(90);
+
+fn succeeded(state: &RunState) -> bool {
+    state.status == RunStatus::Succeeded
+}
+
+/// Audit-style checks on one run's history: gap-free seq, an intact hash chain, folding it
+/// gives the state in the changelog, and no step attempt was dispatched twice.
+fn check_history(run_id: &str, events: &[sortie_core::Event], state: &RunState) {
+    let mut folded = None;
+    let mut prev = None;
+    let mut dispatched = BTreeSet::new();
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event.seq, i as i64 + 1, "{run_id}: seq gap");
+        assert_eq!(event.prev_hash, prev, "{run_id}: hash chain");
+        assert_eq!(
+            event.hash.as_deref(),
+            Some(event.compute_hash().as_str()),
+            "{run_id}: hash"
+        );
+        prev = event.hash.clone();
+        if let EventBody::StepDispatched {
+            step_id, attempt, ..
+        } = &event.body
+        {
+            assert!(
+                dispatched.insert((step_id.clone(), *attempt)),
+                "{run_id}: {step_id} attempt {attempt} dispatched twice"
+            );
+        }
+        folded = sortie_core::evolve(folded, event);
+    }
+    assert_eq!(
+        folded.as_ref(),
+        Some(state),
+        "{run_id}: folding the history does not give the changelog state"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_step_graph_completes_and_its_history_folds_to_its_state() {
+    let stack = Stack::start("reducer-complete", &[THREE_STEPS]).await;
+    let _reducer = stack.reducer("0");
+    let executor = stack.executor("default", succeed);
+    let runs: Vec<String> = (0..6).map(|i| format!("run-{i}")).collect();
+    for run in &runs {
+        stack
+            .send(&start_run(run, "three", r#"{"order": 7}"#))
+            .await;
+    }
+    let states = stack
+        .wait_for_states("every run to succeed", &runs, LONG, succeeded)
+        .await;
+    let events = stack.events().await;
+    for run in &runs {
+        let state = &states[run];
+        assert_eq!(state.steps.len(), 3, "{run}");
+        assert_eq!(
+            state.steps["price#1"].args["from"], "fetch#1",
+            "outputs feed the next step's args"
+        );
+        check_history(run, &events[run], state);
+    }
+    let seen = executor.seen.lock().expect("seen").len();
+    assert_eq!(
+        seen, 18,
+        "each of 3 steps of 6 runs reached the executor once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reducer_killed_mid_run_restarts_and_dispatches_nothing_twice() {
+    let stack = Stack::start("reducer-kill", &[THREE_STEPS]).await;
+    let mut reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let runs: Vec<String> = (0..30).map(|i| format!("run-{i}")).collect();
+    for run in &runs {
+        stack
+            .send(&start_run(run, "three", r#"{"order": 1}"#))
+            .await;
+    }
+    // Kill it once some runs have moved, while others are still in flight.
+    sortie_tests::wait_until("some runs to make progress", LONG, || async {
+        stack.states().await.values().any(|s| s.steps.len() >= 2)
+    })
+    .await;
+    reducer.kill();
+    let _restarted = stack.reducer("0");
+    let states = stack
+        .wait_for_states(
+            "every run to succeed after the restart",
+            &runs,
+            LONG,
+            succeeded,
+        )
+        .await;
+    let events = stack.events().await;
+    for run in &runs {
+        check_history(run, &events[run], &states[run]);
+        assert!(
+            states[run].steps.values().all(|s| s.attempt == 1),
+            "{run}: a restart must not create new attempts"
+        );
+    }
+    // What executors can see: each operation once, attempt 1 only.
+    let mut intents = HashMap::new();
+    for intent in stack.intents("default").await {
+        *intents
+            .entry((intent.operation_id.clone(), intent.attempt))
+            .or_insert(0) += 1;
+    }
+    assert_eq!(intents.len(), 90);
+    assert!(
+        intents
+            .iter()
+            .all(|((_, attempt), n)| *n == 1 && *attempt == 1),
+        "duplicate or re-attempted intents: {intents:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
+    let stack = Stack::start("reducer-cold", &[GATED]).await;
+    let mut reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let run = "run-refund".to_owned();
+    stack
+        .send(&start_run(&run, "gated", r#"{"amount": 30}"#))
+        .await;
+    let waiting = stack
+        .wait_for_states(
+            "the run to wait for approval",
+            std::slice::from_ref(&run),
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    let before = waiting[&run].clone();
+
+    reducer.stop();
+    std::fs::remove_dir_all(stack.reducer_data("0")).expect("delete the cache");
+    let restarted = stack.reducer("0");
+
+    let interrupt = before
+        .interrupts
+        .values()
+        .next()
+        .expect("an interrupt")
+        .clone();
+    let approve = command(
+        &run,
+        "approve-1",
+        w::CommandBody::ResumeRun(w::ResumeRun {
+            interrupt_id: interrupt.interrupt_id.clone(),
+            proposal_hash: interrupt.proposal_hash.clone(),
+            decision: w::Decision::Approve,
+            payload: None,
+            comment: Some("ok".into()),
+        }),
+    );
+    stack.send(&approve).await;
+    let states = stack
+        .wait_for_states(
+            "the approved run to finish",
+            std::slice::from_ref(&run),
+            LONG,
+            succeeded,
+        )
+        .await;
+    let after = &states[&run];
+    assert!(after.version > before.version);
+    assert_eq!(
+        after.steps["refund#1"].args["amount"], 30,
+        "the approved call ran with the proposed args"
+    );
+    check_history(&run, &stack.events().await[&run], after);
+    assert!(
+        restarted.log_text().contains("warm=false"),
+        "the restart restored cold from the changelog"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_reducers_share_partitions_and_runs_survive_one_leaving() {
+    let stack = Stack::start("reducer-pair", &[THREE_STEPS]).await;
+    let mut first = stack.reducer("0");
+    let second = stack.reducer("1");
+    sortie_tests::wait_until("both reducers to own partitions", LONG, || async {
+        first.log_text().contains("Partitions assigned")
+            && second.log_text().contains("Partitions assigned")
+    })
+    .await;
+    // Hold results back until the first reducer has left, so runs are mid-flight then.
+    let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let open = gate.clone();
+    let _executor = stack.executor("default", move |intent| {
+        if intent.step_id.starts_with("fetch") || open.load(std::sync::atomic::Ordering::Relaxed) {
+            succeed(intent)
+        } else {
+            None
+        }
+    });
+    let runs: Vec<String> = (0..12).map(|i| format!("run-{i}")).collect();
+    for run in &runs {
+        stack.send(&start_run(run, "three", "{}")).await;
+    }
+    let partitions: BTreeSet<i32> = runs
+        .iter()
+        .map(|r| partition_for(r.as_bytes(), PARTITIONS))
+        .collect();
+    assert!(partitions.len() > 1, "the runs span partitions");
+    stack
+        .wait_for_states("every run to reach its second step", &runs, LONG, |s| {
+            s.steps.contains_key("price#1")
+        })
+        .await;
+    first.stop();
+    gate.store(true, std::sync::atomic::Ordering::Relaxed);
+    // The held-back price intents were consumed already; answer them again by re-sending
+    // results for every price intent seen (the executor dropped them while gated).
+    let pending: Vec<w::StepIntent> = stack
+        .intents("default")
+        .await
+        .into_iter()
+        .filter(|i| i.step_id.starts_with("price"))
+        .collect();
+    for intent in &pending {
+        if let Some(result) = succeed(intent) {
+            let bytes = stack
+                .codec
+                .encode(&stack.topics.step_results(), &result)
+                .await
+                .expect("encode");
+            let partition = partition_for(result.run_id.as_bytes(), PARTITIONS);
+            stack
+                .send_raw(
+                    &stack.topics.step_results(),
+                    Some(partition),
+                    result.operation_id.as_bytes(),
+                    &bytes,
+                )
+                .await;
+        }
+    }
+    let states = stack
+        .wait_for_states(
+            "every run to finish on the remaining reducer",
+            &runs,
+            LONG,
+            succeeded,
+        )
+        .await;
+    let events = stack.events().await;
+    for run in &runs {
+        check_history(run, &events[run], &states[run]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_records_are_dead_lettered_and_misrouted_commands_forwarded_once() {
+    let stack = Stack::start("reducer-bad", &[THREE_STEPS]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let commands = stack.topics.commands();
+    let good = "run-good".to_owned();
+    let target = partition_for(good.as_bytes(), PARTITIONS);
+    // Garbage, then a valid record of the wrong type, on the good run's partition.
+    stack
+        .send_raw(&commands, Some(target), good.as_bytes(), b"not avro at all")
+        .await;
+    let wrong_type = w::DeadLetter {
+        reason_code: "x".into(),
+        reason: "x".into(),
+        service: "x".into(),
+        original_topic: "x".into(),
+        original_partition: 0,
+        original_offset: 0,
+        original_timestamp: None,
+        original_key: None,
+        original_value: None,
+        original_headers: vec![],
+        failed_at: 0,
+    };
+    let bytes = stack
+        .codec
+        .encode(&stack.topics.dead_letters(), &wrong_type)
+        .await
+        .expect("encode");
+    stack
+        .send_raw(&commands, Some(target), good.as_bytes(), &bytes)
+        .await;
+    stack.send(&start_run(&good, "three", "{}")).await;
+    // A command produced to the wrong partition (another client's partitioner).
+    let misrouted = "run-misrouted".to_owned();
+    let wrong = (partition_for(misrouted.as_bytes(), PARTITIONS) + 1) % PARTITIONS as i32;
+    stack
+        .send_to(&start_run(&misrouted, "three", "{}"), wrong)
+        .await;
+
+    let runs = vec![good.clone(), misrouted.clone()];
+    stack
+        .wait_for_states("both runs to finish", &runs, LONG, succeeded)
+        .await;
+    let letters = stack.dead_letters().await;
+    let codes: BTreeSet<&str> = letters.iter().map(|l| l.reason_code.as_str()).collect();
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    assert_eq!(codes, BTreeSet::from(["undecodable", "wrong_schema"]));
+    assert!(letters
+        .iter()
+        .all(|l| l.original_partition == target && l.original_value.is_some()));
+    let events = stack.events().await;
+    let accepted = events[&misrouted]
+        .iter()
+        .filter(|e| matches!(e.body, EventBody::CommandAccepted { .. }))
+        .count();
+    assert_eq!(
+        accepted, 1,
+        "the misrouted command was applied exactly once"
+    );
+}
+
+const FLAKY: &str = r#"
+id: flaky
+version: 1
+nodes:
+  - id: call
+    tool: echo
+    side_effect: keyed
+    retry: {max_attempts: 3, initial_backoff: 300ms, max_backoff: 1s, multiplier: 2, jitter: 0.1}
+  - {id: after, tool: echo, side_effect: pure}
+edges:
+  - {from: call, to: after}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transient_failure_is_retried_by_a_timer_with_the_same_operation_id() {
+    let stack = Stack::start("reducer-retry", &[FLAKY]).await;
+    let _reducer = stack.reducer("0");
+    let executor = stack.executor("default", |intent| {
+        let mut result = succeed(intent)?;
+        if intent.step_id == "call#1" && intent.attempt == 1 {
+            result.status = w::StepStatus::Failed;
+            result.retryable = true;
+            result.output = None;
+            result.error = Some(w::StepError {
+                code: "http_503".into(),
+                message: "try later".into(),
+                retry_after_ms: None,
+            });
+        }
+        Some(result)
+    });
+    let run = "run-flaky".to_owned();
+    stack.send(&start_run(&run, "flaky", "{}")).await;
+    let states = stack
+        .wait_for_states(
+            "the run to succeed after a retry",
+            std::slice::from_ref(&run),
+            LONG,
+            succeeded,
+        )
+        .await;
+    let call = &states[&run].steps["call#1"];
+    assert_eq!(call.attempt, 2);
+    let seen: Vec<(String, i32)> = executor
+        .seen
+        .lock()
+        .expect("seen")
+        .iter()
+        .filter(|i| i.step_id == "call#1")
+        .map(|i| (i.operation_id.clone(), i.attempt))
+        .collect();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[0].0, seen[1].0,
+        "both attempts carry the same operation id (idempotency key)"
+    );
+    let events = stack.events().await;
+    let failed_at = events[&run].iter().find_map(|e| match &e.body {
+        EventBody::StepFailed { retry_at, .. } => {
+            Some((e.at, retry_at.expect("a retry is scheduled")))
+        }
+        _ => None,
+    });
+    let redispatched = events[&run]
+        .iter()
+        .find(|e| matches!(&e.body, EventBody::StepDispatched { attempt: 2, .. }))
+        .map(|e| e.at);
+    let (failed, due) = failed_at.expect("a StepFailed event");
+    assert!(due - failed >= 270, "backoff honoured: {failed} -> {due}");
+    assert!(
+        redispatched.expect("attempt 2 dispatched") >= due,
+        "the retry fired at or after its due time"
+    );
+    check_history(&run, &events[&run], &states[&run]);
+}
