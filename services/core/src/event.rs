@@ -146,6 +146,17 @@ pub enum EventBody {
         reason: Option<String>,
         output: Option<Value>,
     },
+    /// A decision named an interrupt that is not registered yet: it waits in the run's
+    /// state and is applied (and answered) when the interrupt is registered.
+    DecisionBuffered {
+        interrupt_id: String,
+        proposal_hash: String,
+        approve: bool,
+        decided_by: String,
+        roles: Vec<String>,
+        payload: Option<Value>,
+        comment: Option<String>,
+    },
 }
 
 /// Why a step exists.
@@ -179,6 +190,7 @@ impl EventBody {
             EventBody::InterruptExpired { .. } => "InterruptExpired",
             EventBody::CancelRequested { .. } => "CancelRequested",
             EventBody::RunStatusChanged { .. } => "RunStatusChanged",
+            EventBody::DecisionBuffered { .. } => "DecisionBuffered",
         }
     }
 }

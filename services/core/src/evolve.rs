@@ -43,6 +43,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 commands: Default::default(),
                 ending: None,
                 output: None,
+                buffered: Vec::new(),
             };
             if let Some(due) = deadline_at {
                 state.timers.insert(TimerKey::RunDeadline.encode(), *due);
@@ -68,6 +69,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
                 .commands
                 .entry(command_id.clone())
                 .or_insert(Answer::Accepted);
+            state.buffered.retain(|b| &b.command_id != command_id);
         }
         EventBody::CommandRejected {
             command_id,
@@ -82,6 +84,28 @@ fn apply_body(state: &mut RunState, event: &Event) {
                     code: code.clone(),
                     reason: reason.clone(),
                 });
+            state.buffered.retain(|b| &b.command_id != command_id);
+        }
+        EventBody::DecisionBuffered {
+            interrupt_id,
+            proposal_hash,
+            approve,
+            decided_by,
+            roles,
+            payload,
+            comment,
+        } => {
+            state.buffered.push(crate::state::BufferedDecision {
+                command_id: event.command_id.clone().unwrap_or_default(),
+                interrupt_id: interrupt_id.clone(),
+                proposal_hash: proposal_hash.clone(),
+                approve: *approve,
+                principal: decided_by.clone(),
+                roles: roles.clone(),
+                payload: payload.clone(),
+                comment: comment.clone(),
+                at: event.at,
+            });
         }
         EventBody::StepDispatched {
             step_id,

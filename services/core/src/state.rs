@@ -35,6 +35,23 @@ pub struct RunState {
     /// Set when the run began winding down (cancel or terminal failure).
     pub ending: Option<Ending>,
     pub output: Option<Value>,
+    /// Decisions that arrived before their interrupt was registered, oldest first.
+    #[serde(default)]
+    pub buffered: Vec<BufferedDecision>,
+}
+
+/// A decision waiting for its interrupt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BufferedDecision {
+    pub command_id: String,
+    pub interrupt_id: String,
+    pub proposal_hash: String,
+    pub approve: bool,
+    pub principal: String,
+    pub roles: Vec<String>,
+    pub payload: Option<Value>,
+    pub comment: Option<String>,
+    pub at: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -256,6 +256,19 @@ impl Sim {
                     .cloned()
                     .collect();
                 if open.is_empty() {
+                    // A decision for an interrupt not registered (yet): buffered, then
+                    // answered when it appears or when the run ends.
+                    self.command(
+                        CommandBody::ResumeRun {
+                            interrupt_id: format!("int_early{}", pick % 3),
+                            proposal_hash: "h".into(),
+                            approve: *approve,
+                            payload: None,
+                            comment: None,
+                        },
+                        &format!("user{principal}"),
+                        vec![],
+                    );
                     return;
                 }
                 let interrupt = &open[pick % open.len()];
@@ -375,6 +388,7 @@ proptest! {
         match run.status {
             RunStatus::Succeeded | RunStatus::Failed | RunStatus::Cancelled => {
                 prop_assert!(run.timers.is_empty());
+                prop_assert!(run.buffered.is_empty(), "an ended run still holds early decisions");
             }
             RunStatus::WaitingApproval => prop_assert!(run.open_interrupts().next().is_some()),
             RunStatus::NeedsReconciliation | RunStatus::Cancelling | RunStatus::Compensating => {

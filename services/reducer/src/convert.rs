@@ -375,6 +375,27 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             reason: reason.clone(),
             output: output.as_ref().map(text),
         }),
+        EventBody::DecisionBuffered {
+            interrupt_id,
+            proposal_hash,
+            approve,
+            decided_by,
+            roles,
+            payload,
+            comment,
+        } => w::EventBody::DecisionBuffered(w::DecisionBuffered {
+            interrupt_id: interrupt_id.clone(),
+            proposal_hash: proposal_hash.clone(),
+            decision: if *approve {
+                w::Decision::Approve
+            } else {
+                w::Decision::Reject
+            },
+            decided_by: decided_by.clone(),
+            roles: roles.clone(),
+            payload: payload.as_ref().map(text),
+            comment: comment.clone(),
+        }),
     };
     w::RunEvent {
         tenant: event.tenant.clone(),
@@ -496,6 +517,15 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             status: status_from_wire(e.status),
             reason: e.reason,
             output: json_opt("output", &e.output)?,
+        },
+        w::EventBody::DecisionBuffered(e) => EventBody::DecisionBuffered {
+            interrupt_id: e.interrupt_id,
+            proposal_hash: e.proposal_hash,
+            approve: e.decision == w::Decision::Approve,
+            decided_by: e.decided_by,
+            roles: e.roles,
+            payload: json_opt("payload", &e.payload)?,
+            comment: e.comment,
         },
     };
     Ok(Event {

@@ -213,6 +213,18 @@ pub enum EventBody {
     InterruptExpired(InterruptExpired),
     CancelRequested(CancelRequested),
     RunStatusChanged(RunStatusChanged),
+    DecisionBuffered(DecisionBuffered),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecisionBuffered {
+    pub interrupt_id: String,
+    pub proposal_hash: String,
+    pub decision: Decision,
+    pub decided_by: String,
+    pub roles: Vec<String>,
+    pub payload: Option<String>,
+    pub comment: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -405,6 +405,15 @@ fn every_event_kind_round_trips() {
             reason: None,
             output: Some("{}".into()),
         }),
+        EventBody::DecisionBuffered(DecisionBuffered {
+            interrupt_id: "i".into(),
+            proposal_hash: "h".into(),
+            decision: Decision::Approve,
+            decided_by: "alice".into(),
+            roles: vec!["approver".into()],
+            payload: None,
+            comment: None,
+        }),
     ];
     let schema: Json = serde_json::from_str(RecordKind::RunEvent.schema_text()).expect("json");
     let Json::Array(branches) = &schema["fields"]

@@ -218,6 +218,26 @@ impl<'g> Ctx<'g> {
             },
             None,
         );
+        if status.is_terminal() {
+            // Early decisions whose interrupt never came get their answer now.
+            let waiting = self.run().buffered.clone();
+            for decision in waiting {
+                let current = self.command_id.replace(decision.command_id.clone());
+                self.emit(
+                    EventBody::CommandRejected {
+                        command_id: decision.command_id,
+                        command: "ResumeRun".into(),
+                        code: "unknown_interrupt".into(),
+                        reason: format!(
+                            "the run ended before interrupt {} was registered",
+                            decision.interrupt_id
+                        ),
+                    },
+                    None,
+                );
+                self.command_id = current;
+            }
+        }
     }
 
     /// Either asks for approval (the node has `interrupt_before`) or dispatches attempt 1.
@@ -234,7 +254,7 @@ impl<'g> Ctx<'g> {
                 let interrupt_id = ids::interrupt_id(&self.run_id, &step_id, &proposal_hash);
                 self.emit(
                     EventBody::Interrupted {
-                        interrupt_id,
+                        interrupt_id: interrupt_id.clone(),
                         step_id,
                         node: node.id.clone(),
                         proposal,
@@ -248,6 +268,7 @@ impl<'g> Ctx<'g> {
                     },
                     None,
                 );
+                resume::apply_buffered(self, &interrupt_id);
             }
             _ => self.dispatch(node, step_id, 1, args, role),
         }

@@ -8,6 +8,41 @@ use crate::{
     state::InterruptStatus,
 };
 
+/// Most decisions one run keeps waiting for interrupts not registered yet.
+pub(crate) const MAX_BUFFERED: usize = 16;
+
+/// Applies decisions that were waiting for `interrupt_id`, now that it is registered.
+/// Each is answered (accepted or rejected) under its own command id.
+pub(crate) fn apply_buffered(ctx: &mut Ctx<'_>, interrupt_id: &str) {
+    let waiting: Vec<_> = ctx
+        .run()
+        .buffered
+        .iter()
+        .filter(|b| b.interrupt_id == interrupt_id)
+        .cloned()
+        .collect();
+    for decision in waiting {
+        let command = Command {
+            command_id: decision.command_id.clone(),
+            tenant: ctx.tenant.clone(),
+            run_id: ctx.run_id.clone(),
+            principal: decision.principal,
+            roles: decision.roles,
+            at: decision.at,
+            body: CommandBody::ResumeRun {
+                interrupt_id: decision.interrupt_id,
+                proposal_hash: decision.proposal_hash,
+                approve: decision.approve,
+                payload: decision.payload,
+                comment: decision.comment,
+            },
+        };
+        let current = ctx.command_id.replace(decision.command_id);
+        handle(ctx, &command);
+        ctx.command_id = current;
+    }
+}
+
 pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     let CommandBody::ResumeRun {
         interrupt_id,
@@ -20,11 +55,36 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         return;
     };
     let Some(interrupt) = ctx.run().interrupts.get(interrupt_id).cloned() else {
-        return ctx.reject(
-            command,
-            "unknown_interrupt",
-            format!("interrupt {interrupt_id} is not pending on this run"),
+        // Interrupt ids are derived from the run, the step and the proposal, so a decision
+        // can name an interrupt before it is registered: keep it until it is.
+        let run = ctx.run();
+        if run
+            .buffered
+            .iter()
+            .any(|b| b.command_id == command.command_id)
+        {
+            return; // the same buffered decision again: still waiting
+        }
+        if run.buffered.len() >= MAX_BUFFERED {
+            return ctx.reject(
+                command,
+                "unknown_interrupt",
+                format!("interrupt {interrupt_id} is not pending on this run, and {MAX_BUFFERED} early decisions already wait"),
+            );
+        }
+        ctx.emit(
+            EventBody::DecisionBuffered {
+                interrupt_id: interrupt_id.clone(),
+                proposal_hash: proposal_hash.clone(),
+                approve: *approve,
+                decided_by: command.principal.clone(),
+                roles: command.roles.clone(),
+                payload: payload.clone(),
+                comment: comment.clone(),
+            },
+            None,
         );
+        return;
     };
     match interrupt.status {
         InterruptStatus::Open => {}
@@ -60,7 +120,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             ),
         );
     }
-    if interrupt.expires_at.is_some_and(|due| ctx.at >= due) {
+    if interrupt.expires_at.is_some_and(|due| command.at >= due) {
         return ctx.reject(
             command,
             "expired",

@@ -245,6 +245,9 @@ pub fn summary(event: &Event) -> String {
         EventBody::RunStatusChanged { status, .. } => {
             format!("RunStatusChanged {}", status.as_str())
         }
+        EventBody::DecisionBuffered { interrupt_id, .. } => {
+            format!("DecisionBuffered {interrupt_id}")
+        }
     }
 }
 
