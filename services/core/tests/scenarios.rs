@@ -43,4 +43,5 @@ scenarios!(
     agent_loop_is_bounded,
     approval_gate,
     cancel_while_in_flight,
+    late_result_resolves_unknown_outcome,
 );

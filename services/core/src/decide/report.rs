@@ -22,7 +22,15 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, report: &StepReport) -> Result<(), &'sta
     if report.attempt != step.attempt {
         return Err("stale attempt");
     }
-    if !step.status.is_in_flight() {
+    // An operator may be waiting on an outcome that now arrives after all (a slow
+    // executor): the receiver's real answer beats a guess, so a definite outcome for the
+    // current attempt is still taken.
+    let late_but_definite = step.status == StepStatus::NeedsOperator
+        && matches!(
+            report.outcome,
+            StepOutcome::Succeeded { .. } | StepOutcome::Failed { .. }
+        );
+    if !step.status.is_in_flight() && !late_but_definite {
         return Err("step already settled");
     }
     match &report.outcome {
