@@ -1,0 +1,116 @@
+//! `sortie executor`: a stateless executor for one or more queues, until Ctrl-C or SIGTERM
+//! (then it finishes or hands back its in-flight intents).
+
+use std::time::Duration;
+
+use sortie_executor::{ExecutorConfig, FaultPoint, Handlers};
+use sortie_kafka::KafkaConfig;
+use sortie_wire::Topics;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(
+        long,
+        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
+    bootstrap_servers: String,
+    #[arg(
+        long,
+        env = "SORTIE__REGISTRY__URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    registry_url: String,
+    /// Topic name prefix.
+    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
+    prefix: String,
+    /// Queues to serve (`sortie.intents.<queue>`); repeat the flag or separate by commas.
+    #[arg(
+        long = "queue",
+        env = "SORTIE__EXECUTOR__QUEUES",
+        value_delimiter = ',',
+        default_value = "default"
+    )]
+    queues: Vec<String>,
+    /// This process's name in results; with --static-membership, its group.instance.id.
+    #[arg(long, env = "SORTIE__EXECUTOR__ID")]
+    executor_id: Option<String>,
+    /// Static group membership: a restart with the same --executor-id takes its
+    /// partitions back at once instead of after the session timeout.
+    #[arg(
+        long,
+        env = "SORTIE__EXECUTOR__STATIC_MEMBERSHIP",
+        requires = "executor_id"
+    )]
+    static_membership: bool,
+    /// Most intents running at once, per queue.
+    #[arg(long, env = "SORTIE__EXECUTOR__MAX_IN_FLIGHT", default_value_t = 16)]
+    max_in_flight: usize,
+    #[arg(
+        long,
+        env = "SORTIE__EXECUTOR__COMMIT_INTERVAL_MS",
+        default_value_t = 100
+    )]
+    commit_interval_ms: u64,
+    /// How long a rebalance or a shutdown waits for in-flight intents.
+    #[arg(
+        long,
+        env = "SORTIE__EXECUTOR__DRAIN_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    drain_timeout_ms: u64,
+    #[arg(
+        long,
+        env = "SORTIE__EXECUTOR__SESSION_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    session_timeout_ms: u64,
+    /// An attempt's timeout when its node sets none.
+    #[arg(
+        long,
+        env = "SORTIE__EXECUTOR__DEFAULT_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    default_timeout_ms: u64,
+    /// Crash tests only: die on purpose at this point (executor.before_call,
+    /// executor.after_call, executor.after_result).
+    #[arg(long, env = "SORTIE_FAULT")]
+    fault: Option<FaultPoint>,
+    /// Print the effective configuration and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let queues: Vec<String> = args
+        .queues
+        .iter()
+        .map(|q| q.trim().to_owned())
+        .filter(|q| !q.is_empty())
+        .collect();
+    let mut config = ExecutorConfig::new(
+        KafkaConfig::new(args.bootstrap_servers),
+        args.registry_url,
+        Topics::new(args.prefix),
+        queues,
+    );
+    if let Some(id) = args.executor_id {
+        config.executor_id = id;
+    }
+    config.static_membership = args.static_membership;
+    config.max_in_flight = args.max_in_flight;
+    config.commit_interval = Duration::from_millis(args.commit_interval_ms);
+    config.drain_timeout = Duration::from_millis(args.drain_timeout_ms);
+    config.session_timeout = Duration::from_millis(args.session_timeout_ms);
+    config.default_timeout = Duration::from_millis(args.default_timeout_ms);
+    config.fault = args.fault;
+    if args.print_config {
+        println!("{config:#?}");
+        return Ok(());
+    }
+    if let Some(point) = config.fault {
+        tracing::warn!(%point, "Fault injection is ON: this executor will die at that point.");
+    }
+    sortie_executor::run(config, Handlers::builtin(), crate::shutdown_signal()).await?;
+    Ok(())
+}

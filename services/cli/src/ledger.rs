@@ -1,0 +1,40 @@
+//! `sortie ledger`: the receiver that records every side effect (tests, demos). Prints
+//! `ledger listening on http://<addr>` on stdout once it accepts connections, so
+//! `--addr 127.0.0.1:0` works for callers that read the address back.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use sortie_executor::ledger::{self, Ledger, Mode};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Address to listen on (port 0: any free port).
+    #[arg(long, env = "SORTIE__LEDGER__ADDR", default_value = "127.0.0.1:8090")]
+    addr: String,
+    /// The ledger's file: one JSON line per call, fsynced before answering.
+    #[arg(
+        long,
+        env = "SORTIE__LEDGER__FILE",
+        default_value = "target/dev/ledger.jsonl"
+    )]
+    file: PathBuf,
+    /// plain | keyed | idempotent | reconcilable.
+    #[arg(long, env = "SORTIE__LEDGER__MODE", default_value = "keyed")]
+    mode: Mode,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let ledger = Arc::new(Ledger::open(&args.file, args.mode)?);
+    let listener = tokio::net::TcpListener::bind(&args.addr).await?;
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, mode = %args.mode, file = %args.file.display(), "Ledger listening.");
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "ledger listening on http://{addr}")?;
+        stdout.flush()?;
+    }
+    ledger::serve(listener, ledger, crate::shutdown_signal()).await?;
+    Ok(())
+}

@@ -1,0 +1,37 @@
+//! Sortie's stateless step executors: they consume `sortie.intents.<queue>`, run the
+//! node's handler, and report a `StepResult` on the run's canonical partition of
+//! `sortie.step-results`. Built-in handlers (`http`, `llm`, `echo`, `sleep`) and the
+//! [`StepHandler`] trait for users' own live here, with the side-effect contract of SPEC
+//! §4.2 and the [`ledger`], the receiver that tests and the dev stack call.
+//!
+//! An executor never touches run state and never retries on its own: it makes one
+//! request per attempt, reports what happened (a typed [`HandlerError`] says whether the
+//! outcome is a retryable failure, a permanent one, or unknown), and the reducer decides.
+//!
+//! The contract per side-effect class, as this crate implements it:
+//!
+//! | class | before the call | intent offset committed |
+//! |---|---|---|
+//! | `pure`, `idempotent`, `keyed` | nothing | after the result is delivered |
+//! | `reconcilable` | ask the receiver ([`StepHandler::lookup`]); report a known outcome without calling; otherwise record `STARTED` | after `STARTED` is delivered, before the call |
+//! | `unsafe` | record `STARTED` | after `STARTED` is delivered, before the call |
+//!
+//! So a crash after an `unsafe` or `reconcilable` call can never lead to a second, silent
+//! call: the intent is not redelivered, the reducer's step timeout notices the lost
+//! attempt, and either an operator (`unsafe`) or a status lookup (`reconcilable`) settles
+//! it. See [`runtime`] for the offset-commit design.
+
+pub mod fault;
+pub mod handler;
+pub mod handlers;
+pub mod ledger;
+pub mod runtime;
+mod tracker;
+
+pub use fault::FaultPoint;
+pub use handler::{Call, HandlerError, Handlers, Lookup, StepHandler};
+pub use runtime::{run, Error, ExecutorConfig};
+/// Re-exported so a user's executor binary needs only this crate.
+pub use sortie_kafka::KafkaConfig;
+/// Re-exported so a user's executor binary needs only this crate.
+pub use sortie_wire::Topics;
