@@ -1,0 +1,94 @@
+//! `sortie gateway`: the HTTP API and its read view, until Ctrl-C or SIGTERM. Prints the
+//! bound address as the first line on stdout (so `--addr 127.0.0.1:0` is usable).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use sortie_gateway::{GatewayConfig, TokenEntry};
+use sortie_kafka::KafkaConfig;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(
+        long,
+        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
+    bootstrap_servers: String,
+    #[arg(
+        long,
+        env = "SORTIE__REGISTRY__URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    registry_url: String,
+    /// Topic name prefix.
+    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
+    prefix: String,
+    /// Address to listen on (port 0: any free port; the bound address is printed).
+    #[arg(long, env = "SORTIE__GATEWAY__ADDR", default_value = "127.0.0.1:8080")]
+    addr: String,
+    /// Where the view's sled store lives (a cache of Kafka: deleting it costs a catch-up).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__DATA_DIR",
+        default_value = "target/dev/gateway"
+    )]
+    data_dir: PathBuf,
+    /// A dev token, hashed at start: TENANT:PRINCIPAL:ROLE1,ROLE2:TOKEN (repeatable).
+    #[arg(long = "token")]
+    tokens: Vec<String>,
+    /// YAML file of hashed tokens: `tokens: [{sha256, tenant, principal, roles}]`.
+    #[arg(long, env = "SORTIE__GATEWAY__TOKENS_FILE")]
+    tokens_file: Option<PathBuf>,
+    /// How long a write waits for the reducer's answer (then 504 with the command id).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__ANSWER_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    answer_timeout_ms: u64,
+    /// How long a read with min_position waits for the view.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__READ_WAIT_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    read_wait_timeout_ms: u64,
+    /// Largest request body accepted.
+    #[arg(long, env = "SORTIE__GATEWAY__MAX_BODY_BYTES", default_value_t = 256 * 1024)]
+    max_body_bytes: usize,
+    /// Print the effective configuration (token hashes only) and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let mut config = GatewayConfig::new(
+        KafkaConfig::new(args.bootstrap_servers),
+        args.registry_url,
+        args.data_dir,
+    );
+    config.prefix = args.prefix;
+    config.answer_timeout = Duration::from_millis(args.answer_timeout_ms);
+    config.read_wait_timeout = Duration::from_millis(args.read_wait_timeout_ms);
+    config.max_body_bytes = args.max_body_bytes;
+    if let Some(path) = &args.tokens_file {
+        config
+            .tokens
+            .extend(sortie_gateway::config::load_tokens(path)?);
+    }
+    for spec in &args.tokens {
+        config.tokens.push(TokenEntry::from_dev_spec(spec)?);
+    }
+    if args.print_config {
+        println!("{config:#?}");
+        return Ok(());
+    }
+    if config.tokens.is_empty() {
+        tracing::warn!("No tokens are configured: every API request will be refused (401).");
+    }
+    let listener = tokio::net::TcpListener::bind(&args.addr).await?;
+    println!("{}", listener.local_addr()?);
+    sortie_gateway::serve(config, listener, crate::shutdown_signal()).await?;
+    Ok(())
+}

@@ -1,0 +1,770 @@
+//! The HTTP API (SPEC §4.3). Writes become `RunCommand`s answered by the reducer; reads
+//! come from the local view and can wait for a position (read-your-writes).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{self, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sortie_core::{Event, RunStatus};
+use sortie_wire::records as w;
+use ulid::Ulid;
+
+use crate::app::{now_ms, AppState};
+use crate::error::ApiError;
+use crate::extract::{Caller, JsonBody, Params, QueryParams};
+use crate::store::StoredRun;
+use crate::view::{self, Answer, Progress};
+use crate::{openapi, render};
+
+/// Header a read may carry instead of `?min_position=`.
+pub const MIN_POSITION_HEADER: &str = "sortie-min-position";
+/// Client-chosen command id: retries with the same key are deduplicated by the reducer.
+pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+
+/// How long a write's answer waits for the rest of its state version to reach the view.
+const SETTLE: Duration = Duration::from_secs(2);
+const DEFAULT_PAGE: usize = 100;
+const MAX_PAGE: usize = 1000;
+
+/// Every route of the API. Unknown paths and methods answer JSON errors too.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/openapi.json", get(openapi_json))
+        .route("/v1/runs", post(start_run).get(list_runs))
+        .route("/v1/runs/{run_id}", get(get_run))
+        .route("/v1/runs/{run_id}/resume", post(resume_run))
+        .route("/v1/runs/{run_id}/cancel", post(cancel_run))
+        .route("/v1/runs/{run_id}/events", get(events))
+        .route("/v1/runs/{run_id}/events/stream", get(events_stream))
+        .route(
+            "/v1/runs/{run_id}/checkpoints/{checkpoint_id}",
+            get(checkpoint),
+        )
+        .route(
+            "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
+            post(reconcile),
+        )
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not take that method",
+    )
+}
+
+async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn readyz(State(app): State<AppState>) -> Response {
+    let progress = app.view().progress().borrow().clone();
+    if progress.failed {
+        ApiError::unavailable(
+            "view_failed",
+            "the view's store failed; restart the gateway",
+        )
+        .into_response()
+    } else if progress.ready {
+        Json(json!({"status": "ready"})).into_response()
+    } else {
+        ApiError::unavailable(
+            "not_ready",
+            "the view has not caught up with run-state and run-events yet",
+        )
+        .into_response()
+    }
+}
+
+async fn openapi_json() -> Json<Value> {
+    Json(openapi::document())
+}
+
+// ---------------------------------------------------------------- ids and helpers
+
+fn valid_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':' | b'@'))
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get(IDEMPOTENCY_HEADER) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .map(str::trim)
+        .filter(|k| (1..=200).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic()))
+        .map(|k| Some(k.to_owned()))
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_idempotency_key",
+                "Idempotency-Key must be 1 to 200 visible ASCII characters",
+            )
+        })
+}
+
+fn command(
+    caller: &Caller,
+    run_id: &str,
+    key: Option<String>,
+    body: w::CommandBody,
+) -> w::RunCommand {
+    w::RunCommand {
+        command_id: key.unwrap_or_else(|| format!("cmd_{}", Ulid::generate())),
+        tenant: caller.tenant.clone(),
+        run_id: run_id.to_owned(),
+        issuer: w::Issuer {
+            principal: caller.principal.clone(),
+            roles: caller.roles.clone(),
+        },
+        issued_at: now_ms(),
+        body,
+    }
+}
+
+/// The run if the view has it; 404 for a run of another tenant, exactly as for a missing one.
+fn known_run(app: &AppState, caller: &Caller, run_id: &str) -> Result<Option<StoredRun>, ApiError> {
+    let run = app
+        .view()
+        .store
+        .run(run_id)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    match run {
+        Some(run) if run.state.tenant != caller.tenant => Err(ApiError::unknown_run(run_id)),
+        run => Ok(run),
+    }
+}
+
+fn visible_run(app: &AppState, caller: &Caller, run_id: &str) -> Result<StoredRun, ApiError> {
+    known_run(app, caller, run_id)?.ok_or_else(|| ApiError::unknown_run(run_id))
+}
+
+/// A refused command's error, or the run once the view holds the accepted command's effect.
+async fn accepted(
+    app: &AppState,
+    command: &w::RunCommand,
+    answer: &Answer,
+) -> Result<Option<StoredRun>, ApiError> {
+    if !answer.accepted {
+        return Err(ApiError::from_reject(&answer.code, &answer.reason)
+            .with("command_id", command.command_id.as_str())
+            .with("position", answer.position.to_string()));
+    }
+    Ok(app
+        .settled(answer, SETTLE.min(app.config().answer_timeout))
+        .await)
+}
+
+fn written(command: &w::RunCommand, answer: &Answer, status: &str) -> Value {
+    json!({
+        "run_id": command.run_id,
+        "status": status,
+        "command_id": command.command_id,
+        "position": answer.position.to_string(),
+        "duplicate": answer.duplicate,
+    })
+}
+
+/// Waits until the view has applied `?min_position=` / the `Sortie-Min-Position` header.
+async fn read_after(
+    app: &AppState,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> Result<(), ApiError> {
+    let header = headers
+        .get(MIN_POSITION_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let Some(text) = query.or(header) else {
+        return Ok(());
+    };
+    let positions =
+        view::parse_positions(text).map_err(|e| ApiError::bad_request("invalid_position", e))?;
+    let timeout = app.config().read_wait_timeout;
+    if app.view().reach(&positions, timeout).await {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "view_behind",
+            format!(
+                "the view did not reach {text} within {} ms",
+                timeout.as_millis()
+            ),
+        ))
+    }
+}
+
+// ---------------------------------------------------------------- writes
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartRequest {
+    graph_id: String,
+    #[serde(default)]
+    graph_version: Option<u32>,
+    #[serde(default)]
+    input: Option<Value>,
+    #[serde(default)]
+    checkpoint_ns: Option<String>,
+    #[serde(default)]
+    run_id: Option<String>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+async fn start_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<StartRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    if body
+        .checkpoint_ns
+        .as_ref()
+        .is_some_and(|ns| *ns != caller.tenant)
+    {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "tenant_mismatch",
+            "checkpoint_ns must be the tenant of the bearer token",
+        ));
+    }
+    if body.graph_id.trim().is_empty() {
+        return Err(ApiError::bad_request(
+            "invalid_request",
+            "graph_id is empty",
+        ));
+    }
+    let key = idempotency_key(&headers)?;
+    let run_id = match (body.run_id, &key) {
+        (Some(id), _) if valid_id(&id) => id,
+        (Some(_), _) => {
+            return Err(ApiError::bad_request(
+                "invalid_run_id",
+                "run_id must be 1 to 128 characters of A-Z a-z 0-9 _ - . : @",
+            ))
+        }
+        // A retried start without a run id must name the same run, or the reducer (which
+        // deduplicates per run) would start a second one.
+        (None, Some(key)) => {
+            let digest = sortie_core::json::sha256_hex(&[&caller.tenant, key]);
+            format!("run_{}", &digest[..26])
+        }
+        (None, None) => format!("run_{}", Ulid::generate()),
+    };
+    let graphs = &app.inner.graphs;
+    if graphs.knows(&body.graph_id, body.graph_version) == Some(false) {
+        graphs.refresh(Duration::from_secs(3)).await;
+        if graphs.knows(&body.graph_id, body.graph_version) == Some(false) {
+            let version = body
+                .graph_version
+                .map(|v| format!("@{v}"))
+                .unwrap_or_default();
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unknown_graph",
+                format!("graph {}{version} is not published", body.graph_id),
+            ));
+        }
+    }
+    let input = body.input.unwrap_or_else(|| json!({}));
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::StartRun(w::StartRun {
+            graph_id: body.graph_id,
+            graph_version: body.graph_version.map(|v| v as i32),
+            input: sortie_core::json::canonical(&input),
+            labels: body.labels,
+        }),
+    );
+    let answer = app.submit(&command).await?;
+    let run = accepted(&app, &command, &answer).await?;
+    let status = run.map_or(RunStatus::Running, |r| r.state.status);
+    Ok((
+        StatusCode::CREATED,
+        Json(written(&command, &answer, status.as_str())),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum DecisionIn {
+    Approve,
+    Reject,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResumeRequest {
+    decision: DecisionIn,
+    interrupt_id: String,
+    /// The proposal the client approves; defaults to the one the view shows.
+    #[serde(default)]
+    proposal_hash: Option<String>,
+    #[serde(default)]
+    payload: Option<Value>,
+    #[serde(default)]
+    comment: Option<String>,
+}
+
+async fn resume_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    JsonBody(body): JsonBody<ResumeRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let key = idempotency_key(&headers)?;
+    let run = known_run(&app, &caller, &run_id)?;
+    let proposal_hash = match (body.proposal_hash, &run) {
+        (Some(hash), _) => hash,
+        (None, None) => return Err(ApiError::unknown_run(&run_id)),
+        (None, Some(run)) => run
+            .state
+            .interrupts
+            .get(&body.interrupt_id)
+            .map(|i| i.proposal_hash.clone())
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::CONFLICT,
+                    "unknown_interrupt",
+                    format!(
+                        "interrupt {} is not known on this run (pass proposal_hash, or min_position on a read first)",
+                        body.interrupt_id
+                    ),
+                )
+            })?,
+    };
+    let decision = match body.decision {
+        DecisionIn::Approve => w::Decision::Approve,
+        DecisionIn::Reject => w::Decision::Reject,
+    };
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::ResumeRun(w::ResumeRun {
+            interrupt_id: body.interrupt_id.clone(),
+            proposal_hash,
+            decision,
+            payload: body.payload.as_ref().map(sortie_core::json::canonical),
+            comment: body.comment,
+        }),
+    );
+    let answer = app.submit(&command).await?;
+    let run = accepted(&app, &command, &answer).await?;
+    let mut out = written(
+        &command,
+        &answer,
+        run.map_or("running", |r| r.state.status.as_str()),
+    );
+    out["interrupt_id"] = body.interrupt_id.into();
+    out["decision"] = match decision {
+        w::Decision::Approve => "approve",
+        w::Decision::Reject => "reject",
+    }
+    .into();
+    Ok(Json(out))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CancelRequest {
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+async fn cancel_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    JsonBody(body): JsonBody<Option<CancelRequest>>,
+) -> Result<Json<Value>, ApiError> {
+    let key = idempotency_key(&headers)?;
+    known_run(&app, &caller, &run_id)?;
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::CancelRun(w::CancelRun {
+            reason: body.unwrap_or_default().reason,
+        }),
+    );
+    let answer = app.submit(&command).await?;
+    let run = accepted(&app, &command, &answer).await?;
+    let status = match run.map(|r| r.state.status) {
+        Some(RunStatus::Cancelled) => "cancelled",
+        _ => "cancelling",
+    };
+    Ok(Json(written(&command, &answer, status)))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum OutcomeIn {
+    Succeeded,
+    Failed,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReconcileRequest {
+    outcome: OutcomeIn,
+    /// The operation's output (what the receiver did), as JSON.
+    #[serde(default)]
+    result: Option<Value>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+async fn reconcile(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params((run_id, operation_id)): Params<(String, String)>,
+    JsonBody(body): JsonBody<ReconcileRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let key = idempotency_key(&headers)?;
+    known_run(&app, &caller, &run_id)?;
+    let outcome = match body.outcome {
+        OutcomeIn::Succeeded => w::ReconcileOutcome::Succeeded,
+        OutcomeIn::Failed => w::ReconcileOutcome::Failed,
+    };
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::ReconcileOperation(w::ReconcileOperation {
+            operation_id: operation_id.clone(),
+            outcome,
+            output: body.result.as_ref().map(sortie_core::json::canonical),
+            error: body.error,
+        }),
+    );
+    let answer = app.submit(&command).await?;
+    let run = accepted(&app, &command, &answer).await?;
+    let mut out = written(
+        &command,
+        &answer,
+        run.map_or("running", |r| r.state.status.as_str()),
+    );
+    out["operation_id"] = operation_id.into();
+    Ok(Json(out))
+}
+
+// ---------------------------------------------------------------- reads
+
+#[derive(Debug, Default, Deserialize)]
+struct ReadQuery {
+    #[serde(default)]
+    min_position: Option<String>,
+}
+
+async fn get_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    QueryParams(query): QueryParams<ReadQuery>,
+) -> Result<Json<Value>, ApiError> {
+    read_after(&app, &headers, query.min_position.as_deref()).await?;
+    let run = visible_run(&app, &caller, &run_id)?;
+    Ok(Json(render::run(&run.state)))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ListQuery {
+    #[serde(default)]
+    status: Option<String>,
+    #[serde(default)]
+    graph_id: Option<String>,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default)]
+    after: Option<String>,
+    #[serde(default)]
+    min_position: Option<String>,
+}
+
+fn parse_status(text: &str) -> Option<RunStatus> {
+    use RunStatus::*;
+    [
+        Running,
+        WaitingApproval,
+        NeedsReconciliation,
+        Cancelling,
+        Compensating,
+        Succeeded,
+        Failed,
+        Cancelled,
+    ]
+    .into_iter()
+    .find(|s| s.as_str().eq_ignore_ascii_case(text))
+}
+
+async fn list_runs(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    QueryParams(query): QueryParams<ListQuery>,
+) -> Result<Json<Value>, ApiError> {
+    read_after(&app, &headers, query.min_position.as_deref()).await?;
+    let status = query
+        .status
+        .as_deref()
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            parse_status(s).ok_or_else(|| {
+                ApiError::bad_request("invalid_query", format!("unknown status {s:?}"))
+            })
+        })
+        .transpose()?;
+    let limit = query.limit.unwrap_or(50).clamp(1, 500);
+    let graph_id = query.graph_id.filter(|g| !g.is_empty());
+    let runs = app
+        .view()
+        .store
+        .list(
+            &caller.tenant,
+            status,
+            query.after.as_deref(),
+            limit + 1,
+            |run| graph_id.as_ref().is_none_or(|g| *g == run.state.graph_id),
+        )
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let more = runs.len() > limit;
+    let runs = &runs[..runs.len().min(limit)];
+    Ok(Json(json!({
+        "runs": runs.iter().map(|r| render::summary(&r.state)).collect::<Vec<_>>(),
+        "next_after": if more { runs.last().map(|r| r.state.run_id.clone()) } else { None },
+    })))
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct EventsQuery {
+    #[serde(default)]
+    after: Option<i64>,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default)]
+    min_position: Option<String>,
+}
+
+fn wants_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/event-stream"))
+}
+
+async fn events(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    QueryParams(query): QueryParams<EventsQuery>,
+) -> Result<Response, ApiError> {
+    if wants_stream(&headers) {
+        return events_stream(
+            State(app),
+            caller,
+            headers,
+            Params(run_id),
+            QueryParams(query),
+        )
+        .await
+        .map(IntoResponse::into_response);
+    }
+    read_after(&app, &headers, query.min_position.as_deref()).await?;
+    visible_run(&app, &caller, &run_id)?;
+    let after = query.after.unwrap_or(0).max(0);
+    let limit = query.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE);
+    let mut page = app
+        .view()
+        .store
+        .events(&run_id, after, limit + 1)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let more = page.len() > limit;
+    page.truncate(limit);
+    let next_after = page.last().map_or(after, |e| e.seq);
+    Ok(Json(json!({
+        "run_id": run_id,
+        "events": page.iter().map(render::event).collect::<Vec<_>>(),
+        "next_after": next_after,
+        "has_more": more,
+    }))
+    .into_response())
+}
+
+async fn events_stream(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    QueryParams(query): QueryParams<EventsQuery>,
+) -> Result<Sse<impl futures::Stream<Item = Result<sse::Event, Infallible>>>, ApiError> {
+    read_after(&app, &headers, query.min_position.as_deref()).await?;
+    visible_run(&app, &caller, &run_id)?;
+    let last_event_id = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok());
+    let after = last_event_id.or(query.after).unwrap_or(0).max(0);
+    Ok(Sse::new(live(app, run_id, after)).keep_alive(KeepAlive::default()))
+}
+
+struct Cursor {
+    app: AppState,
+    run_id: String,
+    after: i64,
+    buffer: VecDeque<Event>,
+    progress: tokio::sync::watch::Receiver<Progress>,
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+/// The run's events after `after`, then every new one as the view applies it, until the
+/// client leaves or the gateway stops.
+fn live(
+    app: AppState,
+    run_id: String,
+    after: i64,
+) -> impl futures::Stream<Item = Result<sse::Event, Infallible>> {
+    let cursor = Cursor {
+        progress: app.view().progress(),
+        stopping: app.stopping(),
+        app,
+        run_id,
+        after,
+        buffer: VecDeque::new(),
+    };
+    futures::stream::unfold(cursor, |mut c| async move {
+        loop {
+            if let Some(event) = c.buffer.pop_front() {
+                c.after = event.seq;
+                let data = serde_json::to_string(&render::event(&event)).unwrap_or_default();
+                let item = sse::Event::default()
+                    .id(event.seq.to_string())
+                    .event(event.body.name())
+                    .data(data);
+                return Some((Ok(item), c));
+            }
+            if *c.stopping.borrow() {
+                return None;
+            }
+            // Mark the progress seen before reading, so a change after the read wakes us.
+            c.progress.borrow_and_update();
+            match c.app.view().store.events(&c.run_id, c.after, 256) {
+                Ok(events) if !events.is_empty() => {
+                    c.buffer.extend(events);
+                    continue;
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::warn!(run_id = %c.run_id, %error, "An event stream ends: the view store failed.");
+                    return None;
+                }
+            }
+            tokio::select! {
+                changed = c.progress.changed() => if changed.is_err() { return None },
+                _ = c.stopping.wait_for(|stop| *stop) => return None,
+            }
+        }
+    })
+}
+
+async fn checkpoint(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params((run_id, checkpoint_id)): Params<(String, String)>,
+    QueryParams(query): QueryParams<ReadQuery>,
+) -> Result<Json<Value>, ApiError> {
+    read_after(&app, &headers, query.min_position.as_deref()).await?;
+    let run = visible_run(&app, &caller, &run_id)?;
+    let unknown = || {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_checkpoint",
+            format!("checkpoint {checkpoint_id} does not exist (ids are ckpt_{run_id}_<version>)"),
+        )
+    };
+    let version: i64 = checkpoint_id
+        .strip_prefix(&format!("ckpt_{run_id}_"))
+        .and_then(|v| v.parse().ok())
+        .filter(|v| (1..=run.state.version).contains(v))
+        .ok_or_else(unknown)?;
+    // Every version is recoverable from history: fold the events up to it.
+    let mut state = None;
+    let mut after = 0;
+    'fold: loop {
+        let page = app
+            .view()
+            .store
+            .events(&run_id, after, 512)
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        if page.is_empty() {
+            break;
+        }
+        for event in page {
+            if event.seq != after + 1 {
+                return Err(ApiError::new(
+                    StatusCode::GONE,
+                    "history_incomplete",
+                    format!("the view lacks event {} of this run", after + 1),
+                ));
+            }
+            if event.state_version > version {
+                break 'fold;
+            }
+            after = event.seq;
+            state = sortie_core::evolve(state, &event);
+        }
+    }
+    let state = state.filter(|s| s.version == version).ok_or_else(unknown)?;
+    Ok(Json(render::checkpoint(&state, version)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_and_statuses_are_checked() {
+        assert!(valid_id("run_01J8ZQ"));
+        assert!(valid_id("orders:42@acme"));
+        assert!(!valid_id(""));
+        assert!(!valid_id("a b"));
+        assert!(!valid_id(&"x".repeat(129)));
+        assert_eq!(
+            parse_status("waiting_approval"),
+            Some(RunStatus::WaitingApproval)
+        );
+        assert_eq!(parse_status("RUNNING"), Some(RunStatus::Running));
+        assert_eq!(parse_status("nope"), None);
+    }
+}

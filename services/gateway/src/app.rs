@@ -1,0 +1,231 @@
+//! The gateway's shared state: config, tokens, the view, the command producer and the graph
+//! catalog; and the write path (publish a command, wait for the reducer's answer).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::http::StatusCode;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sortie_wire::records::RunCommand;
+use sortie_wire::{partition_for, Codec, CodecConfig, RecordKind, Topics};
+use tokio::sync::watch;
+
+use crate::config::{GatewayConfig, TokenEntry};
+use crate::error::ApiError;
+use crate::graphs::Catalog;
+use crate::store::{Store, StoredRun};
+use crate::view::{self, Answer, View};
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    View(#[from] view::Error),
+    #[error(transparent)]
+    Store(#[from] crate::store::Error),
+    #[error("the schema registry refused or did not answer: {0}")]
+    Registry(#[from] sortie_wire::EncodeError),
+    #[error("creating the command producer: {0}")]
+    Producer(rdkafka::error::KafkaError),
+    #[error("serving HTTP: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Everything a request handler needs; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("view", &self.inner.view)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Inner {
+    pub config: GatewayConfig,
+    pub tokens: HashMap<String, TokenEntry>,
+    pub view: Arc<View>,
+    pub graphs: Arc<Catalog>,
+    producer: FutureProducer,
+    codec: Arc<Codec>,
+    commands_topic: String,
+    partitions: u32,
+    stop: watch::Sender<bool>,
+    stop_graphs: Arc<AtomicBool>,
+    view_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl AppState {
+    /// Opens the store, registers the command schema, and starts the view and the graph
+    /// catalog. Needs Kafka and the registry.
+    pub async fn start(config: GatewayConfig) -> Result<AppState, Error> {
+        let topics = Topics::new(config.prefix.clone());
+        std::fs::create_dir_all(&config.data_dir).ok();
+        let store = Store::open(&config.data_dir, topics.prefix())?;
+        let codec = Arc::new(Codec::new(&CodecConfig {
+            registry_url: config.registry_url.clone(),
+            auto_register: config.auto_register,
+        }));
+        codec
+            .prepare(
+                &topics.commands(),
+                RecordKind::RunCommand,
+                Duration::from_secs(30),
+            )
+            .await?;
+        let partitions = view::partitions(&config.kafka, &topics, &topics.commands()).await?;
+        let producer: FutureProducer = config
+            .kafka
+            .producer()
+            .set("enable.idempotence", "true")
+            .set(
+                "message.timeout.ms",
+                config.answer_timeout.as_millis().max(1000).to_string(),
+            )
+            .create()
+            .map_err(Error::Producer)?;
+        let (stop, stopped) = watch::channel(false);
+        let (view, view_task) =
+            view::start(&config.kafka, &topics, codec.clone(), store, stopped).await?;
+        let stop_graphs = Arc::new(AtomicBool::new(false));
+        let graphs = Catalog::start(
+            config.kafka.clone(),
+            topics.clone(),
+            codec.clone(),
+            tokio::runtime::Handle::current(),
+            stop_graphs.clone(),
+        );
+        let tokens = config
+            .tokens
+            .iter()
+            .map(|t| (t.sha256.to_ascii_lowercase(), t.clone()))
+            .collect();
+        Ok(AppState {
+            inner: Arc::new(Inner {
+                config,
+                tokens,
+                view,
+                graphs,
+                producer,
+                codec,
+                commands_topic: topics.commands(),
+                partitions,
+                stop,
+                stop_graphs,
+                view_task: Mutex::new(Some(view_task)),
+            }),
+        })
+    }
+
+    /// Stops the view (flushing its store), live streams and the graph thread.
+    pub async fn stop(&self) {
+        self.inner.stop.send_replace(true);
+        self.inner.stop_graphs.store(true, Ordering::Relaxed);
+        let task = self
+            .inner
+            .view_task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+
+    pub(crate) fn stopping(&self) -> watch::Receiver<bool> {
+        self.inner.stop.subscribe()
+    }
+
+    pub(crate) fn view(&self) -> &View {
+        &self.inner.view
+    }
+
+    pub(crate) fn config(&self) -> &GatewayConfig {
+        &self.inner.config
+    }
+
+    /// Publishes `command` to the run's canonical partition and waits for the reducer's
+    /// answer, at most the answer timeout (then 504 with the command id).
+    pub(crate) async fn submit(&self, command: &RunCommand) -> Result<Answer, ApiError> {
+        let inner = &self.inner;
+        let id = command.command_id.as_str();
+        let answer = inner.view.expect(id, &command.run_id);
+        let sent = self.publish(command).await;
+        if let Err(error) = sent {
+            inner.view.forget(id);
+            return Err(error);
+        }
+        match tokio::time::timeout(inner.config.answer_timeout, answer).await {
+            Ok(Ok(answer)) => Ok(answer),
+            _ => {
+                inner.view.forget(id);
+                Err(ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "answer_timeout",
+                    format!(
+                        "the command was published but its answer did not arrive within {} ms; check the run later",
+                        inner.config.answer_timeout.as_millis()
+                    ),
+                )
+                .with("command_id", id)
+                .with("run_id", command.run_id.as_str()))
+            }
+        }
+    }
+
+    async fn publish(&self, command: &RunCommand) -> Result<(), ApiError> {
+        let inner = &self.inner;
+        let bytes = inner
+            .codec
+            .encode(&inner.commands_topic, command)
+            .await
+            .map_err(|e| ApiError::unavailable("registry_unavailable", e.to_string()))?;
+        let partition = partition_for(command.run_id.as_bytes(), inner.partitions);
+        let record = FutureRecord::to(&inner.commands_topic)
+            .key(command.run_id.as_bytes())
+            .payload(&bytes)
+            .partition(partition);
+        inner
+            .producer
+            .send(record, inner.config.answer_timeout)
+            .await
+            .map_err(|(e, _)| ApiError::unavailable("kafka_unavailable", e.to_string()))?;
+        tracing::info!(
+            run_id = %command.run_id,
+            command_id = %command.command_id,
+            command = command.body.kind(),
+            partition,
+            "Published a command."
+        );
+        Ok(())
+    }
+
+    /// The run once the view holds every event of `answer`'s state version (its changelog
+    /// record, written in the same transaction, has arrived), waiting at most `timeout`;
+    /// otherwise the run as the view has it.
+    pub(crate) async fn settled(&self, answer: &Answer, timeout: Duration) -> Option<StoredRun> {
+        let view = self.view();
+        let settled = |v: &View| {
+            v.store
+                .run(&answer.run_id)
+                .ok()
+                .flatten()
+                .is_some_and(|r| r.changelog_version >= answer.state_version)
+        };
+        view.wait_until(timeout, settled).await;
+        view.store.run(&answer.run_id).ok().flatten()
+    }
+}

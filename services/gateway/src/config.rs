@@ -1,0 +1,240 @@
+//! The gateway's configuration and its bearer tokens (only their SHA-256 hashes are held).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sortie_kafka::KafkaConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read the tokens file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the tokens file {path} is not valid: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_yaml::Error,
+    },
+    #[error("a token must be TENANT:PRINCIPAL:ROLE1,ROLE2:TOKEN; {0}")]
+    DevToken(String),
+    #[error("token entry for {principal}: {problem}")]
+    Invalid { principal: String, problem: String },
+}
+
+/// How a gateway runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    pub kafka: KafkaConfig,
+    pub registry_url: String,
+    /// Register Sortie's schemas when missing (dev, tests).
+    #[serde(default = "yes")]
+    pub auto_register: bool,
+    /// Topic name prefix (`sortie.`).
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    /// The view's sled store (a cache of the Kafka topics; deleting it costs a catch-up).
+    pub data_dir: PathBuf,
+    #[serde(default)]
+    pub tokens: Vec<TokenEntry>,
+    /// How long a write waits for the reducer's answer before 504.
+    #[serde(default = "default_answer_timeout", with = "millis")]
+    pub answer_timeout: Duration,
+    /// How long a read with `min_position` waits for the view before 504.
+    #[serde(default = "default_answer_timeout", with = "millis")]
+    pub read_wait_timeout: Duration,
+    /// Largest request body accepted (413 above).
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_prefix() -> String {
+    sortie_wire::Topics::DEFAULT_PREFIX.to_owned()
+}
+
+fn default_answer_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn default_max_body() -> usize {
+    256 * 1024
+}
+
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+}
+
+impl GatewayConfig {
+    pub fn new(kafka: KafkaConfig, registry_url: impl Into<String>, data_dir: PathBuf) -> Self {
+        Self {
+            kafka,
+            registry_url: registry_url.into(),
+            auto_register: true,
+            prefix: default_prefix(),
+            data_dir,
+            tokens: Vec::new(),
+            answer_timeout: default_answer_timeout(),
+            read_wait_timeout: default_answer_timeout(),
+            max_body_bytes: default_max_body(),
+        }
+    }
+}
+
+/// One accepted bearer token: its SHA-256 (hex), and who presents it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenEntry {
+    pub sha256: String,
+    pub tenant: String,
+    pub principal: String,
+    #[serde(default)]
+    pub roles: Vec<String>,
+}
+
+/// The YAML file of hashed tokens: `tokens: [{sha256, tenant, roles, principal}]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokensFile {
+    pub tokens: Vec<TokenEntry>,
+}
+
+/// Lowercase hex SHA-256 of a token, as configured.
+pub fn token_hash(token: &str) -> String {
+    let digest = Sha256::digest(token.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl TokenEntry {
+    /// A dev token `TENANT:PRINCIPAL:ROLE1,ROLE2:TOKEN`, hashed at once. The principal may
+    /// contain `:` (e.g. `user:alice`); the roles and the token may not.
+    pub fn from_dev_spec(spec: &str) -> Result<Self, Error> {
+        let mut tail = spec.rsplitn(3, ':');
+        let (Some(token), Some(roles), Some(head)) = (tail.next(), tail.next(), tail.next()) else {
+            return Err(Error::DevToken("too few fields".into()));
+        };
+        let Some((tenant, principal)) = head.split_once(':') else {
+            return Err(Error::DevToken("no principal".into()));
+        };
+        let entry = TokenEntry {
+            sha256: token_hash(token),
+            tenant: tenant.to_owned(),
+            principal: principal.to_owned(),
+            roles: roles
+                .split(',')
+                .filter(|r| !r.is_empty())
+                .map(str::to_owned)
+                .collect(),
+        };
+        if token.is_empty() {
+            return Err(Error::DevToken("empty token".into()));
+        }
+        entry.check()?;
+        Ok(entry)
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        let problem =
+            if self.sha256.len() != 64 || !self.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                Some("sha256 must be 64 hex digits")
+            } else if self.tenant.is_empty() {
+                Some("tenant is empty")
+            } else if self.principal.is_empty() {
+                Some("principal is empty")
+            } else {
+                None
+            };
+        match problem {
+            Some(problem) => Err(Error::Invalid {
+                principal: self.principal.clone(),
+                problem: problem.into(),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Reads a tokens file (YAML).
+pub fn load_tokens(path: impl AsRef<Path>) -> Result<Vec<TokenEntry>, Error> {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let file: TokensFile = serde_yaml::from_str(&text).map_err(|source| Error::Parse {
+        path: path.to_owned(),
+        source,
+    })?;
+    let mut tokens = file.tokens;
+    for token in &mut tokens {
+        token.sha256 = token.sha256.to_ascii_lowercase();
+        token.check()?;
+    }
+    Ok(tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dev_tokens_are_hashed_and_principals_may_hold_colons() {
+        let entry = TokenEntry::from_dev_spec("acme:user:alice:approver,viewer:s3cret")
+            .expect("valid spec");
+        assert_eq!(entry.tenant, "acme");
+        assert_eq!(entry.principal, "user:alice");
+        assert_eq!(entry.roles, vec!["approver", "viewer"]);
+        assert_eq!(entry.sha256, token_hash("s3cret"));
+        assert!(!format!("{entry:?}").contains("s3cret"));
+        let no_roles = TokenEntry::from_dev_spec("acme:bob::tok").expect("no roles");
+        assert!(no_roles.roles.is_empty());
+        assert!(TokenEntry::from_dev_spec("acme:tok").is_err());
+        assert!(TokenEntry::from_dev_spec("acme:bob:r:").is_err());
+    }
+
+    #[test]
+    fn tokens_files_hold_hashes_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tokens.yaml");
+        let hash = token_hash("t");
+        std::fs::write(
+            &path,
+            format!(
+                "tokens:\n  - {{sha256: \"{}\", tenant: acme, principal: ops, roles: [operator]}}\n",
+                hash.to_uppercase()
+            ),
+        )
+        .expect("write");
+        let tokens = load_tokens(&path).expect("load");
+        assert_eq!(tokens[0].sha256, hash);
+        std::fs::write(
+            &path,
+            "tokens:\n  - {sha256: abc, tenant: acme, principal: ops}\n",
+        )
+        .expect("write");
+        assert!(load_tokens(&path).is_err());
+        std::fs::write(
+            &path,
+            "tokens:\n  - {token: plain, tenant: acme, principal: ops}\n",
+        )
+        .expect("write");
+        assert!(load_tokens(&path).is_err(), "plaintext tokens are refused");
+    }
+}

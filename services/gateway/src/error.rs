@@ -1,0 +1,124 @@
+//! Every error the API returns: a status and `{"error": {"code", "message"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: String,
+    pub message: String,
+    /// Extra fields next to code and message (e.g. the `command_id` of a write that timed out).
+    pub details: Option<Value>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code: code.into(),
+            message: message.into(),
+            details: None,
+        }
+    }
+
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        let details = self.details.get_or_insert_with(|| json!({}));
+        if let Value::Object(map) = details {
+            map.insert(key.to_owned(), value.into());
+        }
+        self
+    }
+
+    pub fn bad_request(code: &str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, message)
+    }
+
+    /// The same answer for a missing run and another tenant's run: a tenant never learns
+    /// of another's runs.
+    pub fn unknown_run(run_id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "unknown_run",
+            format!("run {run_id} does not exist"),
+        )
+    }
+
+    pub fn unavailable(code: &str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
+    /// The HTTP answer to a reducer's `CommandRejected` code.
+    pub fn from_reject(code: &str, reason: &str) -> Self {
+        let status = match code {
+            "unknown_run" => StatusCode::NOT_FOUND,
+            "unknown_graph" => StatusCode::UNPROCESSABLE_ENTITY,
+            "forbidden" => StatusCode::FORBIDDEN,
+            "conflict" | "bad_state" | "stale_proposal" | "already_decided" | "expired"
+            | "duplicate_approver" | "unknown_interrupt" | "unknown_operation" => {
+                StatusCode::CONFLICT
+            }
+            // A code this build does not know: the command was refused, so a conflict.
+            _ => StatusCode::CONFLICT,
+        };
+        Self::new(status, code, reason)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut error = json!({"code": self.code, "message": self.message});
+        if let (Value::Object(map), Some(Value::Object(extra))) = (&mut error, self.details) {
+            map.extend(extra);
+        }
+        (self.status, Json(json!({ "error": error }))).into_response()
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {}: {}",
+            self.status.as_u16(),
+            self.code,
+            self.message
+        )
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reducer_codes_map_to_statuses() {
+        for (code, status) in [
+            ("unknown_run", 404),
+            ("unknown_graph", 422),
+            ("forbidden", 403),
+            ("conflict", 409),
+            ("bad_state", 409),
+            ("stale_proposal", 409),
+            ("already_decided", 409),
+            ("expired", 409),
+            ("duplicate_approver", 409),
+            ("unknown_interrupt", 409),
+            ("unknown_operation", 409),
+        ] {
+            assert_eq!(
+                ApiError::from_reject(code, "r").status.as_u16(),
+                status,
+                "{code}"
+            );
+        }
+    }
+}

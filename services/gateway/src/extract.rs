@@ -1,0 +1,135 @@
+//! Request extractors whose every rejection is a JSON [`ApiError`]: the caller (bearer
+//! token → tenant, principal, roles), a size-capped JSON body, path and query parameters.
+
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
+use axum::http::request::Parts;
+use axum::http::{header, StatusCode};
+use serde::de::DeserializeOwned;
+
+use crate::app::AppState;
+use crate::config::token_hash;
+use crate::error::ApiError;
+
+/// Who is calling, from the bearer token.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub tenant: String,
+    pub principal: String,
+    pub roles: Vec<String>,
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let unauthorized =
+            |code: &str, message: &str| ApiError::new(StatusCode::UNAUTHORIZED, code, message);
+        let value = parts.headers.get(header::AUTHORIZATION).ok_or_else(|| {
+            unauthorized(
+                "unauthenticated",
+                "an Authorization: Bearer token is required",
+            )
+        })?;
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| {
+                let (scheme, token) = v.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+            })
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                unauthorized(
+                    "unauthenticated",
+                    "the Authorization header must be `Bearer <token>`",
+                )
+            })?;
+        let entry = state
+            .inner
+            .tokens
+            .get(&token_hash(token))
+            .ok_or_else(|| unauthorized("invalid_token", "the bearer token is not known"))?;
+        Ok(Caller {
+            tenant: entry.tenant.clone(),
+            principal: entry.principal.clone(),
+            roles: entry.roles.clone(),
+        })
+    }
+}
+
+/// A JSON body of at most `max_body_bytes`. An empty body reads as `null`, so optional
+/// bodies can be `Option<T>`.
+#[derive(Debug)]
+pub struct JsonBody<T>(pub T);
+
+impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let cap = state.config().max_body_bytes;
+        let too_large = || {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!("the request body is larger than {cap} bytes"),
+            )
+        };
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > cap) {
+            return Err(too_large());
+        }
+        let bytes = axum::body::to_bytes(req.into_body(), cap)
+            .await
+            .map_err(|_| too_large())?;
+        let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+            b"null"
+        } else {
+            &bytes
+        };
+        serde_json::from_slice(text).map(JsonBody).map_err(|e| {
+            use serde_json::error::Category;
+            match e.classify() {
+                Category::Syntax | Category::Eof | Category::Io => {
+                    ApiError::bad_request("bad_json", format!("the body is not valid JSON: {e}"))
+                }
+                Category::Data => {
+                    ApiError::bad_request("invalid_request", format!("the body does not fit: {e}"))
+                }
+            }
+        })
+    }
+}
+
+/// Path parameters.
+#[derive(Debug)]
+pub struct Params<T>(pub T);
+
+impl<T: DeserializeOwned + Send> FromRequestParts<AppState> for Params<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|Path(v)| Params(v))
+            .map_err(|e| ApiError::bad_request("invalid_path", e.body_text()))
+    }
+}
+
+/// Query parameters.
+#[derive(Debug)]
+pub struct QueryParams<T>(pub T);
+
+impl<T: DeserializeOwned> FromRequestParts<AppState> for QueryParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|Query(v)| QueryParams(v))
+            .map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))
+    }
+}

@@ -1,0 +1,138 @@
+//! Which graphs are published, so a start naming an unknown graph is answered 422 without
+//! publishing anything. The reducer's [`GraphTable`] is blocking: it runs on its own thread
+//! and shares a snapshot of `graph_id → versions`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use sortie_kafka::KafkaConfig;
+use sortie_reducer::graphs::GraphTable;
+use sortie_wire::{Codec, Topics};
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+const POLL: Duration = Duration::from_millis(500);
+
+/// The published graphs as far as this gateway knows.
+#[derive(Debug)]
+pub struct Catalog {
+    known: RwLock<BTreeMap<String, BTreeSet<u32>>>,
+    /// The table caught up at least once; before that nothing is refused for its graph.
+    loaded: AtomicBool,
+    refresh: mpsc::Sender<oneshot::Sender<()>>,
+}
+
+impl Catalog {
+    /// Starts the table's thread; it ends when `stop` is set.
+    pub fn start(
+        kafka: KafkaConfig,
+        topics: Topics,
+        codec: Arc<Codec>,
+        runtime: Handle,
+        stop: Arc<AtomicBool>,
+    ) -> Arc<Catalog> {
+        let (refresh, requests) = mpsc::channel();
+        let catalog = Arc::new(Catalog {
+            known: RwLock::new(BTreeMap::new()),
+            loaded: AtomicBool::new(false),
+            refresh,
+        });
+        let shared = catalog.clone();
+        std::thread::Builder::new()
+            .name("gateway-graphs".into())
+            .spawn(move || follow(&shared, &kafka, &topics, codec, runtime, &stop, &requests))
+            .map_err(|error| tracing::error!(%error, "Cannot start the graph table thread."))
+            .ok();
+        catalog
+    }
+
+    /// `Some(true)`: published; `Some(false)`: not published as far as the table knows;
+    /// `None`: the table has not loaded (no answer).
+    pub fn knows(&self, graph_id: &str, version: Option<u32>) -> Option<bool> {
+        if !self.loaded.load(Ordering::Acquire) {
+            return None;
+        }
+        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
+        Some(
+            known
+                .get(graph_id)
+                .is_some_and(|versions| version.is_none_or(|v| versions.contains(&v))),
+        )
+    }
+
+    /// Reads the graphs topic up to its end now (a graph published a moment ago), at most
+    /// `timeout`.
+    pub async fn refresh(&self, timeout: Duration) {
+        let (tx, rx) = oneshot::channel();
+        if self.refresh.send(tx).is_ok() {
+            let _ = tokio::time::timeout(timeout, rx).await;
+        }
+    }
+
+    fn update(&self, table: &GraphTable) {
+        let mut known = BTreeMap::<String, BTreeSet<u32>>::new();
+        for graph in table.graphs().all() {
+            known
+                .entry(graph.id.clone())
+                .or_default()
+                .insert(graph.version);
+        }
+        *self.known.write().unwrap_or_else(|e| e.into_inner()) = known;
+    }
+}
+
+fn follow(
+    catalog: &Catalog,
+    kafka: &KafkaConfig,
+    topics: &Topics,
+    codec: Arc<Codec>,
+    runtime: Handle,
+    stop: &AtomicBool,
+    requests: &mpsc::Receiver<oneshot::Sender<()>>,
+) {
+    let mut table = loop {
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        match GraphTable::open(kafka, topics, codec.clone(), runtime.clone()) {
+            Ok(table) => break table,
+            Err(error) => {
+                tracing::warn!(%error, "The graph table does not open yet; retrying.");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    };
+    while !stop.load(Ordering::Relaxed) && !catalog.loaded.load(Ordering::Relaxed) {
+        match table.catch_up(Duration::from_secs(30)) {
+            Ok(_) => {
+                catalog.update(&table);
+                catalog.loaded.store(true, Ordering::Release);
+                tracing::info!(
+                    graphs = table.graphs().all().count(),
+                    "The graph table caught up."
+                );
+            }
+            Err(error) => tracing::warn!(%error, "The graph table did not catch up; retrying."),
+        }
+    }
+    while !stop.load(Ordering::Relaxed) {
+        match requests.recv_timeout(POLL) {
+            Ok(reply) => {
+                if let Err(error) = table.catch_up(Duration::from_secs(3)) {
+                    tracing::warn!(%error, "Refreshing the graph table failed.");
+                }
+                catalog.update(&table);
+                let _ = reply.send(());
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                if table.poll() > 0 {
+                    catalog.update(&table);
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}

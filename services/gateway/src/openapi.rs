@@ -1,0 +1,327 @@
+//! The OpenAPI 3.1 description served at `/openapi.json`.
+
+use serde_json::{json, Value};
+
+fn error_response(description: &str) -> Value {
+    json!({
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    })
+}
+
+fn ok(description: &str, schema: &str) -> Value {
+    json!({
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}}
+    })
+}
+
+fn body(schema: &str, required: bool) -> Value {
+    json!({
+        "required": required,
+        "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}}
+    })
+}
+
+fn param(name: &str, location: &str, description: &str, schema: Value) -> Value {
+    json!({
+        "name": name,
+        "in": location,
+        "required": location == "path",
+        "description": description,
+        "schema": schema,
+    })
+}
+
+fn run_id() -> Value {
+    param("run_id", "path", "The run.", json!({"type": "string"}))
+}
+
+fn min_position() -> Value {
+    param(
+        "min_position",
+        "query",
+        "Wait (bounded) until the view has applied this log position (from a write's answer); also the `Sortie-Min-Position` header.",
+        json!({"type": "string", "example": "p2:o1534"}),
+    )
+}
+
+fn idempotency_key() -> Value {
+    param(
+        "Idempotency-Key",
+        "header",
+        "Used as the command id: a retry with the same key is answered, not applied again.",
+        json!({"type": "string", "maxLength": 200}),
+    )
+}
+
+fn write_errors(mut responses: Value) -> Value {
+    for (code, text) in [
+        ("400", "Bad JSON or a missing or invalid field."),
+        ("401", "No or unknown bearer token."),
+        ("403", "Forbidden: another tenant's namespace, or the reducer's `forbidden` (missing role)."),
+        ("404", "Unknown run (also another tenant's run)."),
+        ("409", "Refused by the reducer: conflict, bad_state, stale_proposal, already_decided, expired, duplicate_approver, unknown_interrupt, unknown_operation."),
+        ("413", "The body is larger than the configured cap."),
+        ("504", "The reducer's answer did not arrive in time; the error carries the command_id."),
+    ] {
+        responses[code] = error_response(text);
+    }
+    responses
+}
+
+fn read_errors(mut responses: Value) -> Value {
+    for (code, text) in [
+        ("401", "No or unknown bearer token."),
+        ("404", "Unknown run (also another tenant's run)."),
+        ("504", "The view did not reach min_position in time."),
+    ] {
+        responses[code] = error_response(text);
+    }
+    responses
+}
+
+/// The whole document.
+pub fn document() -> Value {
+    let security = json!([{"bearer": []}]);
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Sortie gateway",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "Durable execution for long-running AI agent runs. Writes become Kafka commands answered by the reducer; reads come from a local view of run-state and run-events. Every error is {\"error\": {\"code\", \"message\"}}."
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {"error": {
+                        "type": "object",
+                        "required": ["code", "message"],
+                        "properties": {
+                            "code": {"type": "string"},
+                            "message": {"type": "string"},
+                            "command_id": {"type": "string"},
+                            "position": {"type": "string"}
+                        }
+                    }}
+                },
+                "StartRun": {
+                    "type": "object",
+                    "required": ["graph_id"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "graph_id": {"type": "string"},
+                        "graph_version": {"type": "integer", "minimum": 0},
+                        "input": {"description": "Any JSON; `{}` when absent."},
+                        "checkpoint_ns": {"type": "string", "description": "The tenant; must be the token's."},
+                        "run_id": {"type": "string", "description": "Client-chosen id; `run_<ulid>` when absent."},
+                        "labels": {"type": "object", "additionalProperties": {"type": "string"}}
+                    }
+                },
+                "Resume": {
+                    "type": "object",
+                    "required": ["decision", "interrupt_id"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "decision": {"enum": ["approve", "reject"]},
+                        "interrupt_id": {"type": "string"},
+                        "proposal_hash": {"type": "string", "description": "The proposal approved; defaults to the interrupt's current one."},
+                        "payload": {},
+                        "comment": {"type": "string"}
+                    }
+                },
+                "Cancel": {
+                    "type": "object",
+                    "additionalProperties": false,
+                    "properties": {"reason": {"type": "string"}}
+                },
+                "Reconcile": {
+                    "type": "object",
+                    "required": ["outcome"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "outcome": {"enum": ["succeeded", "failed"]},
+                        "result": {"description": "The operation's output."},
+                        "error": {"type": "string"}
+                    }
+                },
+                "Written": {
+                    "type": "object",
+                    "required": ["run_id", "status", "command_id", "position"],
+                    "properties": {
+                        "run_id": {"type": "string"},
+                        "status": {"type": "string"},
+                        "command_id": {"type": "string"},
+                        "position": {"type": "string", "description": "The answering event's log position, for min_position."},
+                        "duplicate": {"type": "boolean"}
+                    }
+                },
+                "Run": {
+                    "type": "object",
+                    "properties": {
+                        "run_id": {"type": "string"},
+                        "checkpoint_ns": {"type": "string"},
+                        "graph_id": {"type": "string"},
+                        "status": {"enum": ["running", "waiting_approval", "needs_reconciliation", "cancelling", "compensating", "succeeded", "failed", "cancelled"]},
+                        "version": {"type": "integer"},
+                        "last_checkpoint_id": {"type": "string"},
+                        "steps_done": {"type": "integer"},
+                        "nodes_completed": {"type": "array", "items": {"type": "string"}},
+                        "interrupt": {"type": ["object", "null"]},
+                        "interrupts": {"type": "array", "items": {"type": "object"}},
+                        "steps": {"type": "array", "items": {"type": "object"}}
+                    }
+                },
+                "RunList": {
+                    "type": "object",
+                    "properties": {
+                        "runs": {"type": "array", "items": {"type": "object"}},
+                        "next_after": {"type": ["string", "null"]}
+                    }
+                },
+                "EventPage": {
+                    "type": "object",
+                    "properties": {
+                        "run_id": {"type": "string"},
+                        "events": {"type": "array", "items": {"type": "object"}},
+                        "next_after": {"type": "integer"},
+                        "has_more": {"type": "boolean"}
+                    }
+                },
+                "Checkpoint": {
+                    "type": "object",
+                    "properties": {
+                        "checkpoint_id": {"type": "string"},
+                        "version": {"type": "integer"},
+                        "status": {"type": "string"},
+                        "nodes_completed": {"type": "array", "items": {"type": "string"}},
+                        "state": {"type": "object"}
+                    }
+                }
+            }
+        },
+        "paths": {
+            "/v1/runs": {
+                "post": {
+                    "summary": "Start a run",
+                    "security": security,
+                    "parameters": [idempotency_key()],
+                    "requestBody": body("StartRun", true),
+                    "responses": write_errors(json!({
+                        "201": ok("Accepted by the reducer.", "Written"),
+                        "422": error_response("Unknown graph.")
+                    }))
+                },
+                "get": {
+                    "summary": "List the tenant's runs",
+                    "security": security,
+                    "parameters": [
+                        param("status", "query", "Only runs with this status.", json!({"type": "string"})),
+                        param("graph_id", "query", "Only runs of this graph.", json!({"type": "string"})),
+                        param("limit", "query", "At most this many (1-500, default 50).", json!({"type": "integer"})),
+                        param("after", "query", "The next_after of the previous page.", json!({"type": "string"})),
+                        min_position()
+                    ],
+                    "responses": read_errors(json!({"200": ok("The runs.", "RunList")}))
+                }
+            },
+            "/v1/runs/{run_id}": {
+                "get": {
+                    "summary": "A run: status, open interrupts, last checkpoint, steps",
+                    "security": security,
+                    "parameters": [run_id(), min_position()],
+                    "responses": read_errors(json!({"200": ok("The run.", "Run")}))
+                }
+            },
+            "/v1/runs/{run_id}/resume": {
+                "post": {
+                    "summary": "Decide an interrupt (approve or reject)",
+                    "security": security,
+                    "parameters": [run_id(), idempotency_key()],
+                    "requestBody": body("Resume", true),
+                    "responses": write_errors(json!({"200": ok("Accepted by the reducer.", "Written")}))
+                }
+            },
+            "/v1/runs/{run_id}/cancel": {
+                "post": {
+                    "summary": "Cancel a run",
+                    "security": security,
+                    "parameters": [run_id(), idempotency_key()],
+                    "requestBody": body("Cancel", false),
+                    "responses": write_errors(json!({"200": ok("status is cancelling or cancelled.", "Written")}))
+                }
+            },
+            "/v1/runs/{run_id}/events": {
+                "get": {
+                    "summary": "A run's events in order, paged (or live SSE with Accept: text/event-stream)",
+                    "security": security,
+                    "parameters": [
+                        run_id(),
+                        param("after", "query", "Only events with seq > after.", json!({"type": "integer"})),
+                        param("limit", "query", "At most this many (1-1000, default 100).", json!({"type": "integer"})),
+                        min_position()
+                    ],
+                    "responses": read_errors(json!({"200": ok("A page of events.", "EventPage")}))
+                }
+            },
+            "/v1/runs/{run_id}/events/stream": {
+                "get": {
+                    "summary": "A run's events after `after` (or Last-Event-ID), then live, as server-sent events",
+                    "security": security,
+                    "parameters": [
+                        run_id(),
+                        param("after", "query", "Start after this seq.", json!({"type": "integer"})),
+                        min_position()
+                    ],
+                    "responses": read_errors(json!({"200": {
+                        "description": "text/event-stream: `id` is the seq, `event` the event kind, `data` the event JSON.",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}}
+                    }}))
+                }
+            },
+            "/v1/runs/{run_id}/checkpoints/{checkpoint_id}": {
+                "get": {
+                    "summary": "The run's state at a version (ckpt_<run>_<version>)",
+                    "security": security,
+                    "parameters": [
+                        run_id(),
+                        param("checkpoint_id", "path", "ckpt_<run_id>_<version>", json!({"type": "string"})),
+                        min_position()
+                    ],
+                    "responses": read_errors(json!({
+                        "200": ok("The state at that version.", "Checkpoint"),
+                        "410": error_response("The view lacks part of the run's history.")
+                    }))
+                }
+            },
+            "/v1/runs/{run_id}/operations/{operation_id}/reconcile": {
+                "post": {
+                    "summary": "An operator records the outcome of an operation whose outcome is unknown",
+                    "security": security,
+                    "parameters": [
+                        run_id(),
+                        param("operation_id", "path", "The operation.", json!({"type": "string"})),
+                        idempotency_key()
+                    ],
+                    "requestBody": body("Reconcile", true),
+                    "responses": write_errors(json!({"200": ok("Accepted by the reducer.", "Written")}))
+                }
+            },
+            "/healthz": {
+                "get": {"summary": "Alive", "responses": {"200": {"description": "ok"}}}
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "Ready: the view caught up with run-state and run-events as they were at start",
+                    "responses": {"200": {"description": "ready"}, "503": error_response("not ready")}
+                }
+            },
+            "/openapi.json": {
+                "get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3.1"}}}
+            }
+        }
+    })
+}

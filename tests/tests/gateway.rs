@@ -1,0 +1,754 @@
+//! The gateway as its own process (`sortie gateway`) over real HTTP, with a real reducer
+//! process and the in-test executor: runs start, complete and stream; approvals need the
+//! node's role and are decided once; cancel and reconcile are answered by the reducer;
+//! tenants never see each other; bad requests are JSON errors and publish nothing; a
+//! restarted or fresh gateway rebuilds its view from Kafka.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sortie_core::EventBody;
+use sortie_tests::stack::{succeed, Stack};
+use sortie_tests::Isolation;
+
+const THREE_STEPS: &str = r#"
+id: three
+version: 1
+nodes:
+  - {id: fetch, tool: echo, side_effect: pure, args: {order: $input.order}}
+  - {id: price, tool: echo, side_effect: idempotent, args: {from: $steps.fetch.output.step}}
+  - {id: notify, tool: echo, side_effect: keyed, args: {from: $steps.price.output.step}}
+edges:
+  - {from: fetch, to: price}
+  - {from: price, to: notify}
+"#;
+
+const GATED: &str = r#"
+id: gated
+version: 1
+nodes:
+  - {id: prepare, tool: echo, side_effect: pure}
+  - id: refund
+    tool: echo
+    side_effect: keyed
+    args: {amount: $input.amount}
+    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
+edges:
+  - {from: prepare, to: refund}
+"#;
+
+const ALICE: &str = "acme:user:alice:approver:tok-alice";
+const BOB: &str = "acme:user:bob::tok-bob";
+const EVE: &str = "globex:user:eve:approver:tok-eve";
+const TOKENS: &[&str] = &[ALICE, BOB, EVE];
+
+const LONG: Duration = Duration::from_secs(90);
+
+/// A small HTTP client for one gateway.
+struct Api {
+    client: reqwest::Client,
+    base: String,
+}
+
+impl Api {
+    fn new(base: &str) -> Api {
+        Api {
+            client: reqwest::Client::new(),
+            base: base.to_owned(),
+        }
+    }
+
+    fn request(&self, method: &str, path: &str, token: Option<&str>) -> reqwest::RequestBuilder {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut request = self.client.request(method, format!("{}{path}", self.base));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        request
+    }
+
+    async fn send(&self, request: reqwest::RequestBuilder) -> (u16, Value) {
+        let response = request.send().await.expect("the gateway answers");
+        let status = response.status().as_u16();
+        let text = response.text().await.expect("a body");
+        let body = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("status {status}: the body is not JSON ({e}): {text}"));
+        (status, body)
+    }
+
+    async fn get(&self, path: &str, token: &str) -> (u16, Value) {
+        self.send(self.request("GET", path, Some(token))).await
+    }
+
+    async fn post(&self, path: &str, token: &str, body: Value) -> (u16, Value) {
+        self.send(self.request("POST", path, Some(token)).json(&body))
+            .await
+    }
+
+    async fn start(&self, token: &str, body: Value) -> Value {
+        let (status, answer) = self.post("/v1/runs", token, body).await;
+        assert_eq!(status, 201, "start: {answer}");
+        answer
+    }
+
+    /// Polls the run until `done` holds for it.
+    async fn wait_run(&self, what: &str, run_id: &str, done: impl Fn(&Value) -> bool) -> Value {
+        sortie_tests::wait_for(what, LONG, || async {
+            let (status, run) = self.get(&format!("/v1/runs/{run_id}"), "tok-alice").await;
+            (status == 200 && done(&run)).then_some(run)
+        })
+        .await
+    }
+}
+
+fn token(spec: &str) -> &str {
+    spec.rsplit(':').next().unwrap_or_default()
+}
+
+fn code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or_default()
+}
+
+fn event_kind(event: &Value) -> String {
+    event["body"]
+        .as_object()
+        .and_then(|o| o.keys().next().cloned())
+        .unwrap_or_default()
+}
+
+/// Reads an SSE response until `enough` holds for the events seen (as JSON), or panics.
+async fn read_sse(
+    response: &mut reqwest::Response,
+    seen: &mut Vec<Value>,
+    buffer: &mut String,
+    enough: impl Fn(&[Value]) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + LONG;
+    while !enough(seen) {
+        let chunk = tokio::time::timeout_at(deadline, response.chunk())
+            .await
+            .expect("the stream delivers in time")
+            .expect("the stream stays open")
+            .expect("the stream does not end");
+        buffer.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buffer.find('\n') {
+            let line: String = buffer.drain(..=end).collect();
+            if let Some(data) = line.trim_end().strip_prefix("data:") {
+                seen.push(serde_json::from_str(data.trim()).expect("data is event JSON"));
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_starts_completes_and_its_history_reads_back_in_pages() {
+    let stack = Stack::start("gateway-run", &[THREE_STEPS]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+
+    let answer = api
+        .start(
+            "tok-bob",
+            json!({"graph_id": "three", "input": {"order": 7}}),
+        )
+        .await;
+    let run_id = answer["run_id"].as_str().expect("run_id").to_owned();
+    let position = answer["position"].as_str().expect("position").to_owned();
+    assert!(run_id.starts_with("run_") && run_id.len() == 30, "{run_id}");
+    assert!(answer["command_id"].as_str().is_some_and(|c| !c.is_empty()));
+    assert!(
+        position.starts_with('p') && position.contains(":o"),
+        "{position}"
+    );
+
+    // Read-your-writes: a read at the answer's position sees the run.
+    let (status, run) = api
+        .get(
+            &format!("/v1/runs/{run_id}?min_position={position}"),
+            "tok-bob",
+        )
+        .await;
+    assert_eq!(status, 200, "{run}");
+    assert_eq!(run["graph_id"], "three");
+    assert_eq!(run["checkpoint_ns"], "acme");
+
+    let done = api
+        .wait_run("the run to succeed", &run_id, |r| {
+            r["status"] == "succeeded"
+        })
+        .await;
+    assert_eq!(done["steps_done"], 3);
+    assert_eq!(done["nodes_completed"], json!(["fetch", "price", "notify"]));
+    let version = done["version"].as_i64().expect("version");
+    assert_eq!(
+        done["last_checkpoint_id"],
+        format!("ckpt_{run_id}_{version}")
+    );
+
+    // Events in pages of 3: ordered, complete, the same history as the topic's.
+    let mut events = Vec::new();
+    let mut after = 0;
+    loop {
+        let (status, page) = api
+            .get(
+                &format!("/v1/runs/{run_id}/events?after={after}&limit=3"),
+                "tok-bob",
+            )
+            .await;
+        assert_eq!(status, 200, "{page}");
+        let batch = page["events"].as_array().expect("events").clone();
+        assert!(batch.len() <= 3);
+        events.extend(batch);
+        after = page["next_after"].as_i64().expect("next_after");
+        if !page["has_more"].as_bool().expect("has_more") {
+            break;
+        }
+    }
+    let seqs: Vec<i64> = events
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap_or(-1))
+        .collect();
+    assert_eq!(seqs, (1..=events.len() as i64).collect::<Vec<_>>());
+    let topic = stack.events().await;
+    assert_eq!(
+        events
+            .iter()
+            .map(|e| serde_json::from_value::<sortie_core::Event>(e.clone()).expect("an event"))
+            .collect::<Vec<_>>(),
+        topic[&run_id],
+        "the API shows the run's history exactly"
+    );
+    assert_eq!(
+        event_kind(events.last().expect("events")),
+        "RunStatusChanged"
+    );
+
+    // A checkpoint at an earlier version is the state at that version.
+    let early = topic[&run_id]
+        .iter()
+        .find(|e| matches!(e.body, EventBody::StepSucceeded { .. }))
+        .expect("a step succeeded")
+        .state_version;
+    let (status, checkpoint) = api
+        .get(
+            &format!("/v1/runs/{run_id}/checkpoints/ckpt_{run_id}_{early}"),
+            "tok-bob",
+        )
+        .await;
+    assert_eq!(status, 200, "{checkpoint}");
+    assert_eq!(checkpoint["version"], early);
+    assert_eq!(checkpoint["status"], "running");
+    assert_eq!(checkpoint["nodes_completed"], json!(["fetch"]));
+    assert_eq!(checkpoint["state"]["version"], early);
+    let (status, last) = api
+        .get(
+            &format!("/v1/runs/{run_id}/checkpoints/ckpt_{run_id}_{version}"),
+            "tok-bob",
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(last["status"], "succeeded");
+    let (status, missing) = api
+        .get(
+            &format!(
+                "/v1/runs/{run_id}/checkpoints/ckpt_{run_id}_{}",
+                version + 1
+            ),
+            "tok-bob",
+        )
+        .await;
+    assert_eq!((status, code(&missing)), (404, "unknown_checkpoint"));
+
+    // Listing, by status and graph.
+    let (status, list) = api
+        .get("/v1/runs?status=succeeded&graph_id=three", "tok-bob")
+        .await;
+    assert_eq!(status, 200, "{list}");
+    assert!(list["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .any(|r| r["run_id"] == run_id.as_str()));
+    let (_, running) = api.get("/v1/runs?status=running", "tok-bob").await;
+    assert!(!running["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .any(|r| r["run_id"] == run_id.as_str()));
+
+    // An Idempotency-Key makes a retried start the same run, answered as a duplicate.
+    let retry = || {
+        api.request("POST", "/v1/runs", Some("tok-bob"))
+            .header("Idempotency-Key", "order-7-start")
+            .json(&json!({"graph_id": "three", "input": {"order": 8}}))
+    };
+    let (first_status, first) = api.send(retry()).await;
+    let (second_status, second) = api.send(retry()).await;
+    assert_eq!(
+        (first_status, second_status),
+        (201, 201),
+        "{first} {second}"
+    );
+    assert_eq!(first["run_id"], second["run_id"]);
+    assert_eq!(first["command_id"], "order-7-start");
+    assert_eq!(second["duplicate"], true);
+
+    // The description lists every path.
+    let (status, doc) = api.get("/openapi.json", "").await;
+    assert_eq!(status, 200);
+    let paths: BTreeSet<&str> = doc["paths"]
+        .as_object()
+        .expect("paths")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    for path in [
+        "/v1/runs",
+        "/v1/runs/{run_id}",
+        "/v1/runs/{run_id}/resume",
+        "/v1/runs/{run_id}/cancel",
+        "/v1/runs/{run_id}/events",
+        "/v1/runs/{run_id}/events/stream",
+        "/v1/runs/{run_id}/checkpoints/{checkpoint_id}",
+        "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
+        "/healthz",
+        "/readyz",
+        "/openapi.json",
+    ] {
+        assert!(paths.contains(path), "{path} missing from {paths:?}");
+    }
+    assert!(doc["paths"]["/v1/runs"]["post"].is_object());
+    assert!(doc["paths"]["/v1/runs"]["get"].is_object());
+    assert_eq!(api.get("/healthz", "").await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_needs_the_role_streams_live_and_is_decided_once() {
+    let stack = Stack::start("gateway-approve", &[GATED]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+
+    let answer = api
+        .start(
+            token(BOB),
+            json!({"graph_id": "gated", "input": {"amount": 30}, "checkpoint_ns": "acme", "run_id": "refund-30"}),
+        )
+        .await;
+    assert_eq!(answer["run_id"], "refund-30");
+    let run = api
+        .wait_run("the run to wait for approval", "refund-30", |r| {
+            r["status"] == "waiting_approval"
+        })
+        .await;
+    let interrupt = run["interrupt"].clone();
+    assert_eq!(interrupt["required_role"], "approver");
+    assert_eq!(interrupt["node"], "refund");
+    assert_eq!(interrupt["proposal"]["args"]["amount"], 30);
+    let interrupt_id = interrupt["interrupt_id"].as_str().expect("id").to_owned();
+
+    // The live stream: the history so far, then what happens next.
+    let mut stream = api
+        .request("GET", "/v1/runs/refund-30/events/stream", Some("tok-alice"))
+        .send()
+        .await
+        .expect("stream");
+    assert_eq!(stream.status().as_u16(), 200);
+    assert!(stream
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream")));
+    let (mut seen, mut buffer) = (Vec::new(), String::new());
+    read_sse(&mut stream, &mut seen, &mut buffer, |events| {
+        events.iter().any(|e| event_kind(e) == "Interrupted")
+    })
+    .await;
+    let replayed = seen.len();
+
+    // A changed proposal is refused; a principal without the role is refused.
+    let resume = "/v1/runs/refund-30/resume".to_owned();
+    let (status, stale) = api
+        .post(
+            &resume,
+            "tok-alice",
+            json!({"decision": "approve", "interrupt_id": interrupt_id, "proposal_hash": "not-it"}),
+        )
+        .await;
+    assert_eq!((status, code(&stale)), (409, "stale_proposal"), "{stale}");
+    let (status, forbidden) = api
+        .post(
+            &resume,
+            "tok-bob",
+            json!({"decision": "approve", "interrupt_id": interrupt_id}),
+        )
+        .await;
+    assert_eq!(
+        (status, code(&forbidden)),
+        (403, "forbidden"),
+        "{forbidden}"
+    );
+    assert!(forbidden["error"]["command_id"].is_string());
+
+    let (status, approved) = api
+        .post(
+            &resume,
+            "tok-alice",
+            json!({"decision": "approve", "interrupt_id": interrupt_id, "comment": "fine"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{approved}");
+    assert_eq!(approved["decision"], "approve");
+    let (status, again) = api
+        .post(
+            &resume,
+            "tok-alice",
+            json!({"decision": "approve", "interrupt_id": interrupt_id}),
+        )
+        .await;
+    assert_eq!(status, 409, "{again}");
+    assert!(
+        ["already_decided", "bad_state"].contains(&code(&again)),
+        "{again}"
+    );
+
+    // The stream delivers what happened after it opened, live.
+    read_sse(&mut stream, &mut seen, &mut buffer, |events| {
+        events
+            .iter()
+            .any(|e| e["body"]["RunStatusChanged"]["status"] == "SUCCEEDED")
+    })
+    .await;
+    let live: Vec<String> = seen[replayed..].iter().map(event_kind).collect();
+    assert!(live.contains(&"InterruptDecided".to_owned()), "{live:?}");
+    let seqs: Vec<i64> = seen
+        .iter()
+        .map(|e| e["seq"].as_i64().unwrap_or(-1))
+        .collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+
+    let done = api
+        .wait_run("the approved run to finish", "refund-30", |r| {
+            r["status"] == "succeeded"
+        })
+        .await;
+    assert!(done["interrupt"].is_null());
+    let decided = stack.events().await["refund-30"]
+        .iter()
+        .find_map(|e| match &e.body {
+            EventBody::InterruptDecided { decided_by, .. } => Some(decided_by.clone()),
+            _ => None,
+        });
+    assert_eq!(
+        decided.as_deref(),
+        Some("user:alice"),
+        "the issuer is the caller"
+    );
+
+    // `Accept: text/event-stream` on the events path streams too.
+    let mut accept = api
+        .request(
+            "GET",
+            "/v1/runs/refund-30/events?after=1",
+            Some("tok-alice"),
+        )
+        .header("accept", "text/event-stream")
+        .send()
+        .await
+        .expect("stream");
+    let (mut more, mut buffer) = (Vec::new(), String::new());
+    read_sse(&mut accept, &mut more, &mut buffer, |events| {
+        !events.is_empty()
+    })
+    .await;
+    assert_eq!(more[0]["seq"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_and_reconcile_are_answered_by_the_reducer() {
+    let stack = Stack::start("gateway-cancel", &[GATED]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+
+    for run in ["to-cancel", "to-reconcile"] {
+        api.start(
+            "tok-bob",
+            json!({"graph_id": "gated", "input": {"amount": 1}, "run_id": run}),
+        )
+        .await;
+        api.wait_run("the run to wait", run, |r| {
+            r["status"] == "waiting_approval"
+        })
+        .await;
+    }
+    let (status, cancelled) = api
+        .post(
+            "/v1/runs/to-cancel/cancel",
+            "tok-bob",
+            json!({"reason": "changed my mind"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{cancelled}");
+    assert!(
+        ["cancelling", "cancelled"].contains(&cancelled["status"].as_str().unwrap_or_default()),
+        "{cancelled}"
+    );
+    api.wait_run("the run to be cancelled", "to-cancel", |r| {
+        r["status"] == "cancelled"
+    })
+    .await;
+    // An empty body is a cancel without a reason; a cancelled run refuses it.
+    let (status, again) = api
+        .send(api.request("POST", "/v1/runs/to-cancel/cancel", Some("tok-bob")))
+        .await;
+    assert_eq!((status, code(&again)), (409, "bad_state"), "{again}");
+
+    let (status, unknown) = api
+        .post(
+            "/v1/runs/to-reconcile/operations/op_nope/reconcile",
+            "tok-bob",
+            json!({"outcome": "succeeded", "result": {"refund_id": "r1"}}),
+        )
+        .await;
+    assert_eq!(
+        (status, code(&unknown)),
+        (409, "unknown_operation"),
+        "{unknown}"
+    );
+    let (status, missing) = api
+        .post(
+            "/v1/runs/no-such-run/operations/op_nope/reconcile",
+            "tok-bob",
+            json!({"outcome": "failed"}),
+        )
+        .await;
+    assert_eq!((status, code(&missing)), (404, "unknown_run"), "{missing}");
+    let (status, missing) = api
+        .post("/v1/runs/no-such-run/cancel", "tok-bob", json!({}))
+        .await;
+    assert_eq!((status, code(&missing)), (404, "unknown_run"), "{missing}");
+    let (status, bad) = api
+        .post(
+            "/v1/runs/to-reconcile/operations/op_nope/reconcile",
+            "tok-bob",
+            json!({"outcome": "maybe"}),
+        )
+        .await;
+    assert_eq!((status, code(&bad)), (400, "invalid_request"), "{bad}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_are_isolated_and_bad_requests_publish_nothing() {
+    let stack = Stack::start("gateway-tenancy", &[THREE_STEPS]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+
+    let answer = api
+        .start("tok-bob", json!({"graph_id": "three", "input": {}}))
+        .await;
+    let run_id = answer["run_id"].as_str().expect("run_id").to_owned();
+    let position = answer["position"].as_str().expect("position").to_owned();
+    let with_position = |path: &str| format!("{path}?min_position={position}");
+
+    // Another tenant: 404 for everything about the run, and it is not listed.
+    for path in [
+        format!("/v1/runs/{run_id}"),
+        format!("/v1/runs/{run_id}/events"),
+        format!("/v1/runs/{run_id}/checkpoints/ckpt_{run_id}_1"),
+    ] {
+        let (status, body) = api.get(&with_position(&path), "tok-eve").await;
+        assert_eq!(
+            (status, code(&body)),
+            (404, "unknown_run"),
+            "{path}: {body}"
+        );
+    }
+    let (status, body) = api
+        .post(&format!("/v1/runs/{run_id}/cancel"), "tok-eve", json!({}))
+        .await;
+    assert_eq!((status, code(&body)), (404, "unknown_run"), "{body}");
+    let (status, body) = api
+        .post(
+            &format!("/v1/runs/{run_id}/resume"),
+            "tok-eve",
+            json!({"decision": "approve", "interrupt_id": "x"}),
+        )
+        .await;
+    assert_eq!(status, 404, "{body}");
+    let (_, theirs) = api.get(&with_position("/v1/runs"), "tok-eve").await;
+    assert_eq!(theirs["runs"], json!([]));
+    let (_, ours) = api.get(&with_position("/v1/runs"), "tok-alice").await;
+    assert_eq!(ours["runs"][0]["run_id"], run_id.as_str());
+    let (status, body) = api
+        .post(
+            "/v1/runs",
+            "tok-bob",
+            json!({"graph_id": "three", "checkpoint_ns": "globex"}),
+        )
+        .await;
+    assert_eq!((status, code(&body)), (403, "tenant_mismatch"), "{body}");
+
+    // Bad requests: clear JSON errors.
+    let raw = |body: &'static str| {
+        api.request("POST", "/v1/runs", Some("tok-bob"))
+            .header("content-type", "application/json")
+            .body(body)
+    };
+    let (status, body) = api.send(raw("{\"graph_id\": ")).await;
+    assert_eq!((status, code(&body)), (400, "bad_json"), "{body}");
+    let (status, body) = api.send(raw("{\"input\": {}}")).await;
+    assert_eq!((status, code(&body)), (400, "invalid_request"), "{body}");
+    let (status, body) = api
+        .post("/v1/runs", "tok-bob", json!({"graph_id": "nope"}))
+        .await;
+    assert_eq!((status, code(&body)), (422, "unknown_graph"), "{body}");
+    let big = "x".repeat(300 * 1024);
+    let (status, body) = api
+        .post(
+            "/v1/runs",
+            "tok-bob",
+            json!({"graph_id": "three", "input": {"blob": big}}),
+        )
+        .await;
+    assert_eq!((status, code(&body)), (413, "payload_too_large"), "{body}");
+    let (status, body) = api.send(api.request("GET", "/v1/runs", None)).await;
+    assert_eq!((status, code(&body)), (401, "unauthenticated"), "{body}");
+    let (status, body) = api.get("/v1/runs", "not-a-token").await;
+    assert_eq!((status, code(&body)), (401, "invalid_token"), "{body}");
+    let (status, body) = api.get("/v1/nothing/here", "tok-bob").await;
+    assert_eq!((status, code(&body)), (404, "not_found"), "{body}");
+    let (status, body) = api
+        .send(api.request("DELETE", "/v1/runs", Some("tok-bob")))
+        .await;
+    assert_eq!((status, code(&body)), (405, "method_not_allowed"), "{body}");
+    let (status, body) = api
+        .get(
+            &format!("/v1/runs/{run_id}?min_position=garbage"),
+            "tok-bob",
+        )
+        .await;
+    assert_eq!((status, code(&body)), (400, "invalid_position"), "{body}");
+
+    // Only the one good start (and no refused request) reached the commands topic.
+    let commands = sortie_tests::read_all(
+        &stack.bootstrap,
+        &stack.topics.commands(),
+        Isolation::ReadCommitted,
+    )
+    .await;
+    assert_eq!(commands.len(), 1, "refused requests published nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_and_fresh_gateways_rebuild_their_views_from_kafka() {
+    let stack = Stack::start("gateway-restart", &[THREE_STEPS]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let data = stack.dir.join("gateway-a");
+    let (mut first, url) = stack.gateway_process(&data, TOKENS).await;
+    let api = Api::new(&url);
+    let mut runs = Vec::new();
+    for order in 0..3 {
+        let answer = api
+            .start(
+                "tok-bob",
+                json!({"graph_id": "three", "input": {"order": order}}),
+            )
+            .await;
+        runs.push(answer["run_id"].as_str().expect("run_id").to_owned());
+    }
+    for run in &runs {
+        api.wait_run("the run to succeed", run, |r| r["status"] == "succeeded")
+            .await;
+    }
+    let (_, before) = api
+        .get(
+            &format!("/v1/runs/{}/events?limit=1000", runs[0]),
+            "tok-bob",
+        )
+        .await;
+
+    // A second gateway with an empty view, running next to the first: it catches up
+    // from Kafka and serves a write made through the first at that write's position.
+    let (second_process, second_url) = stack
+        .gateway_process(&stack.dir.join("gateway-b"), TOKENS)
+        .await;
+    let second = Api::new(&second_url);
+    let answer = api
+        .start(
+            "tok-bob",
+            json!({"graph_id": "three", "input": {"order": 9}}),
+        )
+        .await;
+    let late = answer["run_id"].as_str().expect("run_id").to_owned();
+    let (status, seen) = second
+        .get(
+            &format!(
+                "/v1/runs/{late}?min_position={}",
+                answer["position"].as_str().expect("position")
+            ),
+            "tok-bob",
+        )
+        .await;
+    assert_eq!(status, 200, "{seen}");
+    for run in &runs {
+        let (status, run) = second.get(&format!("/v1/runs/{run}"), "tok-bob").await;
+        assert_eq!((status, run["status"].as_str()), (200, Some("succeeded")));
+    }
+    let (_, events) = second
+        .get(
+            &format!("/v1/runs/{}/events?limit=1000", runs[0]),
+            "tok-bob",
+        )
+        .await;
+    assert_eq!(events["events"], before["events"]);
+
+    // The first gateway, restarted on the same data dir, serves what it had at once:
+    // it reads on from its stored offsets (nothing new happened, so it applies nothing).
+    api.wait_run("the late run to succeed", &late, |r| {
+        r["status"] == "succeeded"
+    })
+    .await;
+    first.stop();
+    assert!(
+        first.log_text().contains("The view stopped."),
+        "a clean stop"
+    );
+    let (restarted_process, url) = stack.gateway_process(&data, TOKENS).await;
+    assert!(
+        restarted_process.log_text().contains("applied=0"),
+        "a warm restart re-reads nothing: {}",
+        restarted_process.log_text()
+    );
+    assert!(
+        !second_process.log_text().contains("applied=0"),
+        "the fresh view read the topics"
+    );
+    let restarted = Api::new(&url);
+    for run in &runs {
+        let (status, run) = restarted.get(&format!("/v1/runs/{run}"), "tok-bob").await;
+        assert_eq!((status, run["status"].as_str()), (200, Some("succeeded")));
+    }
+    let (_, listed) = restarted.get("/v1/runs?limit=100", "tok-bob").await;
+    assert_eq!(
+        listed["runs"].as_array().expect("runs").len(),
+        runs.len() + 1,
+        "{listed}"
+    );
+}
