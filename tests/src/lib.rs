@@ -380,3 +380,31 @@ impl ServedRegistry {
             .context("the registry server failed")
     }
 }
+
+// ---------------------------------------------------------------- python
+
+/// The Python interpreter of the tests' virtualenv (`target/py`, built once from
+/// `tests/python/requirements.txt` and reused; safe across parallel tests). Blocking.
+pub fn python_venv() -> anyhow::Result<String> {
+    let root = workspace_root();
+    let output = std::process::Command::new(
+        std::env::var("SORTIE_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg(root.join("tests/python/ensure_venv.py"))
+    .arg(root.join("target/py"))
+    .arg(root.join("tests/python/requirements.txt"))
+    .output()
+    .context("running python3 tests/python/ensure_venv.py")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "creating the Python venv failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .last()
+        .map(str::to_owned)
+        .context("ensure_venv.py printed no interpreter path")
+}

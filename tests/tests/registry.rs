@@ -3,8 +3,6 @@
 //! (Python), plus raw HTTP for compatibility, restart and error answers. Each test has its
 //! own schemas topic and serves on 127.0.0.1:0.
 
-use std::process::Command;
-
 use anyhow::{ensure, Context as _};
 use schema_registry_converter::async_impl::avro::{AvroDecoder, AvroEncoder};
 use schema_registry_converter::async_impl::schema_registry::SrSettings;
@@ -410,31 +408,9 @@ async fn http_errors_have_confluents_shape() -> anyhow::Result<()> {
 }
 
 /// The Python venv of the tests (`<workspace>/target/py`), created once and reused.
-fn python() -> anyhow::Result<String> {
-    let root = sortie_tests::workspace_root();
-    let output = Command::new(std::env::var("SORTIE_PYTHON").unwrap_or_else(|_| "python3".into()))
-        .arg(root.join("tests/python/ensure_venv.py"))
-        .arg(root.join("target/py"))
-        .arg(root.join("tests/python/requirements.txt"))
-        .output()
-        .context("running python3 tests/python/ensure_venv.py")?;
-    ensure!(
-        output.status.success(),
-        "creating the Python venv failed ({}):\n{}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .last()
-        .map(str::to_owned)
-        .context("ensure_venv.py printed no interpreter path")
-}
-
 #[tokio::test]
 async fn confluents_python_client_works_against_the_registry() -> anyhow::Result<()> {
-    let python = tokio::task::spawn_blocking(python).await??;
+    let python = tokio::task::spawn_blocking(sortie_tests::python_venv).await??;
     let kafka = kafka().await;
     let prefix = sortie_tests::unique_prefix("registry_python");
     let served = Served::start(&kafka, &format!("{prefix}_schemas")).await?;

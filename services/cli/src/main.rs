@@ -3,10 +3,16 @@
 
 use clap::{Parser, Subcommand};
 
+mod audit;
 mod broker;
+mod dev;
+mod executor;
+mod gateway;
 mod graph;
+mod ledger;
 mod reducer;
 mod registry;
+mod run;
 mod topology;
 
 #[derive(Debug, Parser)]
@@ -22,6 +28,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The whole local stack in one command: Kafka, registry, topics, graphs, ledger,
+    /// reducer, executor, gateway, and a demo mission waiting for your approval.
+    Dev(dev::Args),
     /// Run the local single-node Apache Kafka broker (KRaft) for development.
     Broker(broker::Args),
     /// Create or check Sortie's topics as declared in topology/topics.yaml.
@@ -32,6 +41,16 @@ enum Command {
     Graph(graph::Args),
     /// Run a reducer instance: folds commands and step results into run state, exactly once.
     Reducer(reducer::Args),
+    /// Run a stateless executor for one or more queues.
+    Executor(executor::Args),
+    /// Run the HTTP gateway (the run API and read views).
+    Gateway(gateway::Args),
+    /// Run the ledger: an HTTP receiver that records every side effect (tests, demos).
+    Ledger(ledger::Args),
+    /// Replay histories from Kafka and verify them against the state table.
+    Audit(audit::Args),
+    /// Start, approve, reject, cancel, inspect and follow runs through the gateway.
+    Run(run::Args),
 }
 
 #[tokio::main]
@@ -46,10 +65,16 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Dev(args) => dev::run(args).await,
         Command::Broker(args) => broker::run(args).await,
         Command::Topology(args) => topology::run(args).await,
         Command::Registry(args) => registry::run(args).await,
         Command::Reducer(args) => reducer::run(args).await,
+        Command::Executor(args) => executor::run(args).await,
+        Command::Gateway(args) => gateway::run(args).await,
+        Command::Ledger(args) => ledger::run(args).await,
+        Command::Audit(args) => audit::run(args).await,
+        Command::Run(args) => run::run(args).await,
         Command::Graph(args) => graph::run(args).await,
     }
 }

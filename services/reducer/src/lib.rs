@@ -7,6 +7,7 @@
 //! The reducer never calls a receiver and never reads a clock inside the fold: the only
 //! clock it reads is for due timers, whose firing is itself an input recorded in history.
 
+pub mod audit;
 pub mod convert;
 pub mod driver;
 pub mod graphs;

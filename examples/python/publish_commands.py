@@ -1,0 +1,119 @@
+"""Publish Sortie run commands from another service, the way any Kafka producer would:
+confluent-kafka with its Avro serializer and the schema registry.
+
+    python publish_commands.py --bootstrap 127.0.0.1:9092 --registry http://127.0.0.1:8081 \
+        start --run-id run-42 --graph refund --input '{"order_id": "o-42"}'
+    python publish_commands.py ... approve --run-id run-42 --interrupt-id int_... --proposal-hash ...
+    python publish_commands.py ... cancel --run-id run-42 --reason "customer asked"
+
+Two things matter for Sortie:
+  * the record key is the run id, and the producer hashes keys like the Java client
+    (`partitioner=murmur2_random`; librdkafka's default would pick other partitions,
+    which Sortie tolerates by forwarding, at the cost of a hop);
+  * `command_id` makes a command idempotent: send it again and it is applied once.
+The reducer answers every command with a CommandAccepted or CommandRejected event carrying
+the same command_id on the run-events topic (see dashboard.py).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+from confluent_kafka import Producer
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+SCHEMA = os.path.join(os.path.dirname(__file__), "..", "..", "schemas", "run-command.avsc")
+NS = "dev.sortie.v1."
+
+
+def body(args):
+    if args.command == "start":
+        return (NS + "StartRun", {
+            "graph_id": args.graph,
+            "graph_version": args.graph_version,
+            "input": json.dumps(json.loads(args.input)),
+            "labels": {},
+        })
+    if args.command in ("approve", "reject"):
+        return (NS + "ResumeRun", {
+            "interrupt_id": args.interrupt_id,
+            "proposal_hash": args.proposal_hash,
+            "decision": "APPROVE" if args.command == "approve" else "REJECT",
+            "payload": None,
+            "comment": args.comment,
+        })
+    if args.command == "cancel":
+        return (NS + "CancelRun", {"reason": args.reason})
+    raise SystemExit(f"unknown command {args.command}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bootstrap", default="127.0.0.1:9092")
+    parser.add_argument("--registry", default="http://127.0.0.1:8081")
+    parser.add_argument("--prefix", default="sortie.")
+    parser.add_argument("--tenant", default="dev")
+    parser.add_argument("--principal", default="svc:python-example")
+    parser.add_argument("--role", action="append", default=[])
+    parser.add_argument("--command-id", default=None, help="defaults to a new UUID")
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start")
+    start.add_argument("--run-id", required=True)
+    start.add_argument("--graph", required=True)
+    start.add_argument("--graph-version", type=int, default=None)
+    start.add_argument("--input", default="{}")
+    for name in ("approve", "reject"):
+        decide = sub.add_parser(name)
+        decide.add_argument("--run-id", required=True)
+        decide.add_argument("--interrupt-id", required=True)
+        decide.add_argument("--proposal-hash", required=True)
+        decide.add_argument("--comment", default=None)
+    cancel = sub.add_parser("cancel")
+    cancel.add_argument("--run-id", required=True)
+    cancel.add_argument("--reason", default=None)
+    args = parser.parse_args()
+
+    topic = args.prefix + "commands"
+    with open(SCHEMA) as f:
+        schema = f.read()
+    serializer = AvroSerializer(SchemaRegistryClient({"url": args.registry}), schema)
+    producer = Producer({
+        "bootstrap.servers": args.bootstrap,
+        "partitioner": "murmur2_random",
+        "enable.idempotence": True,
+    })
+    command_id = args.command_id or str(uuid.uuid4())
+    value = {
+        "command_id": command_id,
+        "tenant": args.tenant,
+        "run_id": args.run_id,
+        "issuer": {"principal": args.principal, "roles": args.role},
+        "issued_at": int(time.time() * 1000),
+        "body": body(args),
+    }
+    payload = serializer(value, SerializationContext(topic, MessageField.VALUE))
+    delivered = {}
+
+    def on_delivery(err, msg):
+        delivered["err"] = err
+        if msg is not None and err is None:
+            delivered["partition"] = msg.partition()
+            delivered["offset"] = msg.offset()
+
+    producer.produce(topic, key=args.run_id.encode(), value=payload, on_delivery=on_delivery)
+    producer.flush(30)
+    if delivered.get("err") is not None or "offset" not in delivered:
+        print(json.dumps({"error": str(delivered.get("err", "not delivered"))}))
+        return 1
+    print(json.dumps({"command_id": command_id, "run_id": args.run_id, "topic": topic,
+                      "partition": delivered["partition"], "offset": delivered["offset"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

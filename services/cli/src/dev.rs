@@ -1,0 +1,391 @@
+//! `sortie dev`: the whole local stack in one command, on a fresh checkout.
+//!
+//! A real Apache Kafka (KRaft), the schema registry, the topology, the example graphs,
+//! then the services as their own processes — ledger (the demo's receiver), reducer,
+//! executor, gateway — and a demo mission that stops at an approval. Ctrl-C stops
+//! everything cleanly; running it again resumes with the same data.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _};
+use serde_json::{json, Value};
+use sortie_kafka::local::{BrokerConfig, LocalBroker};
+use sortie_kafka::topology::Topology;
+use sortie_kafka::KafkaConfig;
+use sortie_wire::{Codec, CodecConfig, Topics};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Where broker and service data live (kept across runs).
+    #[arg(long, default_value = "target/dev")]
+    data_dir: PathBuf,
+    /// The gateway's address.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    gateway_addr: String,
+    /// The dev tenant's bearer token (default: generated once and kept in the data dir).
+    #[arg(long, env = "SORTIE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Kafka's port on 127.0.0.1 (the controller uses the next one).
+    #[arg(long, default_value_t = 9092)]
+    kafka_port: u16,
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    registry_addr: String,
+    /// The ledger (the demo's HTTP receiver).
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    ledger_addr: String,
+    /// Do not start the demo mission.
+    #[arg(long)]
+    no_demo: bool,
+}
+
+/// Finds a file of the repository from the current directory upwards (then from where
+/// this binary was built), so `sortie dev` works from any folder of a checkout.
+fn repo_file(relative: &str) -> anyhow::Result<PathBuf> {
+    let mut dir = std::env::current_dir()?;
+    loop {
+        let candidate = dir.join(relative);
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+        if !dir.pop() {
+            break;
+        }
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative);
+    if built.exists() {
+        return Ok(built);
+    }
+    bail!("{relative} not found: run `sortie dev` from a Sortie checkout")
+}
+
+struct Service {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+struct Stack {
+    services: Vec<Service>,
+    exe: PathBuf,
+    logs: PathBuf,
+    env: Vec<(&'static str, String)>,
+}
+
+impl Stack {
+    fn spawn(&mut self, name: &'static str, args: &[&str]) -> anyhow::Result<()> {
+        let log = self.logs.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        let mut command = Command::new(&self.exe);
+        command
+            .args(args)
+            .stdout(Stdio::from(file.try_clone()?))
+            .stderr(Stdio::from(file));
+        for (key, value) in &self.env {
+            command.env(key, value);
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        println!(
+            "  {name:<9} started (pid {}, log {})",
+            child.id(),
+            log.display()
+        );
+        self.services.push(Service { name, child, log });
+        Ok(())
+    }
+
+    /// A service that exited on its own, if any.
+    fn exited(&mut self) -> Option<(&'static str, PathBuf, String)> {
+        for service in &mut self.services {
+            if let Ok(Some(status)) = service.child.try_wait() {
+                return Some((service.name, service.log.clone(), status.to_string()));
+            }
+        }
+        None
+    }
+
+    /// SIGTERM in reverse start order, then wait (SIGKILL after 20 s).
+    fn stop(&mut self) {
+        while let Some(mut service) = self.services.pop() {
+            if let Some(pid) = rustix::process::Pid::from_raw(service.child.id() as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match service.child.try_wait() {
+                    Ok(Some(_)) | Err(_) => break,
+                    Ok(None) if Instant::now() > deadline => {
+                        let _ = service.child.kill();
+                        let _ = service.child.wait();
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(100)),
+                }
+            }
+            println!("  {} stopped", service.name);
+        }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn wait_http(
+    what: &str,
+    url: &str,
+    token: Option<&str>,
+    stack: &mut Stack,
+) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut request = client.get(url).timeout(Duration::from_secs(2));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Ok(response) = request.send().await {
+            if response.status().is_success() {
+                return Ok(());
+            }
+        }
+        if let Some((name, log, status)) = stack.exited() {
+            bail!(
+                "{name} exited ({status}) while waiting for {what}; see {}",
+                log.display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!("{what} did not come up at {url}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn dev_token(data_dir: &Path, given: Option<String>) -> anyhow::Result<String> {
+    if let Some(token) = given {
+        return Ok(token);
+    }
+    let file = data_dir.join("dev-token");
+    if let Ok(token) = std::fs::read_to_string(&file) {
+        if !token.trim().is_empty() {
+            return Ok(token.trim().to_owned());
+        }
+    }
+    let mut bytes = [0u8; 16];
+    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
+    let token = format!(
+        "dev-{}",
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
+    std::fs::write(&file, &token)?;
+    Ok(token)
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data_dir)?;
+    let data_dir = std::fs::canonicalize(&args.data_dir)?;
+    let logs = data_dir.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let token = dev_token(&data_dir, args.token)?;
+    println!(
+        "Starting Sortie's local stack (data in {}).",
+        data_dir.display()
+    );
+
+    // 1. Kafka.
+    let broker = LocalBroker::new(BrokerConfig::new(
+        data_dir.join("kafka"),
+        args.kafka_port,
+        repo_file("dev/kafka/pom.xml")?,
+    ));
+    let running = tokio::task::spawn_blocking(move || broker.ensure_running()).await??;
+    let bootstrap = running.bootstrap.clone();
+    println!(
+        "  kafka     {bootstrap} ({})",
+        if running.reused {
+            "already running"
+        } else {
+            "started"
+        }
+    );
+    let registry_url = format!("http://{}", args.registry_addr);
+    let gateway_url = format!("http://{}", args.gateway_addr);
+    let mut stack = Stack {
+        services: Vec::new(),
+        exe: std::env::current_exe()?,
+        logs,
+        env: vec![
+            ("SORTIE__KAFKA__BOOTSTRAP_SERVERS", bootstrap.clone()),
+            ("SORTIE__REGISTRY__URL", registry_url.clone()),
+            (
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            ),
+        ],
+    };
+
+    // 2. The schema registry, 3. the topics, 4. the graphs.
+    stack.spawn(
+        "registry",
+        &["registry", "serve", "--addr", &args.registry_addr],
+    )?;
+    wait_http(
+        "the schema registry",
+        &format!("{registry_url}/subjects"),
+        None,
+        &mut stack,
+    )
+    .await?;
+    let kafka = KafkaConfig::new(bootstrap.clone());
+    let report = Topology::load(repo_file("topology/topics.yaml")?)?
+        .apply(&kafka)
+        .await?;
+    println!(
+        "  topics    {} created, {} already there",
+        report.created.len(),
+        report.unchanged.len()
+    );
+    let codec = Codec::new(&CodecConfig {
+        registry_url: registry_url.clone(),
+        auto_register: true,
+    });
+    let topics = Topics::default();
+    let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as i64;
+    for graph in sortie_reducer::graphs::load_dir(repo_file("topology/graphs")?)? {
+        sortie_reducer::graphs::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
+        println!("  graph     {} published", graph.key());
+    }
+
+    // 5. The services, each its own process.
+    let ledger_file = data_dir.join("ledger.jsonl").display().to_string();
+    stack.spawn(
+        "ledger",
+        &[
+            "ledger",
+            "--addr",
+            &args.ledger_addr,
+            "--file",
+            &ledger_file,
+            "--mode",
+            "keyed",
+        ],
+    )?;
+    let reducer_dir = data_dir.join("reducer").display().to_string();
+    stack.spawn("reducer", &["reducer", "--data-dir", &reducer_dir])?;
+    stack.spawn("executor", &["executor", "--queue", "default,http,llm"])?;
+    let gateway_dir = data_dir.join("gateway").display().to_string();
+    let dev_token = format!("dev:dev-user:approver,operator:{token}");
+    stack.spawn(
+        "gateway",
+        &[
+            "gateway",
+            "--addr",
+            &args.gateway_addr,
+            "--data-dir",
+            &gateway_dir,
+            "--token",
+            &dev_token,
+        ],
+    )?;
+    wait_http(
+        "the gateway",
+        &format!("{gateway_url}/readyz"),
+        None,
+        &mut stack,
+    )
+    .await?;
+
+    println!();
+    println!("Sortie is running.");
+    println!("  gateway   {gateway_url}   (tenant \"dev\", token {token})");
+    println!("  registry  {registry_url}");
+    println!(
+        "  ledger    http://{}/ledger   (what the demo's receivers were asked to do)",
+        args.ledger_addr
+    );
+    println!("  kafka     {bootstrap}");
+
+    if !args.no_demo {
+        demo(&gateway_url, &token).await?;
+    }
+    println!("Ctrl-C stops everything; `sortie dev` again resumes with the same data.");
+
+    loop {
+        tokio::select! {
+            () = crate::shutdown_signal() => break,
+            () = tokio::time::sleep(Duration::from_secs(1)) => {
+                if let Some((name, log, status)) = stack.exited() {
+                    eprintln!("{name} exited ({status}); see {}. Stopping the stack.", log.display());
+                    break;
+                }
+            }
+        }
+    }
+    println!("Stopping...");
+    stack.stop();
+    let broker = LocalBroker::new(BrokerConfig::new(
+        data_dir.join("kafka"),
+        args.kafka_port,
+        repo_file("dev/kafka/pom.xml")?,
+    ));
+    tokio::task::spawn_blocking(move || broker.stop()).await??;
+    println!("  kafka     stopped (data kept)");
+    Ok(())
+}
+
+/// Starts the demo mission and waits until it stops at its approval.
+async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let started: Value = client
+        .post(format!("{gateway}/v1/runs"))
+        .bearer_auth(token)
+        .json(&json!({"graph_id": "demo", "input": {"message": "Hello from Sortie"}}))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let Some(run_id) = started["run_id"].as_str() else {
+        bail!("the demo run did not start: {started}");
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let interrupt = loop {
+        let run: Value = client
+            .get(format!("{gateway}/v1/runs/{run_id}"))
+            .bearer_auth(token)
+            .send()
+            .await?
+            .json()
+            .await?;
+        if let Some(id) = run["interrupt"]["interrupt_id"].as_str() {
+            break id.to_owned();
+        }
+        if Instant::now() > deadline {
+            bail!("the demo run did not reach its approval: {run}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    println!();
+    println!("A demo mission is waiting for your approval: {run_id}");
+    println!("Approve it with curl:");
+    println!(
+        "  curl -s -X POST {gateway}/v1/runs/{run_id}/resume -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' -d '{{\"decision\": \"approve\", \"interrupt_id\": \"{interrupt}\"}}'"
+    );
+    println!("or with the CLI:");
+    println!("  cargo run -q -p sortie -- run --token {token} approve {run_id}");
+    println!("Follow it:");
+    println!("  cargo run -q -p sortie -- run --token {token} watch {run_id}");
+    println!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");
+    println!();
+    Ok(())
+}

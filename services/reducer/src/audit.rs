@@ -1,0 +1,250 @@
+//! Audit replay: re-fold every run's history from `sortie.run-events` with this build's
+//! `evolve` and compare it with the state the reducer wrote to `sortie.run-state`.
+//! With `verify`, also prove the history is the one that was written: gap-free sequence
+//! numbers and an intact hash chain.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use serde::Serialize;
+use sortie_core::{evolve, Event, RunState};
+use sortie_kafka::KafkaConfig;
+use sortie_wire::records as w;
+use sortie_wire::{Codec, Record, Topics};
+use tokio::runtime::Handle;
+
+use crate::convert;
+use crate::driver::Error;
+
+/// What replaying one run found.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    pub run_id: String,
+    pub events: usize,
+    pub version: i64,
+    pub status: Option<String>,
+    /// Everything wrong with this run; empty when the history and the state agree.
+    pub problems: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub runs: usize,
+    pub events: usize,
+    pub diverged: usize,
+    pub reports: Vec<RunReport>,
+}
+
+/// A topic's records as (key, decoded value); `None` values are tombstones.
+pub type Records<R> = Vec<(Option<String>, Option<R>)>;
+
+/// Reads every record of `topic` (all partitions, `read_committed`) from the beginning
+/// to the high watermark captured at the start, decoded as `R`, in partition order.
+pub fn read_topic<R: Record>(
+    kafka: &KafkaConfig,
+    topic: &str,
+    codec: &Codec,
+    runtime: &Handle,
+) -> Result<Records<R>, Error> {
+    let mut config = kafka.client();
+    config
+        .set("group.id", "sortie-audit")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("allow.auto.create.topics", "false");
+    let consumer: BaseConsumer = config.create()?;
+    let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
+    let partitions: Vec<i32> = metadata
+        .topics()
+        .first()
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for partition in partitions {
+        let (low, high) = consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?;
+        if high <= low {
+            continue;
+        }
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset(topic, partition, Offset::Beginning)?;
+        consumer.assign(&list)?;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut next = low;
+        while next < high {
+            if Instant::now() > deadline {
+                return Err(Error::Setup(format!(
+                    "reading {topic}[{partition}] timed out at offset {next} of {high}"
+                )));
+            }
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(message)) => {
+                    next = message.offset() + 1;
+                    let key = message
+                        .key()
+                        .map(|k| String::from_utf8_lossy(k).into_owned());
+                    let value = match message.payload() {
+                        None => None,
+                        Some(_) => Some(
+                            runtime
+                                .block_on(codec.decode::<R>(message.payload()))
+                                .map_err(|e| {
+                                    Error::Registry(format!(
+                                        "{topic}[{partition}]@{}: {e}",
+                                        message.offset()
+                                    ))
+                                })?,
+                        ),
+                    };
+                    out.push((key, value));
+                }
+                Some(Err(e)) => return Err(Error::Kafka(e)),
+                None => {
+                    if let Ok(position) = consumer.position() {
+                        if let Some(Offset::Offset(o)) = position
+                            .find_partition(topic, partition)
+                            .map(|e| e.offset())
+                        {
+                            next = next.max(o);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Every run's history, decoded, in order.
+pub fn histories(
+    kafka: &KafkaConfig,
+    topics: &Topics,
+    codec: &Codec,
+    runtime: &Handle,
+) -> Result<BTreeMap<String, Vec<Event>>, Error> {
+    let mut out: BTreeMap<String, Vec<Event>> = BTreeMap::new();
+    for (_, value) in read_topic::<w::RunEvent>(kafka, &topics.run_events(), codec, runtime)? {
+        let Some(record) = value else { continue };
+        let event = convert::event_from_wire(record).map_err(|e| Error::Setup(e.0))?;
+        if event.seq > 0 {
+            out.entry(event.run_id.clone()).or_default().push(event);
+        }
+    }
+    Ok(out)
+}
+
+/// The state a run had after `version` (every version is recoverable from history).
+pub fn state_at(history: &[Event], version: i64) -> Option<RunState> {
+    history
+        .iter()
+        .filter(|e| e.state_version <= version)
+        .fold(None, evolve)
+}
+
+/// Re-folds every history (or one run's) and compares it with the changelog.
+pub fn replay(
+    kafka: &KafkaConfig,
+    topics: &Topics,
+    codec: &Codec,
+    runtime: &Handle,
+    only: Option<&str>,
+    verify: bool,
+) -> Result<Report, Error> {
+    let histories = histories(kafka, topics, codec, runtime)?;
+    let mut table: BTreeMap<String, RunState> = BTreeMap::new();
+    for (key, value) in read_topic::<w::RunState>(kafka, &topics.run_state(), codec, runtime)? {
+        match (key, value) {
+            (Some(key), Some(record)) => {
+                let state = convert::state_from_wire(&record).map_err(|e| Error::Setup(e.0))?;
+                table.insert(key, state);
+            }
+            (Some(key), None) => {
+                table.remove(&key);
+            }
+            _ => {}
+        }
+    }
+    let mut reports = Vec::new();
+    let mut events_total = 0;
+    let run_ids: Vec<&String> = histories
+        .keys()
+        .chain(table.keys())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    for run_id in run_ids {
+        if only.is_some_and(|o| o != run_id) {
+            continue;
+        }
+        let history = histories.get(run_id).map(Vec::as_slice).unwrap_or_default();
+        events_total += history.len();
+        let mut problems = Vec::new();
+        if verify {
+            let mut prev: Option<String> = None;
+            for (i, event) in history.iter().enumerate() {
+                if event.seq != i as i64 + 1 {
+                    problems.push(format!(
+                        "event {} has seq {}: the history has a gap or a duplicate",
+                        i + 1,
+                        event.seq
+                    ));
+                    break;
+                }
+                if event.prev_hash != prev {
+                    problems.push(format!(
+                        "seq {}: prev_hash does not match the previous event's hash",
+                        event.seq
+                    ));
+                    break;
+                }
+                if event.hash.as_deref() != Some(event.compute_hash().as_str()) {
+                    problems.push(format!(
+                        "seq {}: hash does not match its content (altered history)",
+                        event.seq
+                    ));
+                    break;
+                }
+                prev = event.hash.clone();
+            }
+        }
+        let folded = history.iter().fold(None, evolve);
+        let written = table.get(run_id);
+        match (&folded, written) {
+            (Some(f), Some(t)) if f != t => {
+                let f_json = serde_json::to_value(f).unwrap_or_default();
+                let t_json = serde_json::to_value(t).unwrap_or_default();
+                let fields: Vec<String> = f_json
+                    .as_object()
+                    .map(|o| {
+                        o.keys()
+                            .filter(|k| f_json[k.as_str()] != t_json[k.as_str()])
+                            .cloned()
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                problems.push(format!(
+                    "the re-folded state differs from sortie.run-state in: {}",
+                    fields.join(", ")
+                ));
+            }
+            (Some(_), None) => problems.push("the history has no state in sortie.run-state".into()),
+            (None, Some(_)) => problems.push("sortie.run-state has a state with no history".into()),
+            _ => {}
+        }
+        reports.push(RunReport {
+            run_id: run_id.clone(),
+            events: history.len(),
+            version: folded.as_ref().map_or(0, |s| s.version),
+            status: folded.as_ref().map(|s| s.status.as_str().to_owned()),
+            problems,
+        });
+    }
+    let diverged = reports.iter().filter(|r| !r.problems.is_empty()).count();
+    Ok(Report {
+        runs: reports.len(),
+        events: events_total,
+        diverged,
+        reports,
+    })
+}

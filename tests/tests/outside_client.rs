@@ -1,0 +1,189 @@
+//! Outside clients written with confluent-kafka (Python): a service publishes StartRun and
+//! ResumeRun through the Avro serializer and the schema registry, and a dashboard consumer
+//! prints the live run events — against the real stack (broker, registry, reducer).
+
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use sortie_core::RunStatus;
+use sortie_tests::stack::{succeed, Stack};
+
+const DEMO: &str = r#"
+id: demo
+version: 1
+nodes:
+  - {id: greet, tool: echo, side_effect: pure, args: {name: $input.name}}
+  - id: finish
+    tool: echo
+    side_effect: keyed
+    args: {greeting: $steps.greet.output.step}
+    interrupt_before: {reason: say it out loud?, required_role: approver, timeout: 1h}
+edges:
+  - {from: greet, to: finish}
+"#;
+
+fn script(name: &str) -> String {
+    sortie_tests::workspace_root()
+        .join("examples/python")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+fn run_python(python: &str, args: &[String]) -> (bool, Vec<Value>, String) {
+    let output = Command::new(python)
+        .args(args)
+        .output()
+        .expect("python runs");
+    let lines = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    (
+        output.status.success(),
+        lines,
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_service_starts_and_approves_a_run_and_a_python_dashboard_follows_it() {
+    let python = tokio::task::spawn_blocking(sortie_tests::python_venv)
+        .await
+        .expect("join")
+        .expect("venv");
+    let stack = Stack::start("outside-python", &[DEMO]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let common = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec![
+            "--bootstrap".to_owned(),
+            stack.bootstrap.clone(),
+            "--registry".to_owned(),
+            stack.registry.url.clone(),
+            "--prefix".to_owned(),
+            stack.prefix.clone(),
+        ];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        args
+    };
+
+    let mut start = vec![script("publish_commands.py")];
+    start.extend(common(&[
+        "--tenant",
+        "acme",
+        "start",
+        "--run-id",
+        "run-py",
+        "--graph",
+        "demo",
+        "--input",
+        r#"{"name": "Ada"}"#,
+    ]));
+    let (ok, out, err) = tokio::task::spawn_blocking({
+        let p = python.clone();
+        move || run_python(&p, &start)
+    })
+    .await
+    .expect("join");
+    assert!(ok, "publisher failed: {err}");
+    assert_eq!(
+        out[0]["partition"],
+        sortie_wire::partition_for(b"run-py", sortie_tests::stack::PARTITIONS),
+        "murmur2: the canonical partition"
+    );
+
+    let mut watch = vec![script("dashboard.py")];
+    watch.extend(common(&[
+        "--run",
+        "run-py",
+        "--until",
+        "WAITING_APPROVAL",
+        "--timeout",
+        "60",
+    ]));
+    let (ok, events, err) = tokio::task::spawn_blocking({
+        let p = python.clone();
+        move || run_python(&p, &watch)
+    })
+    .await
+    .expect("join");
+    assert!(ok, "dashboard did not see the run wait for approval: {err}");
+    let kinds: Vec<&str> = events.iter().filter_map(|e| e["event"].as_str()).collect();
+    assert_eq!(
+        &kinds[..3],
+        &["RunStarted", "CommandAccepted", "StepDispatched"],
+        "{kinds:?}"
+    );
+    let interrupted = events
+        .iter()
+        .find(|e| e["event"] == "Interrupted")
+        .expect("an Interrupted event");
+
+    let mut approve = vec![script("publish_commands.py")];
+    approve.extend(common(&[
+        "--tenant",
+        "acme",
+        "--principal",
+        "user:ada",
+        "--role",
+        "approver",
+        "approve",
+        "--run-id",
+        "run-py",
+        "--interrupt-id",
+        interrupted["interrupt_id"].as_str().expect("id"),
+        "--proposal-hash",
+        interrupted["proposal_hash"].as_str().expect("hash"),
+    ]));
+    let (ok, _, err) = tokio::task::spawn_blocking({
+        let p = python.clone();
+        move || run_python(&p, &approve)
+    })
+    .await
+    .expect("join");
+    assert!(ok, "approval failed: {err}");
+
+    let states = stack
+        .wait_for_states(
+            "the approved run to finish",
+            &["run-py".to_owned()],
+            Duration::from_secs(60),
+            |s| s.status == RunStatus::Succeeded,
+        )
+        .await;
+    assert_eq!(
+        states["run-py"]
+            .interrupts
+            .values()
+            .next()
+            .map(|i| i.approvals.clone()),
+        Some(vec!["user:ada".to_owned()])
+    );
+
+    let mut watch = vec![script("dashboard.py")];
+    watch.extend(common(&[
+        "--run",
+        "run-py",
+        "--until",
+        "SUCCEEDED",
+        "--timeout",
+        "60",
+    ]));
+    let (ok, events, err) = tokio::task::spawn_blocking(move || run_python(&python, &watch))
+        .await
+        .expect("join");
+    assert!(ok, "dashboard did not see the run succeed: {err}");
+    let decided = events
+        .iter()
+        .find(|e| e["event"] == "InterruptDecided")
+        .expect("the decision is in the history");
+    assert_eq!(decided["decided_by"], "user:ada");
+    let seqs: Vec<i64> = events.iter().filter_map(|e| e["seq"].as_i64()).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as i64).collect::<Vec<_>>(),
+        "events arrive in order"
+    );
+}
