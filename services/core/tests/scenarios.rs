@@ -44,4 +44,5 @@ scenarios!(
     approval_gate,
     cancel_while_in_flight,
     late_result_resolves_unknown_outcome,
+    rejection_runs_the_substitute_with_its_own_args,
 );

@@ -165,9 +165,9 @@ fn progress<'g>(
     if interrupts.iter().any(|i| i.status == InterruptStatus::Open) {
         return Ok(NodeState::Active);
     }
-    if let Some(rejected) = interrupts
+    if interrupts
         .iter()
-        .find(|i| i.status == InterruptStatus::Rejected)
+        .any(|i| i.status == InterruptStatus::Rejected)
     {
         let OnReject::Goto(target) = &node.on_reject else {
             return Ok(NodeState::Active); // the failure path handles it
@@ -184,7 +184,9 @@ fn progress<'g>(
                 let target = graph
                     .node(target)
                     .ok_or_else(|| format!("unknown node {target}"))?;
-                let args = render(run, target, None, &rejected.proposal["args"]);
+                // A substitute is a node like any other: its own template, rendered once
+                // (never the rejected proposal's args, which are values, not a template).
+                let args = render(run, target, None, &target.args);
                 out.push(Proposal {
                     node: target,
                     step_id: run.next_step_id(&target.id),
