@@ -24,13 +24,15 @@
 pub mod fault;
 pub mod handler;
 pub mod handlers;
+pub mod health;
 pub mod ledger;
+pub mod metrics;
 pub mod runtime;
 mod tracker;
 
 pub use fault::FaultPoint;
 pub use handler::{Call, HandlerError, Handlers, Lookup, StepHandler};
-pub use runtime::{run, Error, ExecutorConfig};
+pub use runtime::{run, run_with_health, Error, ExecutorConfig};
 /// Re-exported so a user's executor binary needs only this crate.
 pub use sortie_kafka::KafkaConfig;
 /// Re-exported so a user's executor binary needs only this crate.

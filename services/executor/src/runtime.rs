@@ -56,7 +56,9 @@ use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use serde_json::Value;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::records::{self as w, SideEffectClass, StepIntent};
-use sortie_wire::{partition_for, Codec, CodecConfig, DecodeError, RecordKind, Topics};
+use sortie_wire::{
+    partition_for, Codec, CodecConfig, DecodeError, RecordKind, Topics, TraceContext,
+};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
@@ -64,6 +66,8 @@ use tracing::Instrument as _;
 
 use crate::fault::{self, FaultPoint};
 use crate::handler::{Call, HandlerError, Handlers, Lookup};
+use crate::health::Health;
+use crate::metrics as meter;
 use crate::tracker::PartitionTracker;
 
 /// How an executor process runs.
@@ -143,6 +147,21 @@ pub async fn run(
     handlers: Handlers,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Error> {
+    run_with_health(config, handlers, shutdown, Health::default()).await
+}
+
+tokio::task_local! {
+    /// The trace of the intent a task works on; its results carry it on.
+    static TRACE: TraceContext;
+}
+
+/// [`run`], reporting readiness to `health` (see [`crate::health`]).
+pub async fn run_with_health(
+    config: ExecutorConfig,
+    handlers: Handlers,
+    shutdown: impl Future<Output = ()> + Send,
+    health: Health,
+) -> Result<(), Error> {
     if config.queues.is_empty() {
         return Err(Error::Setup("no queue to serve".into()));
     }
@@ -183,7 +202,10 @@ pub async fn run(
         codec,
         producer,
         result_partitions,
+        health: health.clone(),
+        operations: Mutex::new(HashMap::new()),
     });
+    health.serving(&worker.config.queues);
     let runtime = Handle::current();
     let stop = Arc::new(AtomicBool::new(false));
     let (ended_tx, mut ended) = tokio::sync::mpsc::unbounded_channel::<String>();
@@ -197,10 +219,12 @@ pub async fn run(
                 .map_err(|e| Error::Setup(e.to_string()))??
         };
         let (stop, runtime, ended_tx) = (stop.clone(), runtime.clone(), ended_tx.clone());
+        let health = health.clone();
         let thread = std::thread::Builder::new()
             .name(format!("executor-{queue}"))
             .spawn(move || {
                 consumer.run(&runtime, &stop);
+                health.consuming(&queue, false);
                 let _ = ended_tx.send(queue);
             })
             .map_err(|e| Error::Setup(format!("spawning the consumer thread: {e}")))?;
@@ -218,6 +242,7 @@ pub async fn run(
         Some(queue) = ended.recv() => Err(Error::ConsumerDied(queue)),
     };
     tracing::info!("Shutting down: finishing in-flight intents.");
+    health.stopping();
     stop.store(true, Ordering::Relaxed);
     let producer = worker.producer.clone();
     tokio::task::spawn_blocking(move || {
@@ -284,6 +309,8 @@ struct QueueState {
 /// The state of one queue's consumer, shared with its tasks and rebalance callbacks.
 struct Shared {
     topic: String,
+    queue: String,
+    health: Health,
     state: Mutex<QueueState>,
     changed: Condvar,
     drain_timeout: Duration,
@@ -445,7 +472,11 @@ struct QueueContext {
     shared: Arc<Shared>,
 }
 
-impl ClientContext for QueueContext {}
+impl ClientContext for QueueContext {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        sortie_kafka::metrics::consumer_lag(&statistics);
+    }
+}
 
 impl ConsumerContext for QueueContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -474,6 +505,7 @@ impl ConsumerContext for QueueContext {
                 let mut owned: Vec<i32> = state.partitions.keys().copied().collect();
                 owned.sort_unstable();
                 tracing::info!(topic = %self.shared.topic, ?owned, "Partitions assigned.");
+                self.shared.health.consuming(&self.shared.queue, true);
             }
             Rebalance::Revoke(_) => {}
             Rebalance::Error(e) => tracing::warn!(error = %e, "Rebalance failed."),
@@ -494,6 +526,8 @@ impl QueueConsumer {
         let topic = config.topics.intents(queue);
         let shared = Arc::new(Shared {
             topic: topic.clone(),
+            queue: queue.to_owned(),
+            health: worker.health.clone(),
             state: Mutex::new(QueueState::default()),
             changed: Condvar::new(),
             drain_timeout: config.drain_timeout,
@@ -516,7 +550,12 @@ impl QueueConsumer {
                     .max(500)
                     .to_string(),
             )
-            .set("allow.auto.create.topics", "false");
+            .set("allow.auto.create.topics", "false")
+            // Feeds QueueContext::stats: consumer lag per partition.
+            .set(
+                "statistics.interval.ms",
+                sortie_kafka::metrics::STATISTICS_INTERVAL_MS,
+            );
         if config.static_membership {
             consumer_config.set("group.instance.id", &config.executor_id);
         }
@@ -544,6 +583,7 @@ impl QueueConsumer {
                 let state = self.shared.lock();
                 (state.urgent, state.in_flight)
             };
+            meter::in_flight(&self.shared.queue, in_flight);
             if urgent || last_commit.elapsed() >= interval {
                 self.shared.commit(&self.consumer, None);
                 last_commit = Instant::now();
@@ -590,6 +630,7 @@ impl QueueConsumer {
             return;
         };
         assigned.tracker.track(message.offset());
+        meter::intent(&self.shared.queue);
         let ticket = Ticket {
             shared: self.shared.clone(),
             partition: message.partition(),
@@ -652,6 +693,9 @@ struct Worker {
     codec: Codec,
     producer: FutureProducer,
     result_partitions: u32,
+    health: Health,
+    /// A lock per reconcilable operation with an attempt here ([`Worker::exclusive`]).
+    operations: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Worker {
@@ -665,6 +709,13 @@ impl Worker {
                 return;
             }
         };
+        let trace = message
+            .headers()
+            .and_then(|h| {
+                use rdkafka::message::Headers as _;
+                TraceContext::from_headers(h.iter().map(|h| (h.key, h.value)))
+            })
+            .unwrap_or_else(|| TraceContext::for_run(&intent.run_id));
         let span = tracing::info_span!(
             "intent",
             run_id = %intent.run_id,
@@ -672,9 +723,13 @@ impl Worker {
             attempt = intent.attempt,
             step_id = %intent.step_id,
             tool = %intent.tool,
+            trace_id = %trace.trace_id,
         );
-        self.perform(&ticket, &intent, started_at)
-            .instrument(span)
+        TRACE
+            .scope(
+                trace,
+                self.perform(&ticket, &intent, started_at).instrument(span),
+            )
             .await;
     }
 
@@ -701,36 +756,77 @@ impl Worker {
         match intent.side_effect {
             SideEffectClass::Pure | SideEffectClass::Idempotent | SideEffectClass::Keyed => {
                 fault(FaultPoint::BeforeCall);
-                let outcome = self.handlers.call(&call).await;
+                let outcome = self.timed_call(&call).await;
                 fault(FaultPoint::AfterCall);
                 self.report(intent, outcome, started_at).await;
                 fault(FaultPoint::AfterResult);
                 ticket.done();
                 return;
             }
-            SideEffectClass::Reconcilable => {
-                if let Some(known) = self.ask_first(&call).await {
-                    self.report(intent, known, started_at).await;
-                    ticket.done();
-                    return;
-                }
-            }
-            SideEffectClass::Unsafe => {}
+            SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {}
         }
         // Guarded classes: record STARTED, commit the intent, then call.
         self.send_result(&self.result(intent, w::StepStatus::Started, started_at))
             .await;
+        meter::result(&intent.tool, "started");
         if !ticket.commit_first().await {
+            meter::handed_back();
             tracing::info!(
                 "Handing the intent back: its offset could not be committed before the call."
             );
             return;
         }
+        // Reconcilable: ask the receiver first, one attempt of the operation at a time.
+        // Committing an intent only waits for earlier intents to *reach* their call, so
+        // an attempt that timed out before anyone picked it up and its successor can both
+        // get here together; without the lock both lookups say "never seen" and both call.
+        let _one_attempt_at_a_time = match intent.side_effect {
+            SideEffectClass::Reconcilable => {
+                let guard = self.exclusive(&intent.operation_id).await;
+                if let Some(known) = self.ask_first(&call).await {
+                    self.report(intent, known, started_at).await;
+                    return;
+                }
+                Some(guard)
+            }
+            _ => None,
+        };
         fault(FaultPoint::BeforeCall);
-        let outcome = self.handlers.call(&call).await;
+        let outcome = self.timed_call(&call).await;
         fault(FaultPoint::AfterCall);
         self.report(intent, outcome, started_at).await;
         fault(FaultPoint::AfterResult);
+    }
+
+    /// Holds the operation's lock: attempts of one reconcilable operation ask and call one
+    /// after the other, so a later attempt's lookup sees what an earlier one did.
+    async fn exclusive(&self, operation_id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut operations = self.operations.lock().unwrap_or_else(|e| e.into_inner());
+            if operations.len() > 4096 {
+                // Forget locks nobody holds or waits for.
+                operations.retain(|_, lock| Arc::strong_count(lock) > 1);
+            }
+            operations
+                .entry(operation_id.to_owned())
+                .or_default()
+                .clone()
+        };
+        lock.lock_owned().await
+    }
+
+    /// One handler call, timed for [`meter::STEP_SECONDS`].
+    async fn timed_call(&self, call: &Call) -> Result<Value, HandlerError> {
+        let started = Instant::now();
+        let outcome = self.handlers.call(call).await;
+        let kind = match &outcome {
+            Ok(_) => "succeeded",
+            Err(HandlerError::Unknown { .. }) => "unknown",
+            Err(e) if e.is_retryable() => "retryable",
+            Err(_) => "permanent",
+        };
+        meter::call(&call.tool, kind, started.elapsed());
+        outcome
     }
 
     /// `reconcilable`: asks the receiver before calling. `Some(outcome)` settles the
@@ -809,6 +905,13 @@ impl Worker {
             }
         }
         self.send_result(&result).await;
+        let status = match result.status {
+            w::StepStatus::Succeeded => "succeeded",
+            w::StepStatus::Unknown => "unknown",
+            w::StepStatus::Started => "started",
+            _ => "failed",
+        };
+        meter::result(&intent.tool, status);
         match &result.error {
             None => tracing::info!(status = ?result.status, "Reported the attempt's outcome."),
             Some(error) => tracing::info!(
@@ -827,14 +930,28 @@ impl Worker {
     async fn send_result(&self, result: &w::StepResult) {
         let topic = self.config.topics.step_results();
         let partition = partition_for(result.run_id.as_bytes(), self.result_partitions);
+        let trace = TRACE
+            .try_with(Clone::clone)
+            .unwrap_or_else(|_| TraceContext::for_run(&result.run_id))
+            .child(&format!(
+                "{}/{}/{:?}",
+                result.operation_id, result.attempt, result.status
+            ));
+        let trace_value = trace.header_value();
         let mut backoff = Duration::from_millis(100);
         loop {
             let error = match self.codec.encode(&topic, result).await {
                 Ok(bytes) => {
+                    let headers =
+                        rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+                            key: sortie_wire::trace::TRACEPARENT,
+                            value: Some(trace_value.as_bytes()),
+                        });
                     let record = FutureRecord::to(&topic)
                         .key(&result.operation_id)
                         .payload(&bytes)
-                        .partition(partition);
+                        .partition(partition)
+                        .headers(headers);
                     match self.producer.send(record, Duration::from_secs(30)).await {
                         Ok(_) => return,
                         Err((error, _)) => error.to_string(),
@@ -905,7 +1022,10 @@ impl Worker {
                 Ok(bytes) => {
                     let record = FutureRecord::to(&topic).key(key).payload(&bytes);
                     match self.producer.send(record, Duration::from_secs(30)).await {
-                        Ok(_) => return,
+                        Ok(_) => {
+                            meter::dead_letter(error.reason_code());
+                            return;
+                        }
                         Err((error, _)) => error.to_string(),
                     }
                 }

@@ -1,0 +1,80 @@
+//! The executor's metrics: every name is a constant here, described by [`describe`] at
+//! startup. The binary installs the Prometheus recorder (with [`HISTOGRAM_BUCKETS`]).
+
+use std::time::Duration;
+
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+};
+
+/// Intents received, by `queue`.
+pub const INTENTS: &str = "sortie_executor_intents_total";
+/// Results reported, by `tool` and `status` (`started`, `succeeded`, `failed`, `unknown`).
+pub const RESULTS: &str = "sortie_executor_results_total";
+/// One handler call (one attempt), by `tool` and `outcome` (`succeeded`, `retryable`,
+/// `permanent`, `unknown`).
+pub const STEP_SECONDS: &str = "sortie_step_duration_seconds";
+/// Intents being worked on, by `queue`.
+pub const IN_FLIGHT: &str = "sortie_executor_in_flight";
+/// Intents handed back uncalled (revocation or shutdown before their pre-call commit).
+pub const HANDED_BACK: &str = "sortie_executor_handed_back_total";
+/// Records sent to the dead-letter topic, by `reason`.
+pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
+
+/// Explicit buckets: without them the exporter renders histograms as summaries.
+pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[(
+    STEP_SECONDS,
+    &[
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    ],
+)];
+
+/// Describes every metric (call once, after the recorder is installed).
+pub fn describe() {
+    sortie_kafka::metrics::describe();
+    describe_counter!(INTENTS, "Intents received, by queue.");
+    describe_counter!(
+        RESULTS,
+        "Results reported, by tool and status (started, succeeded, failed, unknown)."
+    );
+    describe_histogram!(
+        STEP_SECONDS,
+        Unit::Seconds,
+        "Duration of one handler call (one attempt), by tool and outcome (succeeded, retryable, permanent, unknown)."
+    );
+    describe_gauge!(IN_FLIGHT, "Intents being worked on, by queue.");
+    describe_counter!(
+        HANDED_BACK,
+        "Intents handed back without a call: their partition was revoked, or the executor stopped, before their pre-call commit."
+    );
+    describe_counter!(
+        DEAD_LETTERS,
+        "Records sent to sortie.dead-letters, by reason code."
+    );
+    counter!(HANDED_BACK).increment(0);
+}
+
+pub(crate) fn intent(queue: &str) {
+    counter!(INTENTS, "queue" => queue.to_owned()).increment(1);
+}
+
+pub(crate) fn in_flight(queue: &str, n: usize) {
+    gauge!(IN_FLIGHT, "queue" => queue.to_owned()).set(n as f64);
+}
+
+pub(crate) fn call(tool: &str, outcome: &'static str, took: Duration) {
+    histogram!(STEP_SECONDS, "tool" => tool.to_owned(), "outcome" => outcome)
+        .record(took.as_secs_f64());
+}
+
+pub(crate) fn result(tool: &str, status: &'static str) {
+    counter!(RESULTS, "tool" => tool.to_owned(), "status" => status).increment(1);
+}
+
+pub(crate) fn handed_back() {
+    counter!(HANDED_BACK).increment(1);
+}
+
+pub(crate) fn dead_letter(reason: &str) {
+    counter!(DEAD_LETTERS, "reason" => reason.to_owned()).increment(1);
+}
