@@ -39,6 +39,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(crate::metrics::render))
         .route("/openapi.json", get(openapi_json))
         .route("/v1/runs", post(start_run).get(list_runs))
         .route("/v1/runs/{run_id}", get(get_run))
@@ -56,6 +57,7 @@ pub fn router(state: AppState) -> Router {
         )
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(crate::metrics::observe))
         .with_state(state)
 }
 

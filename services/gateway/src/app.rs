@@ -7,13 +7,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::http::StatusCode;
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sortie_wire::records::RunCommand;
+use sortie_wire::trace::{TraceContext, TRACEPARENT};
 use sortie_wire::{partition_for, Codec, CodecConfig, RecordKind, Topics};
 use tokio::sync::watch;
 
 use crate::config::{GatewayConfig, TokenEntry};
 use crate::error::ApiError;
+use crate::fault::{self, FaultPoint};
 use crate::graphs::Catalog;
 use crate::store::{Store, StoredRun};
 use crate::view::{self, Answer, View};
@@ -162,12 +165,14 @@ impl AppState {
     pub(crate) async fn submit(&self, command: &RunCommand) -> Result<Answer, ApiError> {
         let inner = &self.inner;
         let id = command.command_id.as_str();
+        tracing::Span::current().record("run_id", command.run_id.as_str());
         let answer = inner.view.expect(id, &command.run_id);
         let sent = self.publish(command).await;
         if let Err(error) = sent {
             inner.view.forget(id);
             return Err(error);
         }
+        fault::check(inner.config.fault, FaultPoint::AfterPublish, id);
         match tokio::time::timeout(inner.config.answer_timeout, answer).await {
             Ok(Ok(answer)) => Ok(answer),
             _ => {
@@ -194,15 +199,25 @@ impl AppState {
             .await
             .map_err(|e| ApiError::unavailable("registry_unavailable", e.to_string()))?;
         let partition = partition_for(command.run_id.as_bytes(), inner.partitions);
+        // The request's trace (or the run's) travels on to the reducer, intents and results.
+        let trace = crate::metrics::current_trace()
+            .unwrap_or_else(|| TraceContext::for_run(&command.run_id))
+            .child(&command.command_id)
+            .header_value();
         let record = FutureRecord::to(&inner.commands_topic)
             .key(command.run_id.as_bytes())
             .payload(&bytes)
-            .partition(partition);
+            .partition(partition)
+            .headers(OwnedHeaders::new().insert(Header {
+                key: TRACEPARENT,
+                value: Some(trace.as_bytes()),
+            }));
         inner
             .producer
             .send(record, inner.config.answer_timeout)
             .await
             .map_err(|(e, _)| ApiError::unavailable("kafka_unavailable", e.to_string()))?;
+        crate::metrics::published(command.body.kind());
         tracing::info!(
             run_id = %command.run_id,
             command_id = %command.command_id,

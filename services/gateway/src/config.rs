@@ -50,6 +50,9 @@ pub struct GatewayConfig {
     /// Largest request body accepted (413 above).
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// Die on purpose at this point (crash tests only; never set by default).
+    #[serde(default)]
+    pub fault: Option<crate::fault::FaultPoint>,
 }
 
 fn yes() -> bool {
@@ -94,6 +97,7 @@ impl GatewayConfig {
             answer_timeout: default_answer_timeout(),
             read_wait_timeout: default_answer_timeout(),
             max_body_bytes: default_max_body(),
+            fault: None,
         }
     }
 }

@@ -413,11 +413,15 @@ fn layout(kafka: &KafkaConfig, group: &str, topic: &str) -> Result<BTreeMap<i32,
     }
     let mut ends = BTreeMap::new();
     for partition in partitions {
-        let (_, high) = consumer
-            .fetch_watermarks(topic, partition, METADATA_TIMEOUT)
-            .map_err(kafka_error(format!(
-                "fetching the offsets of {topic}/{partition}"
-            )))?;
+        let (_, high) = sortie_kafka::fetch_watermarks(
+            &consumer,
+            topic,
+            partition,
+            std::time::Instant::now() + METADATA_TIMEOUT,
+        )
+        .map_err(kafka_error(format!(
+            "fetching the offsets of {topic}/{partition}"
+        )))?;
         ends.insert(partition, high);
     }
     Ok(ends)

@@ -8,6 +8,9 @@
 
 mod config;
 pub mod local;
+pub mod metrics;
 pub mod topology;
+mod watermarks;
 
 pub use config::KafkaConfig;
+pub use watermarks::{fetch_watermarks, is_transient};

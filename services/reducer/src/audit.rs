@@ -63,7 +63,12 @@ pub fn read_topic<R: Record>(
         .unwrap_or_default();
     let mut out = Vec::new();
     for partition in partitions {
-        let (low, high) = consumer.fetch_watermarks(topic, partition, Duration::from_secs(10))?;
+        let (low, high) = sortie_kafka::fetch_watermarks(
+            &consumer,
+            topic,
+            partition,
+            Instant::now() + Duration::from_secs(30),
+        )?;
         if high <= low {
             continue;
         }

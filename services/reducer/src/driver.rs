@@ -31,11 +31,14 @@ use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sortie_core::{apply, Effect, Input, RunState};
 use sortie_kafka::KafkaConfig;
 use sortie_wire::records as w;
-use sortie_wire::{partition_for, Codec, CodecConfig, DecodeError, Record, Topics};
+use sortie_wire::{partition_for, Codec, CodecConfig, DecodeError, Record, Topics, TraceContext};
 use tokio::runtime::Handle;
 
 use crate::convert;
+use crate::fault::{self, FaultPoint};
 use crate::graphs::GraphTable;
+use crate::health::Health;
+use crate::metrics::{self as meter, BatchCounts, RunGauges};
 use crate::store::{self, Store};
 
 /// How a reducer instance runs.
@@ -59,6 +62,10 @@ pub struct ReducerConfig {
     pub max_batch: usize,
     pub max_payload_bytes: usize,
     pub session_timeout: Duration,
+    /// Die on purpose at this point, on its `fault_after`-th pass (crash tests only; never
+    /// set by default).
+    pub fault: Option<FaultPoint>,
+    pub fault_after: u32,
 }
 
 impl ReducerConfig {
@@ -81,6 +88,8 @@ impl ReducerConfig {
             max_batch: 500,
             max_payload_bytes: 1024 * 1024,
             session_timeout: Duration::from_secs(10),
+            fault: None,
+            fault_after: 1,
         }
     }
 
@@ -111,6 +120,8 @@ struct Ownership {
     partitions: BTreeSet<i32>,
     /// Assigned but not yet restored from the changelog.
     pending_restore: BTreeSet<i32>,
+    /// A member with its assignment in hand (false from a revocation to the next assignment).
+    joined: bool,
 }
 
 struct ReducerContext {
@@ -118,7 +129,11 @@ struct ReducerContext {
     ownership: Arc<Mutex<Ownership>>,
 }
 
-impl ClientContext for ReducerContext {}
+impl ClientContext for ReducerContext {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        sortie_kafka::metrics::consumer_lag(&statistics);
+    }
+}
 
 impl ConsumerContext for ReducerContext {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -135,6 +150,7 @@ impl ConsumerContext for ReducerContext {
                     own.partitions.insert(element.partition());
                     own.pending_restore.insert(element.partition());
                 }
+                own.joined = true;
                 tracing::info!(partitions = ?own.partitions, "Partitions assigned.");
             }
             Rebalance::Revoke(list) => {
@@ -146,6 +162,7 @@ impl ConsumerContext for ReducerContext {
                     own.partitions.remove(&element.partition());
                     own.pending_restore.remove(&element.partition());
                 }
+                own.joined = false;
                 tracing::info!(partitions = ?own.partitions, "Partitions revoked.");
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "Rebalance failed."),
@@ -176,12 +193,24 @@ struct PendingBatch {
     fired: Vec<store::DueTimer>,
     ignored: usize,
     dead_letters: usize,
+    /// Metrics of this batch, published only if it commits.
+    counts: BatchCounts,
 }
 
 /// Runs the reducer until `shutdown` is set. Blocking: call it from a dedicated thread (or
 /// `spawn_blocking`). Recoverable Kafka trouble (a fenced producer, a failed commit) makes
 /// it rebuild its clients and carry on; it returns only on shutdown or a setup error.
 pub fn run(config: ReducerConfig, runtime: Handle, shutdown: Arc<AtomicBool>) -> Result<(), Error> {
+    run_with_health(config, runtime, shutdown, Health::default())
+}
+
+/// [`run`], reporting readiness to `health` (see [`crate::health`]).
+pub fn run_with_health(
+    config: ReducerConfig,
+    runtime: Handle,
+    shutdown: Arc<AtomicBool>,
+    health: Health,
+) -> Result<(), Error> {
     let store = Arc::new(Store::open(&config.data_dir.join("sled"))?);
     let codec = Arc::new(Codec::new(&CodecConfig {
         registry_url: config.registry_url.clone(),
@@ -190,12 +219,13 @@ pub fn run(config: ReducerConfig, runtime: Handle, shutdown: Arc<AtomicBool>) ->
     let mut failures = 0u32;
     while !shutdown.load(Ordering::Relaxed) {
         match Reducer::new(&config, runtime.clone(), codec.clone(), store.clone())
-            .and_then(|mut r| r.run(&shutdown))
+            .and_then(|mut r| r.with_health(health.clone()).run(&shutdown))
         {
             Ok(()) => return Ok(()),
             Err(e @ (Error::Setup(_) | Error::Store(_))) => return Err(e),
             Err(e) => {
                 failures += 1;
+                health.set(Err(format!("rebuilding the Kafka clients after: {e}")));
                 let backoff = Duration::from_millis(200 * u64::from(failures.min(10)));
                 tracing::warn!(error = %e, ?backoff, "The reducer loop failed; rebuilding its Kafka clients.");
                 std::thread::sleep(backoff);
@@ -215,6 +245,9 @@ struct Reducer<'c> {
     producer: FutureProducer,
     ownership: Arc<Mutex<Ownership>>,
     partitions: u32,
+    health: Health,
+    gauges: RunGauges,
+    gauges_published: Option<Instant>,
 }
 
 fn now_ms() -> i64 {
@@ -261,7 +294,12 @@ impl<'c> Reducer<'c> {
                     .max(500)
                     .to_string(),
             )
-            .set("allow.auto.create.topics", "false");
+            .set("allow.auto.create.topics", "false")
+            // Feeds ReducerContext::stats: consumer lag per partition.
+            .set(
+                "statistics.interval.ms",
+                sortie_kafka::metrics::STATISTICS_INTERVAL_MS,
+            );
         if config.static_membership {
             consumer_config.set("group.instance.id", &config.instance_id);
         }
@@ -303,7 +341,40 @@ impl<'c> Reducer<'c> {
             producer,
             ownership,
             partitions,
+            health: Health::default(),
+            gauges: RunGauges::default(),
+            gauges_published: None,
         })
+    }
+
+    fn with_health(&mut self, health: Health) -> &mut Self {
+        self.health = health;
+        self
+    }
+
+    /// After a pass of the loop: readiness (joined, everything restored, polled since) and,
+    /// at most once a second, the run gauges.
+    fn observe(&mut self) {
+        let (readiness, owned) = match self.ownership.lock() {
+            Ok(own) if !own.joined => (
+                Err("waiting for a partition assignment".to_owned()),
+                own.partitions.clone(),
+            ),
+            Ok(own) if !own.pending_restore.is_empty() => (
+                Err(format!("restoring partitions {:?}", own.pending_restore)),
+                own.partitions.clone(),
+            ),
+            Ok(own) => (Ok(()), own.partitions.clone()),
+            Err(_) => (Err("ownership state poisoned".to_owned()), BTreeSet::new()),
+        };
+        self.health.set(readiness);
+        if self
+            .gauges_published
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
+        {
+            self.gauges.publish(&owned, now_ms());
+            self.gauges_published = Some(Instant::now());
+        }
     }
 
     fn run(&mut self, shutdown: &AtomicBool) -> Result<(), Error> {
@@ -337,11 +408,14 @@ impl<'c> Reducer<'c> {
             }
             if batch.inputs > 0 || !batch.fired.is_empty() {
                 if let Err(e) = self.commit(batch) {
+                    meter::transaction_failed();
                     self.rewind();
                     return Err(e);
                 }
             }
+            self.observe();
         }
+        self.health.set(Err("shutting down".to_owned()));
         self.consumer.unsubscribe();
         Ok(())
     }
@@ -353,7 +427,7 @@ impl<'c> Reducer<'c> {
             Ok(own) => own.pending_restore.iter().copied().collect(),
             Err(_) => return Ok(()),
         };
-        for partition in pending {
+        for partition in pending.iter().copied() {
             let started = Instant::now();
             let from = self.store.changelog_offset(partition)?;
             let restored = crate::restore::partition(
@@ -372,9 +446,18 @@ impl<'c> Reducer<'c> {
                 millis = started.elapsed().as_millis() as u64,
                 "Partition restored from the changelog."
             );
+            meter::restored(restored, from.is_some(), started.elapsed());
             if let Ok(mut own) = self.ownership.lock() {
                 own.pending_restore.remove(&partition);
             }
+        }
+        if !pending.is_empty() {
+            let restored: BTreeSet<i32> = pending.iter().copied().collect();
+            let n = self.partitions;
+            let runs = self.store.runs().filter_map(Result::ok);
+            self.gauges
+                .rebuild(&restored, runs, |run| partition_for(run.as_bytes(), n));
+            self.gauges_published = None;
         }
         Ok(())
     }
@@ -398,7 +481,8 @@ impl<'c> Reducer<'c> {
                     timer: key,
                     at: now,
                 };
-                self.apply(&input, batch)?;
+                let trace = TraceContext::for_run(&timer.run_id);
+                self.apply(&input, &trace, batch)?;
             }
             batch.fired.push(timer);
         }
@@ -420,8 +504,32 @@ impl<'c> Reducer<'c> {
         Ok(stored)
     }
 
-    fn apply(&mut self, input: &Input, batch: &mut PendingBatch) -> Result<(), Error> {
+    fn apply(
+        &mut self,
+        input: &Input,
+        trace: &TraceContext,
+        batch: &mut PendingBatch,
+    ) -> Result<(), Error> {
         let run_id = input.run_id().to_owned();
+        let span = tracing::info_span!(
+            "apply",
+            run_id = %run_id,
+            operation_id = tracing::field::Empty,
+            trace_id = %trace.trace_id,
+        );
+        match input {
+            Input::StepReport(r) => {
+                span.record("operation_id", r.operation_id.as_str());
+            }
+            Input::Command(sortie_core::Command {
+                body: sortie_core::CommandBody::ReconcileOperation { operation_id, .. },
+                ..
+            }) => {
+                span.record("operation_id", operation_id.as_str());
+            }
+            _ => {}
+        }
+        let _entered = span.enter();
         let state = self.state_of(&run_id, batch)?;
         if let Input::Command(c) = input {
             if let sortie_core::CommandBody::StartRun {
@@ -437,6 +545,17 @@ impl<'c> Reducer<'c> {
             }
         }
         let applied = apply(state.as_ref(), input, self.graphs.graphs());
+        let events: Vec<&sortie_core::Event> = applied
+            .effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Emit(event) => Some(event),
+                _ => None,
+            })
+            .collect();
+        batch
+            .counts
+            .applied(input, applied.ignored, &events, applied.state.as_ref());
         if applied.ignored.is_some() {
             batch.ignored += 1;
             tracing::debug!(run_id, reason = applied.ignored, "Input changed nothing.");
@@ -454,7 +573,7 @@ impl<'c> Reducer<'c> {
                         partition: Some(partition),
                         key: run_id.clone().into_bytes(),
                         value,
-                        headers: vec![],
+                        headers: vec![trace.child(&event.seq.to_string()).header()],
                     });
                 }
                 Effect::Dispatch(intent) => {
@@ -465,7 +584,9 @@ impl<'c> Reducer<'c> {
                         partition: None,
                         key: intent.operation_id.clone().into_bytes(),
                         value,
-                        headers: vec![],
+                        headers: vec![trace
+                            .child(&format!("{}/{}", intent.operation_id, intent.attempt))
+                            .header()],
                     });
                 }
                 Effect::WriteState(state) => {
@@ -574,9 +695,14 @@ impl<'c> Reducer<'c> {
                 value: message.payload().unwrap_or_default().to_vec(),
                 headers: headers_of(message),
             });
+            batch.counts.forwarded();
             return Ok(());
         }
-        self.apply(&input, batch)
+        let trace = message
+            .headers()
+            .and_then(|h| TraceContext::from_headers(h.iter().map(|h| (h.key, h.value))))
+            .unwrap_or_else(|| TraceContext::for_run(&run_id));
+        self.apply(&input, &trace, batch)
     }
 
     fn dead_letter(
@@ -620,6 +746,7 @@ impl<'c> Reducer<'c> {
             headers: vec![],
         });
         batch.dead_letters += 1;
+        batch.counts.dead_letter(code);
         Ok(())
     }
 
@@ -712,11 +839,14 @@ impl<'c> Reducer<'c> {
                 }
             }
         }
+        let fault = |point| fault::check(self.config.fault, self.config.fault_after, point);
+        fault(FaultPoint::BeforeCommit);
         if let Err(e) = self.producer.commit_transaction(Duration::from_secs(15)) {
             self.abort();
             return Err(txn_error(e));
         }
         let committed = started.elapsed();
+        fault(FaultPoint::AfterCommit);
 
         // Kafka has it; now the cache.
         let mut sled = store::Batch::default();
@@ -764,6 +894,14 @@ impl<'c> Reducer<'c> {
             sled.set_changelog_offset(partition, next);
         }
         self.store.apply(sled)?;
+        for (run_id, state) in &batch.after {
+            let partition = partition_for(run_id.as_bytes(), self.partitions);
+            let before = batch.before.get(run_id).and_then(Option::as_ref);
+            self.gauges.update(partition, run_id, before, state);
+        }
+        batch
+            .counts
+            .committed(batch.inputs + batch.fired.len(), committed);
         tracing::debug!(
             inputs = batch.inputs,
             outputs = outputs.len(),

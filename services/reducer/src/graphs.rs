@@ -569,14 +569,12 @@ impl Reader {
     fn targets(&mut self, deadline: Instant) -> Result<BTreeMap<i32, i64>, Error> {
         let mut targets = BTreeMap::new();
         for (&partition, next) in &mut self.next {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let (low, high) = self
-                .consumer
-                .fetch_watermarks(&self.topic, partition, left)
-                .map_err(kafka_error(format!(
-                    "fetching the offsets of {}/{partition}",
-                    self.topic
-                )))?;
+            let (low, high) =
+                sortie_kafka::fetch_watermarks(&self.consumer, &self.topic, partition, deadline)
+                    .map_err(kafka_error(format!(
+                        "fetching the offsets of {}/{partition}",
+                        self.topic
+                    )))?;
             // Nothing below the log start offset exists any more.
             *next = (*next).max(low);
             targets.insert(partition, high);

@@ -10,6 +10,9 @@
 pub mod audit;
 pub mod convert;
 pub mod driver;
+pub mod fault;
 pub mod graphs;
+pub mod health;
+pub mod metrics;
 pub mod restore;
 pub mod store;

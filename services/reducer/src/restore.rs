@@ -36,7 +36,12 @@ pub fn partition(
         .set("isolation.level", "read_committed")
         .set("allow.auto.create.topics", "false");
     let consumer: BaseConsumer = config.create()?;
-    let (_, high) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
+    let (_, high) = sortie_kafka::fetch_watermarks(
+        &consumer,
+        &topic,
+        partition,
+        Instant::now() + Duration::from_secs(30),
+    )?;
     if from.is_none() {
         store.forget_partition(partition)?;
     }

@@ -274,6 +274,16 @@ impl Store {
         Ok(self.db.get(run_key(run_id))?.map(|v| v.to_vec()))
     }
 
+    /// Every cached run: its id and state bytes (the metrics tally rebuilds from it after
+    /// a restore). Includes runs of partitions this instance no longer owns.
+    pub fn runs(&self) -> impl Iterator<Item = Result<(String, Vec<u8>)>> + '_ {
+        self.db.scan_prefix(RUN_PREFIX).map(|entry| {
+            let (key, value) = entry?;
+            let run_id = String::from_utf8_lossy(&key[RUN_PREFIX.len()..]).into_owned();
+            Ok((run_id, value.to_vec()))
+        })
+    }
+
     /// The next `sortie.run-state` offset of `partition` this cache reflects; `None`
     /// means nothing is cached for it and it must be restored from the beginning.
     pub fn changelog_offset(&self, partition: i32) -> Result<Option<u64>> {

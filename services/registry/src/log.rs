@@ -57,16 +57,8 @@ pub fn replay(kafka: &KafkaConfig, topic: &str) -> Result<State, Error> {
         .set("auto.offset.reset", "earliest")
         .create()?;
     // A freshly created topic may take a moment to show up in metadata.
-    let (low, high) = loop {
-        match consumer.fetch_watermarks(topic, PARTITION, Duration::from_secs(5)) {
-            Ok(marks) => break marks,
-            Err(error) if started.elapsed() < REPLAY_DEADLINE => {
-                tracing::debug!(topic, %error, "The schemas topic is not readable yet; retrying.");
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            Err(error) => return Err(error.into()),
-        }
-    };
+    let (low, high) =
+        sortie_kafka::fetch_watermarks(&consumer, topic, PARTITION, started + REPLAY_DEADLINE)?;
     let mut state = State::default();
     if high <= low {
         tracing::info!(topic, "The schemas topic is empty.");

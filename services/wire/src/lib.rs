@@ -14,9 +14,11 @@ pub mod records;
 mod resolve;
 mod schemas;
 mod topics;
+pub mod trace;
 
 pub use codec::{from_datum, to_datum, Codec, CodecConfig, DecodeError, EncodeError};
 pub use partitioner::{murmur2, partition_for};
 pub use records::Record;
 pub use schemas::RecordKind;
 pub use topics::Topics;
+pub use trace::TraceContext;

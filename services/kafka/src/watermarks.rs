@@ -1,0 +1,52 @@
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+/// Whether a metadata/offset error is the broker still settling (a topic just created, a
+/// leader moving) rather than a real failure.
+pub fn is_transient(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::NotLeaderForPartition
+                | RDKafkaErrorCode::LeaderNotAvailable
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+                | RDKafkaErrorCode::UnknownPartition
+                | RDKafkaErrorCode::OperationTimedOut
+                | RDKafkaErrorCode::RequestTimedOut
+                | RDKafkaErrorCode::BrokerTransportFailure
+                | RDKafkaErrorCode::AllBrokersDown
+                | RDKafkaErrorCode::NotCoordinator
+        )
+    )
+}
+
+/// `fetch_watermarks`, retried on transient errors until `deadline`: right after a topic
+/// is created the broker may still answer "not leader" for a moment.
+pub fn fetch_watermarks<C, X>(
+    consumer: &C,
+    topic: &str,
+    partition: i32,
+    deadline: Instant,
+) -> Result<(i64, i64), KafkaError>
+where
+    C: Consumer<X>,
+    X: ConsumerContext,
+{
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
+        match consumer.fetch_watermarks(topic, partition, left) {
+            Ok(marks) => return Ok(marks),
+            Err(e) if is_transient(&e) && Instant::now() + pause < deadline => {
+                tracing::debug!(topic, partition, error = %e, "Watermarks not available yet; retrying.");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

@@ -1,0 +1,540 @@
+//! The reducer's metrics: every name is a constant here, described by [`describe`] at
+//! startup. The binary installs the Prometheus recorder (with [`HISTOGRAM_BUCKETS`]).
+//!
+//! Counters move only when a batch's transaction has committed, so a batch that is
+//! aborted and applied again is counted once. Fold-level numbers come from the events
+//! the fold emitted (counters) and from the run states of the partitions this instance
+//! owns (gauges, exact: rebuilt from the cache after each restore and updated from every
+//! committed batch's before/after states). Summed over reducers, the gauges cover every
+//! partition once, except for a moment during a rebalance.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
+use serde::Deserialize;
+use sortie_core::state::{InterruptStatus, StepStatus};
+use sortie_core::{Event, EventBody, Input, RunState, RunStatus};
+
+/// Inputs applied, by kind (`command`, `step_result`, `timer`).
+pub const INPUTS_APPLIED: &str = "sortie_reducer_inputs_applied_total";
+/// Inputs the fold ignored, by reason (duplicates, stale attempts, ...).
+pub const INPUTS_IGNORED: &str = "sortie_reducer_inputs_ignored_total";
+/// Records forwarded to their run's canonical partition.
+pub const FORWARDED: &str = "sortie_reducer_forwarded_total";
+/// Committed transactions.
+pub const BATCHES: &str = "sortie_reducer_batches_total";
+/// Inputs (records consumed plus timers fired) per committed transaction.
+pub const BATCH_SIZE: &str = "sortie_reducer_batch_inputs";
+/// Time from the first produce of a batch to its committed transaction.
+pub const COMMIT_SECONDS: &str = "sortie_reducer_transaction_commit_seconds";
+/// Transactions aborted or failed (the batch is applied again).
+pub const TRANSACTIONS_FAILED: &str = "sortie_reducer_transactions_failed_total";
+/// Restore of one partition from the changelog, by `warm` (true: from the cache marker).
+pub const RESTORE_SECONDS: &str = "sortie_reducer_restore_seconds";
+/// Changelog records read by restores.
+pub const RECORDS_RESTORED: &str = "sortie_reducer_restored_records_total";
+/// Run partitions this instance owns.
+pub const OWNED_PARTITIONS: &str = "sortie_reducer_owned_partitions";
+/// Records sent to the dead-letter topic, by `reason`.
+pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
+/// Runs by `status` in the partitions this instance owns (gauge).
+pub const RUNS: &str = "sortie_runs";
+/// Runs entering a `status` (RunStarted counts as `running`).
+pub const RUN_TRANSITIONS: &str = "sortie_run_transitions_total";
+/// Attempts dispatched, by `tool`.
+pub const STEPS_DISPATCHED: &str = "sortie_steps_dispatched_total";
+/// Attempts after the first, by `tool`.
+pub const STEPS_RETRIED: &str = "sortie_steps_retried_total";
+/// Steps succeeded, by `tool`.
+pub const STEPS_SUCCEEDED: &str = "sortie_steps_succeeded_total";
+/// Attempts failed, by `tool` and `retryable`.
+pub const STEPS_FAILED: &str = "sortie_steps_failed_total";
+/// Attempts whose outcome is unknown, by `tool` and `needs_operator`.
+pub const STEPS_UNKNOWN: &str = "sortie_steps_outcome_unknown_total";
+/// Interrupts opened (approval gates reached).
+pub const INTERRUPTS_OPENED: &str = "sortie_interrupts_opened_total";
+/// Final decisions on interrupts, by `outcome` (`approved`, `rejected`, `expired`).
+pub const INTERRUPTS_CLOSED: &str = "sortie_interrupts_closed_total";
+/// Interrupts open now in the owned partitions (gauge).
+pub const INTERRUPTS_OPEN: &str = "sortie_interrupts_open";
+/// Age of the oldest open interrupt in the owned partitions (gauge, 0 when none).
+pub const INTERRUPT_OLDEST_AGE: &str = "sortie_interrupts_oldest_open_age_seconds";
+/// Operations whose outcome is unknown and waits for an operator (gauge).
+pub const AWAITING_OPERATOR: &str = "sortie_operations_awaiting_operator";
+
+/// Explicit buckets: without them the exporter renders histograms as summaries.
+pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
+    (
+        COMMIT_SECONDS,
+        &[
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ],
+    ),
+    (
+        BATCH_SIZE,
+        &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0],
+    ),
+    (
+        RESTORE_SECONDS,
+        &[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0],
+    ),
+];
+
+/// Describes every metric (call once, after the recorder is installed).
+pub fn describe() {
+    describe_counter!(INPUTS_APPLIED, "Inputs applied by the fold, by kind (command, step_result, timer); counted when their transaction commits.");
+    describe_counter!(
+        INPUTS_IGNORED,
+        "Inputs the fold ignored (duplicates, stale attempts, ...), by reason."
+    );
+    describe_counter!(
+        FORWARDED,
+        "Records produced on a partition other than their run's, forwarded to it."
+    );
+    describe_counter!(BATCHES, "Committed reducer transactions.");
+    describe_histogram!(
+        BATCH_SIZE,
+        Unit::Count,
+        "Inputs (records consumed and timers fired) per committed transaction."
+    );
+    describe_histogram!(
+        COMMIT_SECONDS,
+        Unit::Seconds,
+        "Time from the first produce of a batch to its committed transaction."
+    );
+    describe_counter!(
+        TRANSACTIONS_FAILED,
+        "Transactions aborted or failed; their batch is applied again from the committed offsets."
+    );
+    describe_histogram!(
+        RESTORE_SECONDS,
+        Unit::Seconds,
+        "Restore of one partition from sortie.run-state, by warm (from the cache marker) or cold."
+    );
+    describe_counter!(
+        RECORDS_RESTORED,
+        "Changelog records read while restoring partitions."
+    );
+    describe_gauge!(OWNED_PARTITIONS, "Run partitions this reducer owns.");
+    sortie_kafka::metrics::describe();
+    describe_counter!(
+        DEAD_LETTERS,
+        "Records sent to sortie.dead-letters, by reason code."
+    );
+    describe_gauge!(
+        RUNS,
+        "Runs by status in the partitions this reducer owns (sum over reducers for the total)."
+    );
+    describe_counter!(
+        RUN_TRANSITIONS,
+        "Runs entering a status (RunStarted counts as running)."
+    );
+    describe_counter!(STEPS_DISPATCHED, "Step attempts dispatched, by tool.");
+    describe_counter!(
+        STEPS_RETRIED,
+        "Step attempts after the first (retries and re-dispatches), by tool."
+    );
+    describe_counter!(STEPS_SUCCEEDED, "Steps succeeded, by tool.");
+    describe_counter!(STEPS_FAILED, "Step attempts failed, by tool and retryable.");
+    describe_counter!(
+        STEPS_UNKNOWN,
+        "Step attempts with an unknown outcome, by tool and needs_operator."
+    );
+    describe_counter!(INTERRUPTS_OPENED, "Interrupts (approval gates) opened.");
+    describe_counter!(
+        INTERRUPTS_CLOSED,
+        "Interrupts closed, by outcome (approved, rejected, expired)."
+    );
+    describe_gauge!(
+        INTERRUPTS_OPEN,
+        "Interrupts waiting for a human decision in the partitions this reducer owns."
+    );
+    describe_gauge!(INTERRUPT_OLDEST_AGE, Unit::Seconds, "Age of the oldest open interrupt in the owned partitions (0: none). Interrupts found by a restore are aged from their run's last update, which can underestimate.");
+    describe_gauge!(
+        AWAITING_OPERATOR,
+        "Operations with an unknown outcome waiting for an operator's ReconcileOperation."
+    );
+    // Label-less series exist from the start, so a dashboard shows 0, not "no data".
+    for name in [BATCHES, TRANSACTIONS_FAILED, RECORDS_RESTORED, FORWARDED] {
+        counter!(name).increment(0);
+    }
+    for name in [
+        INTERRUPTS_OPEN,
+        INTERRUPT_OLDEST_AGE,
+        AWAITING_OPERATOR,
+        OWNED_PARTITIONS,
+    ] {
+        gauge!(name).set(0.0);
+    }
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// What one batch decided, counted when (and only if) its transaction commits.
+#[derive(Debug, Default)]
+pub(crate) struct BatchCounts {
+    counters: BTreeMap<(&'static str, Labels), u64>,
+}
+
+impl BatchCounts {
+    fn add(&mut self, name: &'static str, labels: Labels) {
+        *self.counters.entry((name, labels)).or_default() += 1;
+    }
+
+    pub fn dead_letter(&mut self, reason: &str) {
+        self.add(DEAD_LETTERS, vec![("reason", reason.to_owned())]);
+    }
+
+    pub fn forwarded(&mut self) {
+        self.add(FORWARDED, vec![]);
+    }
+
+    /// One applied input: its kind, whether it was ignored, and the events it emitted
+    /// (`state` is the run after it, for the tool of a step).
+    pub fn applied(
+        &mut self,
+        input: &Input,
+        ignored: Option<&'static str>,
+        events: &[&Event],
+        state: Option<&RunState>,
+    ) {
+        let kind = match input {
+            Input::Command(_) => "command",
+            Input::StepReport(_) => "step_result",
+            Input::TimerFired { .. } => "timer",
+        };
+        self.add(INPUTS_APPLIED, vec![("kind", kind.to_owned())]);
+        if let Some(reason) = ignored {
+            self.add(INPUTS_IGNORED, vec![("reason", reason.to_owned())]);
+        }
+        let tool = |step_id: &str| {
+            state
+                .and_then(|s| s.steps.get(step_id))
+                .map_or_else(|| "unknown".to_owned(), |s| s.tool.clone())
+        };
+        for event in events {
+            match &event.body {
+                EventBody::RunStarted { .. } => self.add(
+                    RUN_TRANSITIONS,
+                    vec![("status", RunStatus::Running.as_str().to_owned())],
+                ),
+                EventBody::RunStatusChanged { status, .. } => self.add(
+                    RUN_TRANSITIONS,
+                    vec![("status", status.as_str().to_owned())],
+                ),
+                EventBody::StepDispatched { tool, attempt, .. } => {
+                    self.add(STEPS_DISPATCHED, vec![("tool", tool.clone())]);
+                    if *attempt > 1 {
+                        self.add(STEPS_RETRIED, vec![("tool", tool.clone())]);
+                    }
+                }
+                EventBody::StepSucceeded { step_id, .. } => {
+                    self.add(STEPS_SUCCEEDED, vec![("tool", tool(step_id))])
+                }
+                EventBody::StepFailed {
+                    step_id, retryable, ..
+                } => self.add(
+                    STEPS_FAILED,
+                    vec![
+                        ("tool", tool(step_id)),
+                        ("retryable", retryable.to_string()),
+                    ],
+                ),
+                EventBody::StepOutcomeUnknown {
+                    step_id,
+                    needs_operator,
+                    ..
+                } => self.add(
+                    STEPS_UNKNOWN,
+                    vec![
+                        ("tool", tool(step_id)),
+                        ("needs_operator", needs_operator.to_string()),
+                    ],
+                ),
+                EventBody::Interrupted { .. } => self.add(INTERRUPTS_OPENED, vec![]),
+                EventBody::InterruptDecided {
+                    approve, is_final, ..
+                } if *is_final => {
+                    let outcome = if *approve { "approved" } else { "rejected" };
+                    self.add(INTERRUPTS_CLOSED, vec![("outcome", outcome.to_owned())])
+                }
+                EventBody::InterruptExpired { .. } => {
+                    self.add(INTERRUPTS_CLOSED, vec![("outcome", "expired".to_owned())])
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The batch committed: publish its counts and its size and latency.
+    pub fn committed(self, inputs: usize, commit: Duration) {
+        counter!(BATCHES).increment(1);
+        metrics::histogram!(BATCH_SIZE).record(inputs as f64);
+        metrics::histogram!(COMMIT_SECONDS).record(commit.as_secs_f64());
+        for ((name, labels), n) in self.counters {
+            counter!(name, labels.as_slice()).increment(n);
+        }
+    }
+}
+
+/// A restore of one partition finished.
+pub(crate) fn restored(records: usize, warm: bool, took: Duration) {
+    counter!(RECORDS_RESTORED).increment(records as u64);
+    metrics::histogram!(RESTORE_SECONDS, "warm" => warm.to_string()).record(took.as_secs_f64());
+}
+
+pub(crate) fn transaction_failed() {
+    counter!(TRANSACTIONS_FAILED).increment(1);
+}
+
+// ---------------------------------------------------------------- gauges from run states
+
+/// What one run contributes to the gauges.
+struct Contribution {
+    status: RunStatus,
+    awaiting_operator: i64,
+    open_interrupts: Vec<String>,
+    updated_at: i64,
+}
+
+impl Contribution {
+    fn of(state: &RunState) -> Contribution {
+        Contribution {
+            status: state.status,
+            awaiting_operator: state
+                .steps
+                .values()
+                .filter(|s| s.status == StepStatus::NeedsOperator)
+                .count() as i64,
+            open_interrupts: state
+                .open_interrupts()
+                .map(|i| i.interrupt_id.clone())
+                .collect(),
+            updated_at: state.updated_at,
+        }
+    }
+
+    /// From cached bytes, reading only what the gauges need.
+    fn from_bytes(bytes: &[u8]) -> Option<Contribution> {
+        #[derive(Deserialize)]
+        struct Light {
+            status: RunStatus,
+            updated_at: i64,
+            #[serde(default)]
+            steps: HashMap<String, LightStep>,
+            #[serde(default)]
+            interrupts: HashMap<String, LightInterrupt>,
+        }
+        #[derive(Deserialize)]
+        struct LightStep {
+            status: StepStatus,
+        }
+        #[derive(Deserialize)]
+        struct LightInterrupt {
+            status: InterruptStatus,
+        }
+        let light: Light = serde_json::from_slice(bytes).ok()?;
+        Some(Contribution {
+            status: light.status,
+            awaiting_operator: light
+                .steps
+                .values()
+                .filter(|s| s.status == StepStatus::NeedsOperator)
+                .count() as i64,
+            open_interrupts: light
+                .interrupts
+                .into_iter()
+                .filter(|(_, i)| i.status == InterruptStatus::Open)
+                .map(|(id, _)| id)
+                .collect(),
+            updated_at: light.updated_at,
+        })
+    }
+}
+
+#[derive(Debug, Default)]
+struct PartitionTally {
+    runs: BTreeMap<RunStatus, i64>,
+    awaiting_operator: i64,
+    /// (run id, interrupt id) → when it was first seen open (ms).
+    open: HashMap<(String, String), i64>,
+    /// (opened at, run id, interrupt id): the oldest first.
+    by_age: BTreeSet<(i64, String, String)>,
+}
+
+impl PartitionTally {
+    fn add(&mut self, run_id: &str, c: &Contribution) {
+        *self.runs.entry(c.status).or_default() += 1;
+        self.awaiting_operator += c.awaiting_operator;
+        for id in &c.open_interrupts {
+            let key = (run_id.to_owned(), id.clone());
+            if let std::collections::hash_map::Entry::Vacant(entry) = self.open.entry(key) {
+                entry.insert(c.updated_at);
+                self.by_age
+                    .insert((c.updated_at, run_id.to_owned(), id.clone()));
+            }
+        }
+    }
+
+    fn remove(&mut self, run_id: &str, c: &Contribution, still_open: &[String]) {
+        *self.runs.entry(c.status).or_default() -= 1;
+        self.awaiting_operator -= c.awaiting_operator;
+        for id in &c.open_interrupts {
+            if still_open.contains(id) {
+                continue; // keeps the time it was first seen open
+            }
+            let key = (run_id.to_owned(), id.clone());
+            if let Some(at) = self.open.remove(&key) {
+                self.by_age.remove(&(at, key.0, key.1));
+            }
+        }
+    }
+}
+
+/// The gauges of the partitions this instance owns.
+#[derive(Debug, Default)]
+pub(crate) struct RunGauges {
+    partitions: BTreeMap<i32, PartitionTally>,
+}
+
+impl RunGauges {
+    /// Rebuilds the tallies of `restored` partitions from the cache (after their restore).
+    pub fn rebuild(
+        &mut self,
+        restored: &BTreeSet<i32>,
+        runs: impl Iterator<Item = (String, Vec<u8>)>,
+        partition_of: impl Fn(&str) -> i32,
+    ) {
+        for partition in restored {
+            self.partitions
+                .insert(*partition, PartitionTally::default());
+        }
+        for (run_id, bytes) in runs {
+            let partition = partition_of(&run_id);
+            let Some(tally) = self.partitions.get_mut(&partition) else {
+                continue;
+            };
+            if !restored.contains(&partition) {
+                continue;
+            }
+            if let Some(c) = Contribution::from_bytes(&bytes) {
+                tally.add(&run_id, &c);
+            }
+        }
+    }
+
+    /// A committed change of one run.
+    pub fn update(
+        &mut self,
+        partition: i32,
+        run_id: &str,
+        before: Option<&RunState>,
+        after: &RunState,
+    ) {
+        let tally = self.partitions.entry(partition).or_default();
+        let after = Contribution::of(after);
+        if let Some(before) = before {
+            tally.remove(run_id, &Contribution::of(before), &after.open_interrupts);
+        }
+        tally.add(run_id, &after);
+    }
+
+    /// Sets the gauges for the partitions in `owned` (forgetting the others).
+    pub fn publish(&mut self, owned: &BTreeSet<i32>, now_ms: i64) {
+        self.partitions.retain(|p, _| owned.contains(p));
+        gauge!(OWNED_PARTITIONS).set(owned.len() as f64);
+        let mut runs: BTreeMap<RunStatus, i64> = BTreeMap::new();
+        let (mut open, mut awaiting, mut oldest) = (0usize, 0i64, None::<i64>);
+        for tally in self.partitions.values() {
+            for (status, n) in &tally.runs {
+                *runs.entry(*status).or_default() += n;
+            }
+            open += tally.open.len();
+            awaiting += tally.awaiting_operator;
+            if let Some((at, _, _)) = tally.by_age.first() {
+                oldest = Some(oldest.map_or(*at, |o: i64| o.min(*at)));
+            }
+        }
+        for status in [
+            RunStatus::Running,
+            RunStatus::WaitingApproval,
+            RunStatus::NeedsReconciliation,
+            RunStatus::Cancelling,
+            RunStatus::Compensating,
+            RunStatus::Succeeded,
+            RunStatus::Failed,
+            RunStatus::Cancelled,
+        ] {
+            let n = runs.get(&status).copied().unwrap_or(0).max(0);
+            gauge!(RUNS, "status" => status.as_str()).set(n as f64);
+        }
+        gauge!(INTERRUPTS_OPEN).set(open as f64);
+        gauge!(AWAITING_OPERATOR).set(awaiting.max(0) as f64);
+        let age = oldest.map_or(0.0, |at| (now_ms - at).max(0) as f64 / 1000.0);
+        gauge!(INTERRUPT_OLDEST_AGE).set(age);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(status: RunStatus, open: &[&str], at: i64) -> RunState {
+        let mut state: RunState = serde_json::from_value(serde_json::json!({
+            "tenant": "t", "run_id": "r", "graph_id": "g", "graph_version": 1,
+            "status": status, "version": 1, "last_event_seq": 1, "last_hash": null,
+            "created_at": 0, "updated_at": at, "started_by": "x", "labels": {},
+            "input": null, "deadline_at": null, "steps": {}, "completed": [],
+            "interrupts": {}, "timers": {}, "commands": {}, "ending": null, "output": null
+        }))
+        .expect("state");
+        for id in open {
+            let interrupt = serde_json::from_value(serde_json::json!({
+                "interrupt_id": id, "step_id": "s#1", "node": "s", "role": "Node",
+                "proposal": null, "proposal_hash": "h", "reason": "r",
+                "required_role": null, "approver_group": null, "quorum": 1,
+                "expires_at": null, "round": 0, "approvals": [], "status": "open"
+            }))
+            .expect("interrupt");
+            state.interrupts.insert((*id).to_owned(), interrupt);
+        }
+        state
+    }
+
+    #[test]
+    fn a_tally_follows_a_run_through_an_approval() {
+        let mut gauges = RunGauges::default();
+        let running = state(RunStatus::Running, &[], 1_000);
+        let waiting = state(RunStatus::WaitingApproval, &["i1"], 2_000);
+        let still = state(RunStatus::WaitingApproval, &["i1"], 3_000);
+        let done = state(RunStatus::Succeeded, &[], 4_000);
+        gauges.update(0, "r", None, &running);
+        gauges.update(0, "r", Some(&running), &waiting);
+        gauges.update(0, "r", Some(&waiting), &still);
+        let tally = &gauges.partitions[&0];
+        assert_eq!(tally.runs[&RunStatus::WaitingApproval], 1);
+        assert_eq!(tally.runs[&RunStatus::Running], 0);
+        // The interrupt keeps the time it was first seen open.
+        assert_eq!(tally.open.get(&("r".into(), "i1".into())), Some(&2_000));
+        gauges.update(0, "r", Some(&still), &done);
+        let tally = &gauges.partitions[&0];
+        assert!(tally.open.is_empty() && tally.by_age.is_empty());
+        assert_eq!(tally.runs[&RunStatus::Succeeded], 1);
+        assert_eq!(tally.runs[&RunStatus::WaitingApproval], 0);
+    }
+
+    #[test]
+    fn a_rebuild_reads_cached_states_of_restored_partitions_only() {
+        let mut gauges = RunGauges::default();
+        let waiting =
+            serde_json::to_vec(&state(RunStatus::WaitingApproval, &["i1"], 5)).expect("json");
+        let runs = vec![("a".to_owned(), waiting.clone()), ("b".to_owned(), waiting)];
+        gauges.rebuild(&BTreeSet::from([1]), runs.into_iter(), |run| {
+            i32::from(run == "a")
+        });
+        assert_eq!(gauges.partitions.len(), 1);
+        assert_eq!(gauges.partitions[&1].runs[&RunStatus::WaitingApproval], 1);
+        assert_eq!(gauges.partitions[&1].open.len(), 1);
+    }
+}
