@@ -19,4 +19,12 @@ stop_broker() {
 trap stop_broker EXIT
 
 cargo build --workspace --bins
+
+# One broker per test run, on fresh data: thousands of per-test topics from earlier runs
+# would make the next start slow. The fetched jars are kept.
+if [ -z "${SORTIE_TEST_BOOTSTRAP:-}" ] && [ -z "$keep_broker" ]; then
+    target/debug/sortie broker stop --data-dir target/kafka-test >/dev/null 2>&1 || true
+    rm -rf target/kafka-test/logs target/test-runs
+fi
+
 cargo test --workspace "$@"

@@ -60,7 +60,11 @@ pub struct Stack {
 impl Stack {
     /// Broker, registry, topology (3 run partitions) and the given graphs.
     pub async fn start(name: &str, graphs: &[&str]) -> Stack {
-        let bootstrap = crate::bootstrap().await;
+        Stack::start_on(crate::bootstrap().await, name, graphs).await
+    }
+
+    /// [`Stack::start`] on another broker (e.g. a [`PrivateBroker`] a test restarts).
+    pub async fn start_on(bootstrap: String, name: &str, graphs: &[&str]) -> Stack {
         let prefix = crate::unique_prefix(name);
         let kafka = KafkaConfig::new(bootstrap.clone());
         let registry = ServedRegistry::start(&kafka, &format!("{prefix}_schemas"))
@@ -105,27 +109,34 @@ impl Stack {
     }
 
     pub fn reducer(&self, instance: &str) -> Process {
+        self.reducer_with(instance, &[])
+    }
+
+    /// [`Stack::reducer`] with extra arguments appended (e.g. `["--fault",
+    /// "reducer.after_commit", "--fault-after", "3"]`).
+    pub fn reducer_with(&self, instance: &str, extra: &[&str]) -> Process {
         let data = self.dir.join(format!("reducer-{instance}"));
-        self.spawn(
-            &format!("reducer-{instance}"),
-            &[
-                "reducer",
-                "--bootstrap-servers",
-                &self.bootstrap,
-                "--registry-url",
-                &self.registry.url,
-                "--prefix",
-                &self.prefix,
-                "--data-dir",
-                data.to_str().unwrap_or_default(),
-                "--instance-id",
-                instance,
-                "--commit-interval-ms",
-                "50",
-                "--session-timeout-ms",
-                "6000",
-            ],
-        )
+        let mut args = vec![
+            "reducer",
+            "--bootstrap-servers",
+            &self.bootstrap,
+            "--registry-url",
+            &self.registry.url,
+            "--prefix",
+            &self.prefix,
+            "--data-dir",
+            data.to_str().unwrap_or_default(),
+            "--instance-id",
+            instance,
+            "--commit-interval-ms",
+            "50",
+            "--session-timeout-ms",
+            "6000",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ];
+        args.extend_from_slice(extra);
+        self.spawn(&format!("reducer-{instance}"), &args)
     }
 
     pub fn reducer_data(&self, instance: &str) -> PathBuf {
@@ -139,6 +150,7 @@ impl Stack {
             .append(true)
             .open(&log)
             .expect("log file");
+        let log_start = file.metadata().map(|m| m.len()).unwrap_or(0);
         let child = Command::new(sortie_bin())
             .args(args)
             .env("RUST_LOG", "info,sortie_reducer=debug")
@@ -146,7 +158,11 @@ impl Stack {
             .stderr(Stdio::from(file))
             .spawn()
             .expect("spawn sortie");
-        Process { child, log }
+        Process {
+            child,
+            log,
+            log_start,
+        }
     }
 
     /// Produces a command keyed by its run id with the Java-compatible partitioner.
@@ -359,6 +375,8 @@ impl Stack {
 pub struct Process {
     child: Child,
     pub log: PathBuf,
+    /// Where this spawn's output starts in the (appended) log.
+    log_start: u64,
 }
 
 impl Process {
@@ -463,6 +481,17 @@ impl Stack {
         data: &std::path::Path,
         tokens: &[&str],
     ) -> (Process, String) {
+        self.gateway_process_with(data, tokens, &[]).await
+    }
+
+    /// [`Stack::gateway_process`] with extra arguments appended (e.g. `["--fault",
+    /// "gateway.after_publish"]`).
+    pub async fn gateway_process_with(
+        &self,
+        data: &std::path::Path,
+        tokens: &[&str],
+        extra: &[&str],
+    ) -> (Process, String) {
         static SPAWNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = SPAWNED.fetch_add(1, Ordering::Relaxed);
         let data = data.to_str().unwrap_or_default().to_owned();
@@ -484,6 +513,7 @@ impl Stack {
         for token in tokens {
             args.extend(["--token", token]);
         }
+        args.extend_from_slice(extra);
         // A log of its own per spawn: the first line is this process's address.
         let process = self.spawn(&format!("gateway-{n}"), &args);
         let addr: std::net::SocketAddr = crate::wait_for(
@@ -563,6 +593,11 @@ impl Stack {
     /// and waits until it listens. A second call with the same name reopens the same file.
     pub async fn ledger_process(&self, name: &str, mode: &str) -> LedgerProcess {
         let file = self.dir.join(format!("{name}.jsonl"));
+        // Measured before the spawn: a fast ledger may print its address before this
+        // function could read the log's length afterwards.
+        let before = std::fs::read_to_string(self.dir.join(format!("{name}.log")))
+            .map(|t| t.len())
+            .unwrap_or(0);
         let process = self.spawn(
             name,
             &[
@@ -576,7 +611,6 @@ impl Stack {
             ],
         );
         let log = process.log.clone();
-        let before = std::fs::read_to_string(&log).map(|t| t.len()).unwrap_or(0);
         let url = crate::wait_for(
             &format!("ledger {name} to listen"),
             Duration::from_secs(30),
@@ -620,6 +654,8 @@ impl Stack {
             "6000",
             "--drain-timeout-ms",
             "3000",
+            "--metrics-addr",
+            "127.0.0.1:0",
         ];
         args.extend_from_slice(extra);
         self.spawn(name, &args)
@@ -631,4 +667,255 @@ impl Process {
     pub fn try_exit(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().ok().flatten()
     }
+}
+
+// ---------------------------------------------------------------- crash tests
+
+impl Process {
+    /// Waits (polling, never blocking the runtime) until the process has exited, at most
+    /// `deadline`; returns its status, or `None` if it is still running.
+    pub async fn wait_exit(&mut self, deadline: Duration) -> Option<std::process::ExitStatus> {
+        let started = std::time::Instant::now();
+        loop {
+            if let Some(status) = self.try_exit() {
+                return Some(status);
+            }
+            if started.elapsed() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// This spawn's part of its log (a restart under the same name appends to the file).
+    pub fn own_log_text(&self) -> String {
+        let text = self.log_text();
+        text.get(self.log_start as usize..)
+            .map(str::to_owned)
+            .unwrap_or(text)
+    }
+
+    /// Whether this spawn died at a fault point (its log says so).
+    pub fn died_at_fault(&self) -> bool {
+        self.own_log_text().contains("Fault injection")
+    }
+}
+
+/// A broker of a test's own (data dir under `target/test-runs`, free ports, the shared test
+/// broker's jars), for tests that stop and start it: the shared broker must stay up for the
+/// suites running beside them. Stopped (SIGTERM, then SIGKILL) and deleted when dropped.
+#[derive(Debug)]
+pub struct PrivateBroker {
+    pub broker: sortie_kafka::local::LocalBroker,
+}
+
+impl PrivateBroker {
+    /// Formats and starts it; returns once it answers metadata requests.
+    pub async fn start(name: &str) -> PrivateBroker {
+        let data = crate::workspace_root()
+            .join("target")
+            .join("test-runs")
+            .join(crate::unique_prefix(&format!("broker-{name}")).trim_end_matches('.'));
+        std::fs::create_dir_all(&data).expect("broker data dir");
+        // Both bound before either is released, so they differ.
+        let bind = || std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+        let (a, b) = (bind(), bind());
+        let port = |l: &std::net::TcpListener| l.local_addr().expect("local addr").port();
+        let mut config = sortie_kafka::local::BrokerConfig::new(
+            &data,
+            port(&a),
+            crate::workspace_root().join("dev/kafka/pom.xml"),
+        );
+        config.controller_port = port(&b);
+        config.libs_dir = Some(crate::test_broker().libs_dir());
+        drop((a, b));
+        let private = PrivateBroker {
+            broker: sortie_kafka::local::LocalBroker::new(config),
+        };
+        private.ensure_running().await;
+        private
+    }
+
+    pub fn bootstrap(&self) -> String {
+        self.broker.bootstrap()
+    }
+
+    /// Starts it on its existing data (or finds it running).
+    pub async fn ensure_running(&self) {
+        let broker = self.broker.clone();
+        tokio::task::spawn_blocking(move || broker.ensure_running())
+            .await
+            .expect("the start task panicked")
+            .unwrap_or_else(|e| panic!("starting the private broker: {e}"));
+    }
+
+    /// A clean stop (SIGTERM; SIGKILL after the stop timeout), keeping its data.
+    pub async fn stop(&self) {
+        let broker = self.broker.clone();
+        tokio::task::spawn_blocking(move || broker.stop())
+            .await
+            .expect("the stop task panicked")
+            .unwrap_or_else(|e| panic!("stopping the private broker: {e}"));
+    }
+}
+
+impl Drop for PrivateBroker {
+    fn drop(&mut self) {
+        match self.broker.stop() {
+            Ok(_) => {
+                let _ = std::fs::remove_dir_all(self.broker.data_dir());
+            }
+            Err(e) => eprintln!("stopping the private broker: {e}"),
+        }
+    }
+}
+
+/// Audit-style checks on one run's committed history: gap-free seq (so no record of an
+/// aborted transaction and no repeat), an intact hash chain, no step attempt dispatched
+/// twice, and folding it gives `state` (the changelog's).
+pub fn check_history(run_id: &str, events: &[sortie_core::Event], state: &RunState) {
+    let mut folded = None;
+    let mut prev = None;
+    let mut dispatched = std::collections::BTreeSet::new();
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event.seq, i as i64 + 1, "{run_id}: seq gap or repeat");
+        assert_eq!(event.prev_hash, prev, "{run_id}: hash chain");
+        assert_eq!(
+            event.hash.as_deref(),
+            Some(event.compute_hash().as_str()),
+            "{run_id}: hash"
+        );
+        prev = event.hash.clone();
+        if let sortie_core::EventBody::StepDispatched {
+            step_id, attempt, ..
+        } = &event.body
+        {
+            assert!(
+                dispatched.insert((step_id.clone(), *attempt)),
+                "{run_id}: {step_id} attempt {attempt} dispatched twice"
+            );
+        }
+        folded = sortie_core::evolve(folded, event);
+    }
+    assert_eq!(
+        folded.as_ref(),
+        Some(state),
+        "{run_id}: folding the history does not give the changelog state"
+    );
+}
+
+impl Stack {
+    /// `sortie audit replay --verify` on this stack's topics: whether it exited 0, and its
+    /// JSON report (`Value::Null` if it printed none).
+    pub async fn audit_verify(&self) -> (bool, serde_json::Value) {
+        let args = [
+            "audit",
+            "replay",
+            "--verify",
+            "--bootstrap-servers",
+            &self.bootstrap,
+            "--registry-url",
+            &self.registry.url,
+            "--prefix",
+            &self.prefix,
+        ];
+        let output = tokio::process::Command::new(sortie_bin())
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .output()
+            .await
+            .expect("run sortie audit");
+        let report = serde_json::from_slice(&output.stdout).unwrap_or(serde_json::Value::Null);
+        if !output.status.success() {
+            eprintln!(
+                "sortie audit replay --verify failed ({}):\n{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        (output.status.success(), report)
+    }
+
+    /// Every run event record as `(run_id, seq)` read with `isolation`: under
+    /// `ReadUncommitted` it includes the records of aborted transactions.
+    pub async fn event_keys(&self, isolation: Isolation) -> Vec<(String, i64)> {
+        let mut out = Vec::new();
+        for message in crate::read_all(&self.bootstrap, &self.topics.run_events(), isolation).await
+        {
+            let record: w::RunEvent = self
+                .codec
+                .decode(message.payload())
+                .await
+                .expect("decode run-event");
+            out.push((record.run_id.clone(), record.seq));
+        }
+        out
+    }
+}
+
+// ---------------------------------------------------------------- metrics and health
+
+impl Process {
+    /// The base URL of this spawn's metrics and health server (`http://127.0.0.1:<port>`),
+    /// from the `metrics listening on <url>` line it prints (reducer and executor spawned
+    /// with `--metrics-addr 127.0.0.1:0`, as [`Stack::reducer`] and
+    /// [`Stack::executor_process`] do).
+    pub async fn metrics_url(&self) -> String {
+        let (log, start) = (self.log.clone(), self.log_start as usize);
+        crate::wait_for(
+            "the process to print its metrics address",
+            Duration::from_secs(60),
+            || {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                async move {
+                    text.get(start..)?.lines().find_map(|l| {
+                        l.trim()
+                            .strip_prefix("metrics listening on ")
+                            .map(str::to_owned)
+                    })
+                }
+            },
+        )
+        .await
+    }
+}
+
+/// One scrape of a Prometheus text endpoint: `series{labels}` (as rendered, labels
+/// sorted as the exporter writes them) → value. Comment lines are skipped.
+pub async fn scrape(url: &str) -> BTreeMap<String, f64> {
+    let text = reqwest::get(format!("{url}/metrics"))
+        .await
+        .and_then(|r| r.error_for_status())
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    parse_metrics(&text)
+}
+
+/// Parses the Prometheus text format into `series → value`.
+pub fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The sum of every series of metric `name` whose labels include all of `labels`
+/// (`[("tool", "echo")]`); 0 when none.
+pub fn metric_sum(metrics: &BTreeMap<String, f64>, name: &str, labels: &[(&str, &str)]) -> f64 {
+    metrics
+        .iter()
+        .filter(|(series, _)| {
+            let (metric, rest) = series.split_once('{').unwrap_or((series.as_str(), ""));
+            metric == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
+        })
+        .map(|(_, value)| value)
+        .sum()
 }

@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use sortie_executor::{ExecutorConfig, FaultPoint, Handlers};
-use sortie_kafka::KafkaConfig;
 use sortie_wire::Topics;
 
 #[derive(Debug, clap::Args)]
@@ -76,6 +75,12 @@ pub struct Args {
     /// executor.after_call, executor.after_result).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
+    /// Where to serve /metrics, /healthz and /readyz (port 0: any free port; the bound
+    /// address is printed). Default 127.0.0.1:9465, best effort.
+    #[arg(long, env = "SORTIE__EXECUTOR__METRICS_ADDR")]
+    metrics_addr: Option<String>,
+    #[command(flatten)]
+    kafka: crate::telemetry::KafkaProperties,
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
@@ -89,7 +94,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .filter(|q| !q.is_empty())
         .collect();
     let mut config = ExecutorConfig::new(
-        KafkaConfig::new(args.bootstrap_servers),
+        args.kafka.config(args.bootstrap_servers)?,
         args.registry_url,
         Topics::new(args.prefix),
         queues,
@@ -111,6 +116,24 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(point) = config.fault {
         tracing::warn!(%point, "Fault injection is ON: this executor will die at that point.");
     }
-    sortie_executor::run(config, Handlers::builtin(), crate::shutdown_signal()).await?;
+    let metrics =
+        crate::telemetry::install_metrics(&[sortie_executor::metrics::HISTOGRAM_BUCKETS])?;
+    sortie_executor::metrics::describe();
+    let health = sortie_executor::health::Health::default();
+    let readiness = health.clone();
+    crate::telemetry::serve_ops(
+        args.metrics_addr.as_deref(),
+        "127.0.0.1:9465",
+        metrics,
+        std::sync::Arc::new(move || readiness.readiness()),
+    )
+    .await?;
+    sortie_executor::run_with_health(
+        config,
+        Handlers::builtin(),
+        crate::shutdown_signal(),
+        health,
+    )
+    .await?;
     Ok(())
 }

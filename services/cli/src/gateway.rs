@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sortie_gateway::fault::FaultPoint;
 use sortie_gateway::{GatewayConfig, TokenEntry};
-use sortie_kafka::KafkaConfig;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -57,6 +57,11 @@ pub struct Args {
     /// Largest request body accepted.
     #[arg(long, env = "SORTIE__GATEWAY__MAX_BODY_BYTES", default_value_t = 256 * 1024)]
     max_body_bytes: usize,
+    /// Crash tests only: die on purpose at this point (gateway.after_publish).
+    #[arg(long, env = "SORTIE_FAULT")]
+    fault: Option<FaultPoint>,
+    #[command(flatten)]
+    kafka: crate::telemetry::KafkaProperties,
     /// Print the effective configuration (token hashes only) and exit.
     #[arg(long)]
     print_config: bool,
@@ -64,7 +69,7 @@ pub struct Args {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = GatewayConfig::new(
-        KafkaConfig::new(args.bootstrap_servers),
+        args.kafka.config(args.bootstrap_servers)?,
         args.registry_url,
         args.data_dir,
     );
@@ -72,6 +77,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.answer_timeout = Duration::from_millis(args.answer_timeout_ms);
     config.read_wait_timeout = Duration::from_millis(args.read_wait_timeout_ms);
     config.max_body_bytes = args.max_body_bytes;
+    config.fault = args.fault;
     if let Some(path) = &args.tokens_file {
         config
             .tokens
@@ -84,9 +90,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("{config:#?}");
         return Ok(());
     }
+    if let Some(point) = config.fault {
+        tracing::warn!(%point, "Fault injection is ON: this gateway will die at that point.");
+    }
     if config.tokens.is_empty() {
         tracing::warn!("No tokens are configured: every API request will be refused (401).");
     }
+    let metrics = crate::telemetry::install_metrics(&[sortie_gateway::metrics::HISTOGRAM_BUCKETS])?;
+    sortie_gateway::metrics::describe();
+    sortie_gateway::metrics::expose(metrics);
     let listener = tokio::net::TcpListener::bind(&args.addr).await?;
     println!("{}", listener.local_addr()?);
     sortie_gateway::serve(config, listener, crate::shutdown_signal()).await?;

@@ -59,11 +59,13 @@ struct Options {
         default_value = "http://127.0.0.1:8081"
     )]
     registry_url: String,
+    #[command(flatten)]
+    kafka: crate::telemetry::KafkaProperties,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let options = args.options;
-    let kafka = KafkaConfig::new(&options.bootstrap_servers);
+    let kafka = options.kafka.config(&options.bootstrap_servers)?;
     let topics = Topics::new(options.prefix);
     match args.action {
         Action::Publish { files, by } => {

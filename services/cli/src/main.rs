@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod audit;
+mod bench;
 mod broker;
 mod dev;
 mod executor;
@@ -13,6 +14,7 @@ mod ledger;
 mod reducer;
 mod registry;
 mod run;
+mod telemetry;
 mod topology;
 
 #[derive(Debug, Parser)]
@@ -24,6 +26,8 @@ mod topology;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: telemetry::LogArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -51,19 +55,14 @@ enum Command {
     Audit(audit::Args),
     /// Start, approve, reject, cancel, inspect and follow runs through the gateway.
     Run(run::Args),
+    /// Measure throughput, round trip, restart and restore against a bare transactional loop; prints JSON.
+    Bench(bench::Args),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    telemetry::init_logging(&cli.log);
     match cli.command {
         Command::Dev(args) => dev::run(args).await,
         Command::Broker(args) => broker::run(args).await,
@@ -76,6 +75,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Audit(args) => audit::run(args).await,
         Command::Run(args) => run::run(args).await,
         Command::Graph(args) => graph::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
     }
 }
 

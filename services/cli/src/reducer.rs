@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sortie_kafka::KafkaConfig;
 use sortie_reducer::driver::{self, ReducerConfig};
+use sortie_reducer::fault::FaultPoint;
 use sortie_wire::Topics;
 
 #[derive(Debug, clap::Args)]
@@ -56,6 +56,19 @@ pub struct Args {
     /// Largest record value accepted; larger ones are dead-lettered.
     #[arg(long, env = "SORTIE__REDUCER__MAX_PAYLOAD_BYTES", default_value_t = 1024 * 1024)]
     max_payload_bytes: usize,
+    /// Crash tests only: die on purpose at this point (reducer.before_commit,
+    /// reducer.after_commit).
+    #[arg(long, env = "SORTIE_FAULT")]
+    fault: Option<FaultPoint>,
+    /// With --fault: die on the Nth pass through the point (1: the first).
+    #[arg(long, env = "SORTIE_FAULT_AFTER", default_value_t = 1)]
+    fault_after: u32,
+    /// Where to serve /metrics, /healthz and /readyz (port 0: any free port; the bound
+    /// address is printed). Default 127.0.0.1:9464, best effort.
+    #[arg(long, env = "SORTIE__REDUCER__METRICS_ADDR")]
+    metrics_addr: Option<String>,
+    #[command(flatten)]
+    kafka: crate::telemetry::KafkaProperties,
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
@@ -63,7 +76,7 @@ pub struct Args {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = ReducerConfig::new(
-        KafkaConfig::new(args.bootstrap_servers),
+        args.kafka.config(args.bootstrap_servers)?,
         args.registry_url,
         Topics::new(args.prefix),
         args.data_dir,
@@ -74,9 +87,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_batch = args.max_batch;
     config.session_timeout = Duration::from_millis(args.session_timeout_ms);
     config.max_payload_bytes = args.max_payload_bytes;
+    config.fault = args.fault;
+    config.fault_after = args.fault_after;
     if args.print_config {
         println!("{config:#?}");
         return Ok(());
+    }
+    if let Some(point) = config.fault {
+        tracing::warn!(%point, pass = config.fault_after, "Fault injection is ON: this reducer will die at that point.");
     }
     let shutdown = Arc::new(AtomicBool::new(false));
     let flag = shutdown.clone();
@@ -85,7 +103,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!("Shutting down: finishing the current batch.");
         flag.store(true, Ordering::Relaxed);
     });
+    let metrics = crate::telemetry::install_metrics(&[sortie_reducer::metrics::HISTOGRAM_BUCKETS])?;
+    sortie_reducer::metrics::describe();
+    let health = sortie_reducer::health::Health::default();
+    let readiness = health.clone();
+    crate::telemetry::serve_ops(
+        args.metrics_addr.as_deref(),
+        "127.0.0.1:9464",
+        metrics,
+        Arc::new(move || readiness.readiness()),
+    )
+    .await?;
     let runtime = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || driver::run(config, runtime, shutdown)).await??;
+    tokio::task::spawn_blocking(move || driver::run_with_health(config, runtime, shutdown, health))
+        .await??;
     Ok(())
 }

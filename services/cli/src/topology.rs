@@ -48,6 +48,8 @@ struct Options {
         default_value = "127.0.0.1:9092"
     )]
     bootstrap_servers: String,
+    #[command(flatten)]
+    kafka: crate::telemetry::KafkaProperties,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -62,7 +64,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             })
         })
         .with_context(|| format!("cannot use the topology in {}", options.file.display()))?;
-    let kafka = KafkaConfig::new(options.bootstrap_servers);
+    let kafka = options.kafka.config(options.bootstrap_servers)?;
     match args.action {
         Action::Check => check(&topology, &kafka).await,
         Action::Apply => apply(&topology, &kafka).await,

@@ -1,0 +1,205 @@
+{{/* Names, labels and the pieces every Sortie container shares. */}}
+
+{{- define "sortie.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "sortie.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "sortie.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "sortie.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sortie
+{{- end }}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "gateway") */}}
+{{- define "sortie.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sortie.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "sortie.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "sortie.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "sortie.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Whether the Kafka properties Secret is mounted. */}}
+{{- define "sortie.kafkaSecretEnabled" -}}
+{{- if or .Values.kafka.existingSecret .Values.kafka.properties .Values.kafka.files }}true{{ end }}
+{{- end }}
+
+{{- define "sortie.kafkaSecretName" -}}
+{{- default (printf "%s-kafka" (include "sortie.fullname" .)) .Values.kafka.existingSecret }}
+{{- end }}
+
+{{/* The Secret's data: kafka.properties and the extra files. */}}
+{{- define "sortie.kafkaSecretData" -}}
+{{- if .Values.kafka.properties }}
+kafka.properties: |
+  {{- range $key, $value := .Values.kafka.properties }}
+  {{ $key }}={{ $value }}
+  {{- end }}
+{{- end }}
+{{- range $name, $content := .Values.kafka.files }}
+{{ $name }}: {{ $content | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The topology file. */}}
+{{- define "sortie.topicsYaml" -}}
+{{- if .Values.topics.topicsYaml }}
+{{- .Values.topics.topicsYaml }}
+{{- else }}
+{{- .Files.Get "files/topics.yaml" }}
+{{- end }}
+{{- end }}
+
+{{/* envFrom + env every Sortie container gets. */}}
+{{- define "sortie.commonEnv" -}}
+envFrom:
+  - configMapRef:
+      name: {{ include "sortie.fullname" . }}-config
+env:
+  - name: POD_NAME
+    valueFrom:
+      fieldRef:
+        fieldPath: metadata.name
+  {{- if include "sortie.kafkaSecretEnabled" . }}
+  - name: SORTIE__KAFKA__PROPERTIES_FILE
+    value: /etc/sortie/kafka/kafka.properties
+  {{- end }}
+{{- end }}
+
+{{/* The Kafka Secret's volume mount and volume, when there is one. */}}
+{{- define "sortie.kafkaVolumeMount" -}}
+{{- if include "sortie.kafkaSecretEnabled" . }}
+- name: kafka
+  mountPath: /etc/sortie/kafka
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "sortie.kafkaVolume" -}}
+{{- if include "sortie.kafkaSecretEnabled" . }}
+- name: kafka
+  secret:
+    secretName: {{ include "sortie.kafkaSecretName" . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings shared by every workload: (dict "root" $ "pod" .Values.gateway) */}}
+{{- define "sortie.podSpecCommon" -}}
+serviceAccountName: {{ include "sortie.serviceAccountName" .root }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .pod.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pod.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pod.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Probes on a service's real health endpoints: (dict "port" "metrics") */}}
+{{- define "sortie.probes" -}}
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: {{ .port }}
+  periodSeconds: 10
+  timeoutSeconds: 3
+  failureThreshold: 6
+readinessProbe:
+  httpGet:
+    path: /readyz
+    port: {{ .port }}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 3
+{{- end }}
+
+{{/* The hook Job's `sortie topology apply` container body (after its name). */}}
+{{- define "sortie.topologyContainer" -}}
+{{- $v := .root.Values -}}
+image: {{ include "sortie.image" .root }}
+imagePullPolicy: {{ $v.image.pullPolicy }}
+args:
+  - topology
+  - apply
+  - --file
+  - /etc/sortie/topology/topics.yaml
+  - --prefix
+  - {{ $v.topics.prefix | quote }}
+  - --partitions
+  - {{ $v.topics.runPartitions | quote }}
+  - --replication-factor
+  - {{ $v.topics.replicationFactor | quote }}
+  {{- with $v.topics.minInsyncReplicas }}
+  - --min-insync-replicas
+  - {{ . | quote }}
+  {{- end }}
+  - --bootstrap-servers
+  - {{ $v.kafka.bootstrapServers | quote }}
+{{ include "sortie.topologyContainerCommon" . }}
+{{- end }}
+
+{{/* Env, mounts, resources and security of the hook Job's containers. */}}
+{{- define "sortie.topologyContainerCommon" -}}
+{{- $v := .root.Values -}}
+env:
+  - name: SORTIE__LOG__LEVEL
+    value: {{ $v.log.level | quote }}
+  - name: SORTIE__LOG__FORMAT
+    value: {{ $v.log.format | quote }}
+  {{- if include "sortie.kafkaSecretEnabled" .root }}
+  - name: SORTIE__KAFKA__PROPERTIES_FILE
+    value: /etc/sortie/kafka/kafka.properties
+  {{- end }}
+resources:
+  {{- toYaml $v.topologyJob.resources | nindent 2 }}
+securityContext:
+  {{- toYaml $v.securityContext | nindent 2 }}
+volumeMounts:
+  - name: topology
+    mountPath: /etc/sortie/topology
+    readOnly: true
+  - name: tmp
+    mountPath: /tmp
+  {{- if include "sortie.kafkaSecretEnabled" .root }}
+  - name: kafka
+    mountPath: /etc/sortie/kafka
+    readOnly: true
+  {{- end }}
+{{- end }}

@@ -1,0 +1,633 @@
+//! `sortie bench`: drives a configurable load through the real services (reducer and
+//! executors as their own processes) on a real broker, measures the ceiling — a bare
+//! transactional read-process-write loop with the same broker, partitions, batch and
+//! commit settings — in the same run, and reports one JSON document: throughput, step
+//! round trip, transaction commit latency and size, the services' CPU and memory, warm
+//! restart and cold restore, and (with `--rss-scale`) the reducer's memory as the number
+//! of runs grows. Each SPEC §11 target is reported with its verdict.
+//!
+//! A benchmark is a program, never a timed assertion in a test. This crate holds the
+//! harness only: it must not hold run semantics (those are `sortie-core`'s) nor stand in
+//! for a service (the services under test are the real `sortie` binary). Being a program
+//! that reports rather than handles failures, it uses `anyhow`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use sortie_kafka::KafkaConfig;
+use sortie_wire::{Codec, Topics};
+use tokio::runtime::Handle;
+
+mod ceiling;
+mod load;
+mod procfs;
+mod scale;
+mod stack;
+mod stats;
+
+use load::Driver;
+use stack::Service;
+use stats::{ratio, round, summary};
+
+/// What to measure and how hard to push.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The `sortie` binary that runs the services.
+    pub exe: PathBuf,
+    /// Use this broker instead of starting the bench's own.
+    pub bootstrap: Option<String>,
+    /// Topic, group and transactional-id prefix (default: a fresh `bench.<millis>.`).
+    pub prefix: Option<String>,
+    /// The bench's own broker, logs and caches live here.
+    pub data_dir: PathBuf,
+    /// The bench broker's port (its controller takes the next one).
+    pub kafka_port: u16,
+    /// Leave a broker this run started running.
+    pub keep_broker: bool,
+    /// Leave the bench's topics on the broker.
+    pub keep_topics: bool,
+    pub runs: usize,
+    pub steps: usize,
+    /// Runs in flight at once (a closed loop).
+    pub concurrency: usize,
+    /// Bytes of payload in each run's input, carried by every step's args and output.
+    pub payload_bytes: usize,
+    pub queues: usize,
+    pub partitions: u32,
+    pub commit_interval: Duration,
+    pub max_batch: usize,
+    pub executors: usize,
+    pub executor_max_in_flight: usize,
+    /// Run counts of the memory scale check; empty: skip it.
+    pub rss_scale: Vec<usize>,
+    /// The light load (round trip without queueing): runs and runs in flight.
+    pub light_runs: usize,
+    pub light_concurrency: usize,
+    pub scale_steps: usize,
+    pub scale_payload_bytes: usize,
+    pub scale_load_runs: usize,
+    /// Longest a load may take before it is cut short (and reported as unfinished).
+    pub timeout: Duration,
+}
+
+impl Options {
+    /// The full default load.
+    pub fn full(exe: PathBuf) -> Options {
+        Options {
+            exe,
+            bootstrap: None,
+            prefix: None,
+            data_dir: PathBuf::from("target/bench"),
+            kafka_port: 19392,
+            keep_broker: false,
+            keep_topics: false,
+            runs: 10_000,
+            steps: 5,
+            concurrency: 2000,
+            payload_bytes: 256,
+            queues: 2,
+            partitions: 12,
+            commit_interval: Duration::from_millis(100),
+            max_batch: 500,
+            executors: 1,
+            executor_max_in_flight: 256,
+            rss_scale: Vec::new(),
+            light_runs: 200,
+            light_concurrency: 20,
+            scale_steps: 1,
+            scale_payload_bytes: 64,
+            scale_load_runs: 500,
+            timeout: Duration::from_secs(600),
+        }
+    }
+
+    /// A tiny load that checks the harness end to end in seconds.
+    pub fn quick(exe: PathBuf) -> Options {
+        Options {
+            runs: 20,
+            steps: 3,
+            concurrency: 10,
+            payload_bytes: 64,
+            light_runs: 5,
+            light_concurrency: 2,
+            timeout: Duration::from_secs(120),
+            ..Options::full(exe)
+        }
+    }
+}
+
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// What the blocking phases share.
+#[derive(Debug, Clone)]
+pub(crate) struct Bench {
+    pub options: Options,
+    pub prefix: String,
+    pub kafka: KafkaConfig,
+    pub registry_url: String,
+    pub codec: Arc<Codec>,
+    pub runtime: Handle,
+    /// Logs and caches of this run.
+    pub dir: PathBuf,
+}
+
+impl Bench {
+    fn common_args(&self, prefix: &str) -> Vec<String> {
+        vec![
+            "--bootstrap-servers".into(),
+            self.kafka.bootstrap_servers.clone(),
+            "--registry-url".into(),
+            self.registry_url.clone(),
+            "--prefix".into(),
+            prefix.to_owned(),
+        ]
+    }
+
+    /// A `sortie reducer` process (debug logs of the reducer: commits and restores).
+    pub fn reducer(
+        &self,
+        dir: &Path,
+        name: &str,
+        prefix: &str,
+        data: &Path,
+    ) -> anyhow::Result<Service> {
+        let mut args = vec!["reducer".to_owned()];
+        args.extend(self.common_args(prefix));
+        args.extend([
+            "--data-dir".to_owned(),
+            data.display().to_string(),
+            "--instance-id".to_owned(),
+            "0".to_owned(),
+            "--commit-interval-ms".to_owned(),
+            self.options.commit_interval.as_millis().to_string(),
+            "--max-batch".to_owned(),
+            self.options.max_batch.to_string(),
+        ]);
+        let service = Service::spawn(
+            &self.options.exe,
+            dir,
+            name,
+            &args,
+            "warn,sortie_reducer=debug",
+        )?;
+        eprintln!(
+            "sortie bench: {name} pid {} (log {})",
+            service.pid(),
+            service.log.display()
+        );
+        Ok(service)
+    }
+
+    /// A `sortie executor` process serving every bench queue.
+    pub fn executor(
+        &self,
+        dir: &Path,
+        name: &str,
+        prefix: &str,
+        index: usize,
+    ) -> anyhow::Result<Service> {
+        let mut args = vec!["executor".to_owned()];
+        args.extend(self.common_args(prefix));
+        args.extend([
+            "--queue".to_owned(),
+            stack::queues(self.options.queues).join(","),
+            "--executor-id".to_owned(),
+            format!("bench-executor-{index}"),
+            "--max-in-flight".to_owned(),
+            self.options.executor_max_in_flight.to_string(),
+        ]);
+        Service::spawn(&self.options.exe, dir, name, &args, "warn")
+    }
+
+    fn encode_commands(
+        &self,
+        topics: &Topics,
+        ids: &[String],
+    ) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+        ids.iter()
+            .map(|run_id| {
+                let bytes = self.runtime.block_on(Driver::start_command(
+                    &self.codec,
+                    topics,
+                    run_id,
+                    self.options.payload_bytes,
+                ))?;
+                Ok((run_id.clone(), bytes))
+            })
+            .collect()
+    }
+}
+
+/// Runs the benchmark and returns its report.
+pub async fn run(options: Options) -> anyhow::Result<Value> {
+    let started = Instant::now();
+    let load_before = procfs::load_average();
+    let mut own_broker = None;
+    let (bootstrap, broker_json) = match &options.bootstrap {
+        Some(bootstrap) => (
+            bootstrap.clone(),
+            json!({ "bootstrap": bootstrap, "own": false }),
+        ),
+        None => {
+            let broker = stack::own_broker(&options)?;
+            let flags = broker.config().jvm_flags.clone();
+            let ensure = broker.clone();
+            eprintln!(
+                "sortie bench: starting the bench broker in {}",
+                broker.data_dir().display()
+            );
+            let running = tokio::task::spawn_blocking(move || ensure.ensure_running()).await??;
+            let json = json!({
+                "bootstrap": running.bootstrap,
+                "own": true,
+                "reused": running.reused,
+                "jvm_flags": if running.reused { Value::Null } else { json!(flags) },
+                "pid": running.pid,
+            });
+            let pid = running.pid;
+            let bootstrap = running.bootstrap.clone();
+            own_broker = Some((broker, running.reused, pid));
+            (bootstrap, json)
+        }
+    };
+    let kafka = KafkaConfig::new(bootstrap);
+    let prefix = options
+        .prefix
+        .clone()
+        .unwrap_or_else(|| format!("bench.{}.", now_ms()));
+    std::fs::create_dir_all(&options.data_dir)?;
+    let dir = std::fs::canonicalize(&options.data_dir)?
+        .join("runs")
+        .join(prefix.trim_end_matches('.'));
+    std::fs::create_dir_all(&dir)?;
+    let registry = stack::ServedRegistry::start(&kafka, &format!("{prefix}_schemas")).await?;
+    let bench = Bench {
+        options: options.clone(),
+        prefix: prefix.clone(),
+        kafka: kafka.clone(),
+        registry_url: registry.url.clone(),
+        codec: stack::codec(&registry.url),
+        runtime: Handle::current(),
+        dir: dir.clone(),
+    };
+    let broker_pid = own_broker.as_ref().map(|(_, _, pid)| *pid);
+    let result = tokio::task::spawn_blocking(move || measure(&bench, broker_pid)).await;
+
+    registry.stop().await;
+    if !options.keep_topics {
+        if let Err(e) = stack::delete_topics(&kafka, &prefix).await {
+            eprintln!("sortie bench: deleting the bench topics failed: {e}");
+        }
+    }
+    if let Some((broker, reused, _)) = own_broker {
+        if !reused && !options.keep_broker {
+            tokio::task::spawn_blocking(move || broker.stop()).await??;
+        }
+    }
+    let mut report = result??;
+    if let Some(map) = report.as_object_mut() {
+        map.insert("broker".into(), broker_json);
+        map.insert(
+            "machine".into(),
+            json!({
+                "cpus": procfs::cpus(),
+                "load_average_1m_before": load_before,
+                "load_average_1m_after": procfs::load_average(),
+            }),
+        );
+        map.insert("logs".into(), json!(dir.display().to_string()));
+        map.insert(
+            "bench_wall_s".into(),
+            json!(round(started.elapsed().as_secs_f64())),
+        );
+    }
+    Ok(report)
+}
+
+/// The measuring part, blocking.
+fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
+    let options = &bench.options;
+    let topics = Topics::new(bench.prefix.clone());
+    let queues = stack::queues(options.queues);
+    let graph = stack::graph(options.steps, &queues)?;
+    bench.runtime.block_on(async {
+        stack::apply_topology(&bench.kafka, &bench.prefix, options.partitions, &queues).await?;
+        stack::publish_graph(&bench.kafka, &bench.codec, &topics, &graph).await
+    })?;
+
+    // The services, and one calibration run through them (also warms them up).
+    let data = bench.dir.join("reducer");
+    let mut reducer = bench.reducer(&bench.dir, "reducer", &bench.prefix, &data)?;
+    let mut executors = (0..options.executors.max(1))
+        .map(|i| bench.executor(&bench.dir, &format!("executor-{i}"), &bench.prefix, i))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut driver = Driver::new(
+        &bench.kafka,
+        &topics,
+        options.partitions,
+        bench.codec.clone(),
+        bench.runtime.clone(),
+    )?;
+    let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
+    eprintln!("sortie bench: calibration run");
+    let pattern = {
+        let mut all: Vec<&mut Service> = vec![&mut reducer];
+        all.extend(executors.iter_mut());
+        driver.calibrate(
+            &calibration[0].0,
+            &calibration[0].1,
+            Duration::from_secs(180),
+            &mut all,
+        )?
+    };
+
+    // The ceiling, fed as many records as Sortie will consume: a StartRun and one result
+    // per step for every run.
+    let inputs = options.runs * (options.steps + 1);
+    eprintln!("sortie bench: ceiling loop over {inputs} records");
+    let ceiling = ceiling::run(
+        &bench.kafka,
+        &ceiling::Setup {
+            prefix: bench.prefix.clone(),
+            partitions: options.partitions,
+            records: inputs,
+            value_bytes: options.payload_bytes + 200,
+            commit_interval: options.commit_interval,
+            max_batch: options.max_batch,
+        },
+        &bench.runtime,
+    )?;
+
+    // A light load first (the round trip when nothing queues), then the full load.
+    let mut all: Vec<&mut Service> = vec![&mut reducer];
+    all.extend(executors.iter_mut());
+    let light = phase(
+        bench,
+        &mut driver,
+        &topics,
+        "light",
+        options.light_runs,
+        options.light_concurrency,
+        &mut all,
+        broker_pid,
+    )?;
+    let load = phase(
+        bench,
+        &mut driver,
+        &topics,
+        "run",
+        options.runs,
+        options.concurrency,
+        &mut all,
+        broker_pid,
+    )?;
+    drop(all);
+    let steps_per_s = load.json["steps_per_s"].as_f64().unwrap_or(0.0);
+
+    // Warm restart: the same cache; then cold: no cache, everything from the changelog.
+    let mut all_executors: Vec<&mut Service> = executors.iter_mut().collect();
+    let warm = restart(
+        bench,
+        &mut driver,
+        &mut reducer,
+        &topics,
+        &data,
+        false,
+        &mut all_executors,
+    )?;
+    let cold = restart(
+        bench,
+        &mut driver,
+        &mut reducer,
+        &topics,
+        &data,
+        true,
+        &mut all_executors,
+    )?;
+    reducer.stop();
+    for executor in &mut executors {
+        executor.stop();
+    }
+
+    let mut scale = Vec::new();
+    for runs in &options.rss_scale {
+        scale.push(scale::one(bench, *runs)?);
+    }
+
+    let ceiling_per_s = ceiling.records_per_s();
+    let commit_interval_ms = options.commit_interval.as_millis() as f64;
+    let p50 = light.json["step_round_trip_ms"]["p50"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let loaded_p50 = load.json["step_round_trip_ms"]["p50"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let warm_ms = warm["start_to_first_commit_ms"].as_f64().unwrap_or(0.0);
+    let cold_rate = cold["restore"]["states_per_s"].as_f64().unwrap_or(0.0);
+    let mut targets = serde_json::Map::new();
+    targets.insert(
+        "steps_per_s_vs_ceiling".into(),
+        verdict(
+            ratio(steps_per_s, ceiling_per_s),
+            ">= 0.5",
+            ratio(steps_per_s, ceiling_per_s) >= 0.5,
+        ),
+    );
+    targets.insert(
+        "round_trip_p50_vs_commit_interval".into(),
+        verdict(
+            ratio(p50, commit_interval_ms),
+            "<= 2.0",
+            p50 <= 2.0 * commit_interval_ms,
+        ),
+    );
+    // The same under the full load, where runs queue behind each other (closed loop).
+    targets.insert(
+        "round_trip_p50_under_full_load_vs_commit_interval".into(),
+        verdict(
+            ratio(loaded_p50, commit_interval_ms),
+            "<= 2.0 (informative: includes queueing)",
+            loaded_p50 <= 2.0 * commit_interval_ms,
+        ),
+    );
+    let scale_warm = scale
+        .iter()
+        .filter_map(|s| s["warm_start_to_first_commit_ms"].as_f64())
+        .fold(warm_ms, f64::max);
+    targets.insert(
+        "warm_restart_ms".into(),
+        verdict(round(scale_warm), "<= 2000", scale_warm <= 2000.0),
+    );
+    let restore_rate = scale
+        .iter()
+        .filter_map(|s| s["cold_restore"]["states_per_s"].as_f64())
+        .next_back()
+        .unwrap_or(cold_rate);
+    targets.insert(
+        "cold_restore_states_per_s".into(),
+        verdict(restore_rate, ">= 100000", restore_rate >= 100_000.0),
+    );
+    if let (Some(small), Some(large)) = (scale.first(), scale.last()) {
+        let rss = |s: &Value| {
+            s["reducer_after_cold_restore"]["rss_mib"]
+                .as_f64()
+                .unwrap_or(0.0)
+        };
+        let growth = ratio(rss(large), rss(small));
+        targets.insert(
+            "reducer_rss_growth_smallest_to_largest".into(),
+            verdict(growth, "<= 1.5 (flat)", growth > 0.0 && growth <= 1.5),
+        );
+    }
+
+    Ok(json!({
+        "sortie_bench": 1,
+        "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "prefix": bench.prefix,
+        "config": {
+            "runs": options.runs,
+            "steps_per_run": options.steps,
+            "concurrency": options.concurrency,
+            "light_runs": options.light_runs,
+            "light_concurrency": options.light_concurrency,
+            "payload_bytes": options.payload_bytes,
+            "queues": options.queues,
+            "partitions": options.partitions,
+            "commit_interval_ms": commit_interval_ms,
+            "max_batch": options.max_batch,
+            "executors": options.executors,
+            "executor_max_in_flight": options.executor_max_in_flight,
+        },
+        "events_per_run": pattern.events,
+        "sortie": load.json,
+        "sortie_light_load": light.json,
+        "ceiling": ceiling.json(),
+        "ratios": {
+            "steps_per_s_to_ceiling_records_per_s": ratio(steps_per_s, ceiling_per_s),
+            "inputs_per_s_to_ceiling_records_per_s": ratio(
+                load.json["inputs_per_s"].as_f64().unwrap_or(0.0),
+                ceiling_per_s,
+            ),
+            "commit_ms_p50_to_ceiling": ratio(
+                load.json["commit_ms"]["p50"].as_f64().unwrap_or(0.0),
+                ceiling.json()["commit_ms"]["p50"].as_f64().unwrap_or(0.0),
+            ),
+        },
+        "warm_restart": warm,
+        "cold_restore": cold,
+        "rss_scale": if scale.is_empty() { Value::Null } else { json!(scale) },
+        "targets": targets,
+    }))
+}
+
+/// What one load phase measured.
+struct Phase {
+    json: Value,
+}
+
+/// Drives `runs` runs (`<name>-<i>`) with `concurrency` in flight and reports the figures:
+/// throughput, round trips, the reducer's transactions during the phase, CPU and memory.
+#[allow(clippy::too_many_arguments)]
+fn phase(
+    bench: &Bench,
+    driver: &mut Driver,
+    topics: &Topics,
+    name: &str,
+    runs: usize,
+    concurrency: usize,
+    services: &mut [&mut Service],
+    broker_pid: Option<u32>,
+) -> anyhow::Result<Phase> {
+    let steps = bench.options.steps;
+    let ids: Vec<String> = (0..runs).map(|i| format!("{name}-{i:07}")).collect();
+    let commands = bench.encode_commands(topics, &ids)?;
+    let mut watched: Vec<(String, u32)> =
+        services.iter().map(|s| (s.name.clone(), s.pid())).collect();
+    if let Some(pid) = broker_pid {
+        watched.push(("broker".into(), pid));
+    }
+    watched.push(("bench_driver".into(), std::process::id()));
+    let log_before = services[0].log_lines().len();
+    eprintln!("sortie bench: {name}: {runs} runs x {steps} steps, {concurrency} in flight");
+    let window = procfs::CpuWindow::start(&watched);
+    let outcome = driver.run(&commands, concurrency, bench.options.timeout, services)?;
+    let processes = window.finish();
+    let lines = services[0].log_lines();
+    let commits = stack::commits(lines.get(log_before..).unwrap_or_default());
+    let elapsed = outcome.elapsed.as_secs_f64().max(1e-9);
+    let steps_done = outcome.runs_succeeded * steps;
+    let commit_ms: Vec<f64> = commits.iter().map(|c| c.2 as f64).collect();
+    let outputs: Vec<f64> = commits.iter().map(|c| c.1 as f64).collect();
+    let inputs: Vec<f64> = commits.iter().map(|c| c.0 as f64).collect();
+    Ok(Phase {
+        json: json!({
+            "runs": runs,
+            "concurrency": concurrency,
+            "runs_succeeded": outcome.runs_succeeded,
+            "runs_failed": outcome.runs_failed,
+            "runs_deviant": outcome.runs_deviant,
+            "runs_unfinished": outcome.runs_unfinished,
+            "steps": steps_done,
+            "elapsed_s": round(elapsed),
+            "steps_per_s": round(steps_done as f64 / elapsed),
+            "runs_per_s": round(outcome.runs_succeeded as f64 / elapsed),
+            "inputs_per_s": round((outcome.runs_succeeded * (steps + 1)) as f64 / elapsed),
+            "step_round_trip_ms": summary(&outcome.round_trips),
+            "run_duration_ms": summary(&outcome.run_durations),
+            "transactions": commits.len(),
+            "commit_ms": summary(&commit_ms),
+            "records_per_txn": summary(&outputs),
+            "inputs_per_txn": summary(&inputs),
+            "processes": processes,
+        }),
+    })
+}
+
+fn verdict(value: f64, target: &str, met: bool) -> Value {
+    json!({ "value": value, "target": target, "met": met })
+}
+
+/// Stops the reducer, (cold: deletes its cache,) produces a probe run and starts it again:
+/// the time from spawn to the probe's first committed event, and what the restore read.
+fn restart(
+    bench: &Bench,
+    driver: &mut Driver,
+    reducer: &mut Service,
+    topics: &Topics,
+    data: &Path,
+    cold: bool,
+    executors: &mut [&mut Service],
+) -> anyhow::Result<Value> {
+    let name = if cold { "cold" } else { "warm" };
+    reducer.stop();
+    if cold {
+        std::fs::remove_dir_all(data)?;
+    }
+    let probe = bench.encode_commands(topics, &[format!("probe-{name}")])?;
+    driver.send(&probe[0].0, &probe[0].1)?;
+    driver.flush()?;
+    eprintln!("sortie bench: {name} restart");
+    *reducer = bench.reducer(&bench.dir, &format!("reducer-{name}"), &bench.prefix, data)?;
+    let seen = driver.first_event(&probe[0].0, Duration::from_secs(300), reducer)?;
+    let to_first_commit = seen.duration_since(reducer.spawned).as_secs_f64() * 1000.0;
+    for executor in executors.iter_mut() {
+        executor.check_alive()?;
+    }
+    let (partitions, records, millis) = stack::restores(&reducer.log_lines());
+    Ok(json!({
+        "start_to_first_commit_ms": round(to_first_commit),
+        "restore": {
+            "partitions": partitions,
+            "records": records,
+            "millis": millis,
+            "states_per_s": round(records as f64 * 1000.0 / millis.max(1) as f64),
+        },
+    }))
+}

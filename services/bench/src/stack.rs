@@ -1,0 +1,422 @@
+//! The stack a benchmark runs on: the broker (its own, or an existing one), the schema
+//! registry in this process, the topology under the bench's prefix with its queues, the
+//! bench graph, and the services as their own processes with their logs.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use sortie_core::Graph;
+use sortie_kafka::local::{BrokerConfig, LocalBroker};
+use sortie_kafka::topology::{Overrides, Topology};
+use sortie_kafka::KafkaConfig;
+use sortie_registry::Registry;
+use sortie_wire::{Codec, CodecConfig, Topics};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::Options;
+
+/// Finds a file of the repository from the current directory upwards, then from where
+/// this crate was built.
+pub fn repo_file(relative: &str) -> anyhow::Result<PathBuf> {
+    let mut dir = std::env::current_dir()?;
+    loop {
+        let candidate = dir.join(relative);
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+        if !dir.pop() {
+            break;
+        }
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative);
+    if built.exists() {
+        return Ok(built);
+    }
+    bail!("{relative} not found: run `sortie bench` from a Sortie checkout")
+}
+
+/// The bench's own broker: its own data dir and port, and JIT flags for a long run (the
+/// dev default `-XX:TieredStopAtLevel=1` stops at C1 and caps the broker's throughput).
+pub fn own_broker(options: &Options) -> anyhow::Result<LocalBroker> {
+    let mut config = BrokerConfig::new(
+        options.data_dir.join("kafka"),
+        options.kafka_port,
+        repo_file("dev/kafka/pom.xml")?,
+    );
+    config.heap = "1g".to_owned();
+    config
+        .jvm_flags
+        .retain(|flag| !flag.starts_with("-XX:TieredStopAtLevel"));
+    // Reuse jars another local broker of this checkout already fetched.
+    if let Ok(target) = repo_file("target") {
+        config.libs_dir = ["kafka-test/libs", "dev/kafka/libs"]
+            .iter()
+            .map(|dir| target.join(dir))
+            .find(|dir| has_jars(dir));
+    }
+    Ok(LocalBroker::new(config))
+}
+
+fn has_jars(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("kafka_2.13-"))
+        })
+        .unwrap_or(false)
+}
+
+/// A schema registry serving from this process on an ephemeral port.
+#[derive(Debug)]
+pub struct ServedRegistry {
+    pub url: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), sortie_registry::Error>>,
+}
+
+impl ServedRegistry {
+    pub async fn start(kafka: &KafkaConfig, topic: &str) -> anyhow::Result<ServedRegistry> {
+        let registry = Arc::new(Registry::open(kafka, topic).await?);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(sortie_registry::serve(listener, registry, async {
+            let _ = stopped.await;
+        }));
+        Ok(ServedRegistry {
+            url,
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
+    }
+}
+
+/// The bench queues: `bench0`, `bench1`, ...
+pub fn queues(count: usize) -> Vec<String> {
+    (0..count.max(1)).map(|i| format!("bench{i}")).collect()
+}
+
+/// Applies `topology/topics.yaml` under `prefix` with `partitions` run partitions and the
+/// bench queues instead of the declared ones.
+pub async fn apply_topology(
+    kafka: &KafkaConfig,
+    prefix: &str,
+    partitions: u32,
+    queues: &[String],
+) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(repo_file("topology/topics.yaml")?)?;
+    let mut yaml: serde_yaml::Value = serde_yaml::from_str(&text)?;
+    let Some(map) = yaml.as_mapping_mut() else {
+        bail!("topology/topics.yaml is not a mapping");
+    };
+    map.insert(
+        "queues".into(),
+        serde_yaml::Value::Sequence(queues.iter().map(|q| q.as_str().into()).collect()),
+    );
+    let topology =
+        Topology::from_yaml(&serde_yaml::to_string(&yaml)?)?.with_overrides(&Overrides {
+            prefix: Some(prefix.to_owned()),
+            run_partitions: Some(partitions),
+            ..Overrides::default()
+        })?;
+    let report = topology.apply(kafka).await?;
+    if !report.is_complete() {
+        bail!("topology apply left work: {report:?}");
+    }
+    let names: Vec<String> = topology
+        .topics()
+        .iter()
+        .map(|t| t.full_name.clone())
+        .collect();
+    wait_for_leaders(kafka, names).await
+}
+
+/// Waits until every partition of `names` has a leader (a fresh broker takes a moment).
+pub async fn wait_for_leaders(kafka: &KafkaConfig, names: Vec<String>) -> anyhow::Result<()> {
+    let consumer: BaseConsumer = kafka.client().create()?;
+    tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for name in &names {
+            loop {
+                let ready = consumer
+                    .fetch_metadata(Some(name), Duration::from_secs(5))
+                    .map(|m| {
+                        m.topics().iter().any(|t| {
+                            t.error().is_none()
+                                && !t.partitions().is_empty()
+                                && t.partitions()
+                                    .iter()
+                                    .all(|p| p.error().is_none() && p.leader() >= 0)
+                        })
+                    })
+                    .unwrap_or(false);
+                if ready {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!("topic {name} has no leaders after 60 s");
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    })
+    .await?
+}
+
+/// The bench graph: a chain of `steps` pure `echo` nodes spread over the queues, each
+/// carrying the run's payload in its args (so its result carries it back).
+pub fn graph(steps: usize, queues: &[String]) -> anyhow::Result<Graph> {
+    let mut yaml = format!(
+        "id: bench\nversion: 1\ndescription: sortie bench, {steps} echo steps\nmax_steps: {}\nnodes:\n",
+        steps + 1
+    );
+    for i in 0..steps {
+        yaml.push_str(&format!(
+            "  - id: s{i}\n    tool: echo\n    queue: {}\n    side_effect: pure\n    timeout: 60s\n    args:\n      payload: $input.payload\n      step: {i}\n",
+            queues[i % queues.len()]
+        ));
+    }
+    if steps > 1 {
+        yaml.push_str("edges:\n");
+        for i in 1..steps {
+            yaml.push_str(&format!("  - from: s{}\n    to: s{i}\n", i - 1));
+        }
+    }
+    Graph::parse(&yaml).map_err(|e| anyhow::anyhow!("the bench graph is invalid: {e:?}"))
+}
+
+/// Publishes the bench graph under `topics`.
+pub async fn publish_graph(
+    kafka: &KafkaConfig,
+    codec: &Codec,
+    topics: &Topics,
+    graph: &Graph,
+) -> anyhow::Result<()> {
+    // A freshly started broker can answer NotLeaderForPartition for a moment after its
+    // metadata already names a leader.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let published = sortie_reducer::graphs::publish(
+            kafka,
+            codec,
+            topics,
+            graph,
+            "sortie-bench",
+            crate::now_ms(),
+        )
+        .await;
+        match published {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() > deadline => return Err(e.into()),
+            Err(e) => {
+                tracing::debug!(error = %e, "Publishing the bench graph failed; retrying.");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    }
+}
+
+pub fn codec(registry_url: &str) -> Arc<Codec> {
+    Arc::new(Codec::new(&CodecConfig {
+        registry_url: registry_url.to_owned(),
+        auto_register: true,
+    }))
+}
+
+/// Deletes every topic whose name starts with `prefix`.
+pub async fn delete_topics(kafka: &KafkaConfig, prefix: &str) -> anyhow::Result<usize> {
+    let consumer: BaseConsumer = kafka.client().create()?;
+    let metadata =
+        tokio::task::spawn_blocking(move || consumer.fetch_metadata(None, Duration::from_secs(10)))
+            .await??;
+    let names: Vec<String> = metadata
+        .topics()
+        .iter()
+        .map(|t| t.name().to_owned())
+        .filter(|name| name.starts_with(prefix))
+        .collect();
+    if names.is_empty() {
+        return Ok(0);
+    }
+    let admin: AdminClient<DefaultClientContext> = kafka.client().create()?;
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    admin.delete_topics(&refs, &options).await?;
+    Ok(names.len())
+}
+
+/// A `sortie` service process with its output in a log file.
+#[derive(Debug)]
+pub struct Service {
+    pub name: String,
+    child: Child,
+    pub log: PathBuf,
+    pub spawned: Instant,
+}
+
+impl Service {
+    pub fn spawn(
+        exe: &Path,
+        dir: &Path,
+        name: &str,
+        args: &[String],
+        rust_log: &str,
+    ) -> anyhow::Result<Service> {
+        let log = dir.join(format!("{name}.log"));
+        let file =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let spawned = Instant::now();
+        let child = Command::new(exe)
+            .args(args)
+            .env("RUST_LOG", rust_log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(file.try_clone()?))
+            .stderr(Stdio::from(file))
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Service {
+            name: name.to_owned(),
+            child,
+            log,
+            spawned,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Fails with the log's tail if the process has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!(
+                "{} exited ({status}); last lines of {}:\n{}",
+                self.name,
+                self.log.display(),
+                tail.join("\n")
+            );
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then wait (SIGKILL after 30 s).
+    pub fn stop(&mut self) {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(_)) | Err(_) => return,
+                Ok(None) if Instant::now() > deadline => {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    return;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    /// The log's lines (the whole file).
+    pub fn log_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The value of `key=value` in a tracing log line (fmt format), if present.
+pub fn field<'l>(line: &'l str, key: &str) -> Option<&'l str> {
+    let needle = format!(" {key}=");
+    let at = line.find(&needle)? + needle.len();
+    line[at..].split_whitespace().next()
+}
+
+/// What the reducer's restore lines say: (partitions restored, records read, milliseconds
+/// summed over partitions).
+pub fn restores(lines: &[String]) -> (usize, u64, u64) {
+    let mut partitions = 0;
+    let mut records = 0;
+    let mut millis = 0;
+    for line in lines
+        .iter()
+        .filter(|l| l.contains("Partition restored from the changelog."))
+    {
+        partitions += 1;
+        records += field(line, "records")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        millis += field(line, "millis")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    (partitions, records, millis)
+}
+
+/// One "Batch committed." line of the reducer: (inputs, outputs, commit_ms).
+pub fn commits(lines: &[String]) -> Vec<(u64, u64, u64)> {
+    lines
+        .iter()
+        .filter(|l| l.contains("Batch committed."))
+        .filter_map(|line| {
+            let get = |key| field(line, key).and_then(|v| v.parse::<u64>().ok());
+            Some((get("inputs")?, get("outputs")?, get("commit_ms")?))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_are_read_from_fmt_lines() {
+        let line = "2026-01-01T00:00:00.000001Z DEBUG sortie_reducer::driver: Batch committed. inputs=12 outputs=40 runs=10 ignored=0 dead_letters=0 commit_ms=3";
+        assert_eq!(field(line, "inputs"), Some("12"));
+        assert_eq!(field(line, "commit_ms"), Some("3"));
+        assert_eq!(commits(&[line.to_owned()]), vec![(12, 40, 3)]);
+        let restore = "2026-01-01T00:00:00Z  INFO sortie_reducer::driver: Partition restored from the changelog. partition=3 records=120 warm=false millis=40";
+        assert_eq!(restores(&[restore.to_owned()]), (1, 120, 40));
+    }
+
+    #[test]
+    fn the_bench_graph_parses() {
+        let graph = graph(5, &queues(2)).expect("graph");
+        assert_eq!(graph.nodes.len(), 5);
+        assert_eq!(graph.nodes[3].queue, "bench1");
+        assert_eq!(graph.edges.len(), 4);
+    }
+}
