@@ -298,7 +298,8 @@ async fn two_reducers_share_partitions_and_runs_survive_one_leaving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_records_are_dead_lettered_and_misrouted_commands_forwarded_once() {
     let stack = Stack::start("reducer-bad", &[THREE_STEPS]).await;
-    let _reducer = stack.reducer("0");
+    // A small payload cap, so an oversized record is one the broker still accepts.
+    let _reducer = stack.reducer_with("0", &["--max-payload-bytes", "65536"]);
     let _executor = stack.executor("default", succeed);
     let commands = stack.topics.commands();
     let good = "run-good".to_owned();
@@ -328,6 +329,11 @@ async fn bad_records_are_dead_lettered_and_misrouted_commands_forwarded_once() {
     stack
         .send_raw(&commands, Some(target), good.as_bytes(), &bytes)
         .await;
+    // An oversized command on the same partition: dead-lettered before it is decoded.
+    let huge = format!(r#"{{"blob": "{}"}}"#, "x".repeat(100_000));
+    stack
+        .send_to(&start_run(&good, "three", &huge), target)
+        .await;
     stack.send(&start_run(&good, "three", "{}")).await;
     // A command produced to the wrong partition (another client's partitioner).
     let misrouted = "run-misrouted".to_owned();
@@ -342,8 +348,11 @@ async fn bad_records_are_dead_lettered_and_misrouted_commands_forwarded_once() {
         .await;
     let letters = stack.dead_letters().await;
     let codes: BTreeSet<&str> = letters.iter().map(|l| l.reason_code.as_str()).collect();
-    assert_eq!(letters.len(), 2, "{letters:?}");
-    assert_eq!(codes, BTreeSet::from(["undecodable", "wrong_schema"]));
+    assert_eq!(letters.len(), 3, "{letters:?}");
+    assert_eq!(
+        codes,
+        BTreeSet::from(["oversized", "undecodable", "wrong_schema"])
+    );
     assert!(letters
         .iter()
         .all(|l| l.original_partition == target && l.original_value.is_some()));
