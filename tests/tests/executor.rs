@@ -224,9 +224,14 @@ async fn reconcilable_killed_after_the_receiver_committed_is_looked_up_not_calle
         (1, 1),
         "one effect and no second call: {ledger:#?}"
     );
-    assert_eq!(
-        pay.attempt, 2,
-        "the lost attempt was re-dispatched and answered by a lookup"
+    // The lost attempt is re-dispatched (attempt 2). If the restarted executor takes
+    // longer than the 2 s step timeout to join, attempt 2 times out too and attempt 3
+    // follows: how many depends on the machine, not the contract. What the contract
+    // says is above and below: one call, one effect, the real outcome looked up.
+    assert!(
+        pay.attempt >= 2,
+        "the lost attempt was re-dispatched and answered by a lookup (attempt {})",
+        pay.attempt
     );
     assert_eq!(pay.output.as_ref(), Some(&ledger.calls[0].answer));
     let events = crash.stack.events().await;
