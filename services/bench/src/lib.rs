@@ -48,6 +48,9 @@ pub struct Options {
     pub keep_broker: bool,
     /// Leave the bench's topics on the broker.
     pub keep_topics: bool,
+    /// Extra librdkafka settings (`key=value` lines) for every client: the services get
+    /// the file, the ceiling loop and the driver the same properties.
+    pub kafka_properties: Option<PathBuf>,
     pub runs: usize,
     pub steps: usize,
     /// Runs in flight at once (a closed loop).
@@ -83,6 +86,7 @@ impl Options {
             kafka_port: 19392,
             keep_broker: false,
             keep_topics: false,
+            kafka_properties: None,
             runs: 10_000,
             steps: 5,
             concurrency: 2000,
@@ -140,14 +144,18 @@ pub(crate) struct Bench {
 
 impl Bench {
     fn common_args(&self, prefix: &str) -> Vec<String> {
-        vec![
+        let mut args = vec![
             "--bootstrap-servers".into(),
             self.kafka.bootstrap_servers.clone(),
             "--registry-url".into(),
             self.registry_url.clone(),
             "--prefix".into(),
             prefix.to_owned(),
-        ]
+        ];
+        if let Some(path) = &self.options.kafka_properties {
+            args.extend(["--kafka-properties".into(), path.display().to_string()]);
+        }
+        args
     }
 
     /// A `sortie reducer` process (debug logs of the reducer: commits and restores).
@@ -257,7 +265,13 @@ pub async fn run(options: Options) -> anyhow::Result<Value> {
             (bootstrap, json)
         }
     };
-    let kafka = KafkaConfig::new(bootstrap);
+    let mut kafka = KafkaConfig::new(bootstrap);
+    let mut options = options;
+    if let Some(path) = &options.kafka_properties {
+        let path = std::fs::canonicalize(path)?;
+        kafka.properties = stack::properties(&std::fs::read_to_string(&path)?)?;
+        options.kafka_properties = Some(path);
+    }
     let prefix = options
         .prefix
         .clone()
@@ -415,6 +429,8 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
     for executor in &mut executors {
         executor.stop();
     }
+    // The logs stay; the cache is only disk.
+    let _ = std::fs::remove_dir_all(&data);
 
     let mut scale = Vec::new();
     for runs in &options.rss_scale {
@@ -490,6 +506,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
     Ok(json!({
         "sortie_bench": 1,
         "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "kafka_properties": bench.kafka.properties,
         "prefix": bench.prefix,
         "config": {
             "runs": options.runs,

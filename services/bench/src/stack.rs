@@ -108,6 +108,22 @@ impl ServedRegistry {
     }
 }
 
+/// librdkafka properties from a Java-style file: `key=value` lines, `#` or `!` comments.
+pub fn properties(text: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+    let mut properties = std::collections::BTreeMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with('!') {
+            continue;
+        }
+        let Some((key, value)) = line.split_once('=') else {
+            bail!("Kafka properties, line {}: expected key=value", n + 1);
+        };
+        properties.insert(key.trim().to_owned(), value.trim().to_owned());
+    }
+    Ok(properties)
+}
+
 /// The bench queues: `bench0`, `bench1`, ...
 pub fn queues(count: usize) -> Vec<String> {
     (0..count.max(1)).map(|i| format!("bench{i}")).collect()
@@ -286,7 +302,10 @@ impl Service {
         let spawned = Instant::now();
         let child = Command::new(exe)
             .args(args)
+            // The bench reads the services' logs: pin their filter and line format.
             .env("RUST_LOG", rust_log)
+            .env("SORTIE__LOG__LEVEL", rust_log)
+            .env("SORTIE__LOG__FORMAT", "text")
             .stdin(Stdio::null())
             .stdout(Stdio::from(file.try_clone()?))
             .stderr(Stdio::from(file))

@@ -28,6 +28,10 @@ pub struct Args {
     /// Leave the bench's topics on the broker.
     #[arg(long)]
     keep_topics: bool,
+    /// Extra librdkafka settings (`key=value` lines) for every client: passed to the
+    /// services, applied to the ceiling loop and the driver too.
+    #[arg(long, env = "SORTIE__KAFKA__PROPERTIES_FILE")]
+    kafka_properties: Option<PathBuf>,
     /// Runs to drive [full: 10000, quick: 20].
     #[arg(long)]
     runs: Option<usize>,
@@ -90,6 +94,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         kafka_port: args.kafka_port,
         keep_broker: args.keep_broker,
         keep_topics: args.keep_topics,
+        kafka_properties: args.kafka_properties,
         runs: args.runs.unwrap_or(base.runs),
         steps: args.steps.unwrap_or(base.steps).max(1),
         concurrency: args.concurrency.unwrap_or(base.concurrency).max(1),
