@@ -6,11 +6,12 @@
 //! This crate knows topics and clients, never run semantics: it must not decode Sortie
 //! records or decide anything about runs.
 
+pub mod clock;
 mod config;
 pub mod local;
 pub mod metrics;
 pub mod topology;
 mod watermarks;
 
-pub use config::KafkaConfig;
+pub use config::{KafkaConfig, MAX_RECORD_BYTES};
 pub use watermarks::{fetch_watermarks, is_transient};

@@ -564,6 +564,12 @@ pub fn intent_to_wire(intent: &Intent) -> w::StepIntent {
 
 /// The changelog record: structured header fields for dashboards, the full fold state as JSON.
 pub fn state_to_wire(state: &RunState) -> w::RunState {
+    state_to_wire_json(state, serde_json::to_string(state).unwrap_or_default())
+}
+
+/// [`state_to_wire`] with the state's JSON already made (the reducer serialises each state
+/// once per commit and stores the same bytes in its cache).
+pub fn state_to_wire_json(state: &RunState, json: String) -> w::RunState {
     w::RunState {
         tenant: state.tenant.clone(),
         run_id: state.run_id.clone(),
@@ -575,7 +581,7 @@ pub fn state_to_wire(state: &RunState) -> w::RunState {
         created_at: state.created_at,
         updated_at: state.updated_at,
         labels: state.labels.clone(),
-        state: serde_json::to_string(state).unwrap_or_default(),
+        state: json,
     }
 }
 

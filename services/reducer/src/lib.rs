@@ -8,11 +8,17 @@
 //! clock it reads is for due timers, whose firing is itself an input recorded in history.
 
 pub mod audit;
+mod batch;
+mod cache;
 pub mod convert;
 pub mod driver;
+mod engine;
 pub mod fault;
 pub mod graphs;
 pub mod health;
+mod input;
 pub mod metrics;
 pub mod restore;
 pub mod store;
+mod tasks;
+mod txn;

@@ -35,6 +35,8 @@ pub const RESTORE_SECONDS: &str = "sortie_reducer_restore_seconds";
 /// Changelog records read by restores.
 pub const RECORDS_RESTORED: &str = "sortie_reducer_restored_records_total";
 /// Run partitions this instance owns.
+/// Partitions whose restore stopped at a changelog record that does not decode.
+pub const PARTITIONS_STOPPED: &str = "sortie_reducer_partitions_stopped_total";
 pub const OWNED_PARTITIONS: &str = "sortie_reducer_owned_partitions";
 /// Records sent to the dead-letter topic, by `reason`.
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
@@ -156,7 +158,17 @@ pub fn describe() {
         "Operations with an unknown outcome waiting for an operator's ReconcileOperation."
     );
     // Label-less series exist from the start, so a dashboard shows 0, not "no data".
-    for name in [BATCHES, TRANSACTIONS_FAILED, RECORDS_RESTORED, FORWARDED] {
+    describe_counter!(
+        PARTITIONS_STOPPED,
+        "Partitions stopped because a changelog record of theirs does not decode (not consumed until fixed)."
+    );
+    for name in [
+        BATCHES,
+        TRANSACTIONS_FAILED,
+        RECORDS_RESTORED,
+        FORWARDED,
+        PARTITIONS_STOPPED,
+    ] {
         counter!(name).increment(0);
     }
     for name in [
@@ -282,6 +294,11 @@ impl BatchCounts {
 pub(crate) fn restored(records: usize, warm: bool, took: Duration) {
     counter!(RECORDS_RESTORED).increment(records as u64);
     metrics::histogram!(RESTORE_SECONDS, "warm" => warm.to_string()).record(took.as_secs_f64());
+}
+
+/// A partition whose changelog does not decode was stopped.
+pub(crate) fn partition_stopped() {
+    counter!(PARTITIONS_STOPPED).increment(1);
 }
 
 pub(crate) fn transaction_failed() {

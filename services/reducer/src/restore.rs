@@ -1,7 +1,19 @@
-//! Restoring a partition's run states from the compacted `sortie.run-state` changelog into
-//! sled: from the cache's marker (warm: reads almost nothing) or from the beginning (cold:
-//! a new pod, or a cache that could not be trusted).
+//! Restoring newly assigned partitions' run states from the compacted `sortie.run-state`
+//! changelog into sled: from the cache's marker (warm: reads almost nothing) or from the
+//! beginning (cold: a new pod, or a cache that could not be trusted).
+//!
+//! One consumer reads every partition of an assignment at once, to the end of each (its
+//! high watermark at the start, read `read_committed`, so an open transaction of the
+//! previous owner is waited out, not skipped). The caller has already fetched the input
+//! offsets with stable semantics (KIP-447), so that owner's last transaction has settled
+//! and its changelog records are below the watermark read here.
+//!
+//! A changelog record is our own output: if one cannot be decoded (after waiting out a
+//! registry outage), its partition stops there — logged with topic, partition and offset,
+//! counted, and reported so the partition is not consumed and the reducer is not ready —
+//! rather than being skipped while the marker moves past it.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -14,121 +26,202 @@ use tokio::runtime::Handle;
 
 use crate::convert;
 use crate::driver::Error;
+use crate::input::decode_patiently;
 use crate::store::{Batch, Store};
 
-const CHUNK: usize = 2_000;
+/// Records written to sled per atomic batch during a restore.
+const CHUNK: usize = 4_000;
 
-/// Restores `partition`, returning how many changelog records were read.
-pub fn partition(
+/// How long one assignment's restore may take before it is given up (and retried with
+/// rebuilt clients).
+const DEADLINE: Duration = Duration::from_secs(600);
+
+/// The outcome of restoring an assignment.
+#[derive(Debug, Default)]
+pub struct Restored {
+    /// Changelog records read, per partition.
+    pub records: BTreeMap<i32, usize>,
+    /// Partitions that stopped at a record they could not decode, and why.
+    pub stopped: BTreeMap<i32, String>,
+}
+
+struct Progress {
+    next: i64,
+    high: i64,
+    warm: bool,
+    pending: usize,
+    batch: Batch,
+}
+
+/// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
+pub fn partitions(
     kafka: &KafkaConfig,
     topics: &Topics,
     codec: &Codec,
     runtime: &Handle,
     store: &Store,
-    partition: i32,
-    from: Option<u64>,
-) -> Result<usize, Error> {
+    plan: &BTreeMap<i32, Option<u64>>,
+) -> Result<Restored, Error> {
+    let mut restored = Restored::default();
+    if plan.is_empty() {
+        return Ok(restored);
+    }
     let topic = topics.run_state();
     let mut config = kafka.client();
     config
         .set("group.id", format!("{}restore", topics.prefix()))
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
-        .set("allow.auto.create.topics", "false");
+        .set("allow.auto.create.topics", "false")
+        .set("fetch.max.bytes", "67108864")
+        .set("max.partition.fetch.bytes", "16777216");
     let consumer: BaseConsumer = config.create()?;
-    let (_, high) = sortie_kafka::fetch_watermarks(
-        &consumer,
-        &topic,
-        partition,
-        Instant::now() + Duration::from_secs(30),
-    )?;
-    if from.is_none() {
-        store.forget_partition(partition)?;
-    }
-    let start = from.map_or(Offset::Beginning, |o| Offset::Offset(o as i64));
+    let deadline = Instant::now() + DEADLINE;
+    let mut progress: BTreeMap<i32, Progress> = BTreeMap::new();
     let mut assignment = TopicPartitionList::new();
-    assignment.add_partition_offset(&topic, partition, start)?;
+    for (&partition, &from) in plan {
+        let (_, high) = sortie_kafka::fetch_watermarks(
+            &consumer,
+            &topic,
+            partition,
+            Instant::now() + Duration::from_secs(30),
+        )?;
+        if from.is_none() {
+            store.forget_partition(partition)?;
+        }
+        let next = from.map_or(0, |o| o as i64);
+        restored.records.insert(partition, 0);
+        if next >= high {
+            continue; // warm and nothing new
+        }
+        let start = from.map_or(Offset::Beginning, |o| Offset::Offset(o as i64));
+        assignment.add_partition_offset(&topic, partition, start)?;
+        progress.insert(
+            partition,
+            Progress {
+                next,
+                high,
+                warm: from.is_some(),
+                pending: 0,
+                batch: Batch::default(),
+            },
+        );
+    }
+    if progress.is_empty() {
+        return Ok(restored);
+    }
     consumer.assign(&assignment)?;
 
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let mut read = 0usize;
-    let mut next_offset = from.unwrap_or(0) as i64;
-    let mut batch = Batch::default();
-    let mut pending = 0usize;
-    loop {
-        if next_offset >= high {
-            break;
-        }
+    while progress.values().any(|p| p.next < p.high) {
         if Instant::now() > deadline {
             return Err(Error::Setup(format!(
-                "restoring {topic}[{partition}] did not reach offset {high} in time"
+                "restoring {topic} did not reach the end of partitions {:?} in time",
+                progress
+                    .iter()
+                    .filter(|(_, p)| p.next < p.high)
+                    .map(|(k, _)| *k)
+                    .collect::<Vec<_>>()
             )));
         }
         match consumer.poll(Duration::from_millis(200)) {
             Some(Ok(message)) => {
-                next_offset = message.offset() + 1;
-                read += 1;
+                let partition = message.partition();
+                let Some(p) = progress.get_mut(&partition) else {
+                    continue;
+                };
+                if p.next >= p.high || message.offset() < p.next {
+                    continue; // done (or stopped) already
+                }
+                p.next = message.offset() + 1;
+                *restored.records.entry(partition).or_default() += 1;
                 let Some(key) = message
                     .key()
                     .map(|k| String::from_utf8_lossy(k).into_owned())
                 else {
                     continue;
                 };
-                let old = store
-                    .get_run(&key)?
-                    .and_then(|b| serde_json::from_slice::<RunState>(&b).ok());
-                if let Some(old) = &old {
-                    for (timer, due) in &old.timers {
-                        batch.disarm_timer(partition, &key, timer, *due);
+                if p.warm {
+                    // The cache holds an older state of this run: its timers go.
+                    if let Some(old) = store.get_run(&key)? {
+                        let old: RunState = serde_json::from_slice(&old).map_err(|e| {
+                            crate::store::Error::Corrupt(format!("cached state of run {key}: {e}"))
+                        })?;
+                        for (timer, due) in &old.timers {
+                            p.batch.disarm_timer(partition, &key, timer, *due);
+                        }
                     }
                 }
                 match message.payload() {
                     None => {
-                        batch.remove_run(&key);
+                        p.batch.remove_run(&key);
                     }
-                    Some(_) => {
-                        let decoded =
-                            runtime.block_on(codec.decode::<w::RunState>(message.payload()));
-                        let state = decoded
+                    Some(payload) => {
+                        let state = decode_patiently::<w::RunState>(runtime, codec, Some(payload))
                             .map_err(|e| e.to_string())
-                            .and_then(|r| convert::state_from_wire(&r).map_err(|e| e.0));
+                            .and_then(|r| {
+                                let state = convert::state_from_wire(&r).map_err(|e| e.0)?;
+                                Ok((r.state, state))
+                            });
                         match state {
-                            Ok(state) => {
+                            Ok((json, state)) => {
                                 for (timer, due) in &state.timers {
-                                    batch.arm_timer(partition, &key, timer, *due);
+                                    p.batch.arm_timer(partition, &key, timer, *due);
                                 }
-                                if let Ok(bytes) = serde_json::to_vec(&state) {
-                                    batch.put_run(&key, bytes);
-                                }
+                                // The changelog's JSON is exactly what sled stores.
+                                p.batch.put_run(&key, json.into_bytes());
                             }
                             Err(e) => {
-                                tracing::error!(run_id = key, offset = message.offset(), error = %e, "A changelog record does not decode; the run is left out of the cache.")
+                                let reason = format!(
+                                    "{topic}[{partition}] offset {}: the record of run {key} does not decode: {e}",
+                                    message.offset()
+                                );
+                                tracing::error!(
+                                    topic,
+                                    partition,
+                                    offset = message.offset(),
+                                    run_id = key,
+                                    error = %e,
+                                    "A changelog record does not decode: the partition stops here and is not consumed until this is fixed."
+                                );
+                                // Keep what came before it; the marker stops at the record.
+                                let mut batch = std::mem::take(&mut p.batch);
+                                batch.set_changelog_offset(partition, message.offset() as u64);
+                                store.apply(batch)?;
+                                restored.stopped.insert(partition, reason);
+                                progress.remove(&partition);
+                                continue;
                             }
                         }
                     }
                 }
-                pending += 1;
-                if pending >= CHUNK {
-                    batch.set_changelog_offset(partition, next_offset as u64);
-                    store.apply(std::mem::take(&mut batch))?;
-                    pending = 0;
+                p.pending += 1;
+                if p.pending >= CHUNK {
+                    let mut batch = std::mem::take(&mut p.batch);
+                    batch.set_changelog_offset(partition, p.next as u64);
+                    store.apply(batch)?;
+                    p.pending = 0;
                 }
             }
             Some(Err(e)) => tracing::warn!(error = %e, "Changelog read error."),
             None => {
-                // Control records (transaction markers) advance the position without a message.
+                // Control records (transaction markers) advance the position without a
+                // message, so the position, not the last message, says how far we are.
                 if let Ok(position) = consumer.position() {
-                    if let Some(Offset::Offset(o)) = position
-                        .find_partition(&topic, partition)
-                        .map(|e| e.offset())
-                    {
-                        next_offset = next_offset.max(o);
+                    for element in position.elements() {
+                        if let (Some(p), Offset::Offset(o)) =
+                            (progress.get_mut(&element.partition()), element.offset())
+                        {
+                            p.next = p.next.max(o);
+                        }
                     }
                 }
             }
         }
     }
-    batch.set_changelog_offset(partition, next_offset.max(0) as u64);
-    store.apply(batch)?;
-    Ok(read)
+    for (partition, p) in progress {
+        let mut batch = p.batch;
+        batch.set_changelog_offset(partition, p.next.max(0) as u64);
+        store.apply(batch)?;
+    }
+    Ok(restored)
 }

@@ -1,0 +1,77 @@
+//! What one batch has decided while it waits for its transaction: the records to produce,
+//! the consumed offsets, and the runs as they were and as they are now.
+//!
+//! A batch lives in memory only. Nothing of it is visible anywhere until its transaction
+//! commits, so dropping it (an abort, a revocation whose commit failed) is always safe:
+//! its inputs are read again from the committed offsets and give the same effects.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use sortie_core::RunState;
+
+use crate::metrics::BatchCounts;
+use crate::store::DueTimer;
+
+/// One record to produce in the batch's transaction.
+#[derive(Debug)]
+pub(crate) struct Output {
+    pub topic: String,
+    /// `None`: the producer's partitioner decides (intents, dead letters).
+    pub partition: Option<i32>,
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// The consumed range of one input partition in this batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Consumed {
+    /// The first offset this batch read: where to seek back to if it aborts.
+    pub first: i64,
+    /// Last processed + 1: the offset committed with the transaction.
+    pub next: i64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct PendingBatch {
+    /// When the first input (or timer) entered the batch.
+    pub opened: Option<Instant>,
+    pub inputs: usize,
+    pub outputs: Vec<Output>,
+    /// (topic, partition) → what this batch consumed of it.
+    pub offsets: BTreeMap<(String, i32), Consumed>,
+    /// Runs as they were before this batch (None: new), and as they are now.
+    pub before: HashMap<String, Option<RunState>>,
+    pub after: HashMap<String, RunState>,
+    /// Timers fired this batch (removed from the index whatever the fold decided).
+    pub fired: Vec<DueTimer>,
+    pub ignored: usize,
+    pub dead_letters: usize,
+    /// Metrics of this batch, published only if it commits.
+    pub counts: BatchCounts,
+}
+
+impl PendingBatch {
+    pub fn is_empty(&self) -> bool {
+        self.inputs == 0 && self.fired.is_empty()
+    }
+
+    /// Marks the batch as open (the first input or timer); idempotent.
+    pub fn touch(&mut self) {
+        self.opened.get_or_insert_with(Instant::now);
+    }
+
+    /// Records that the input at `offset` of `topic[partition]` is part of this batch.
+    pub fn consumed(&mut self, topic: &str, partition: i32, offset: i64) {
+        self.touch();
+        self.inputs += 1;
+        self.offsets
+            .entry((topic.to_owned(), partition))
+            .and_modify(|c| c.next = offset + 1)
+            .or_insert(Consumed {
+                first: offset,
+                next: offset + 1,
+            });
+    }
+}

@@ -1,0 +1,79 @@
+//! The cache write after a commit: the batch's run states, their timers and the changelog
+//! offsets they reflect, in ONE atomic sled batch.
+//!
+//! It happens only after Kafka has the transaction, so sled is never ahead of Kafka; a
+//! crash before it leaves sled behind, and the next restore reads the changelog from the
+//! older marker (SPEC §13).
+
+use std::collections::BTreeMap;
+
+use crate::batch::PendingBatch;
+use crate::driver::Error;
+use crate::engine::Engine;
+use crate::store;
+use crate::txn::Committed;
+
+impl Engine {
+    /// Writes a committed batch to sled and publishes its metrics; the batch is consumed.
+    pub fn write_cache(&mut self, batch: PendingBatch, committed: Committed) -> Result<(), Error> {
+        let mut sled = store::Batch::default();
+        for (run_id, bytes) in committed.states {
+            let Some(state) = batch.after.get(&run_id) else {
+                continue;
+            };
+            let partition = self.partition_of(&run_id);
+            let before = batch.before.get(&run_id).cloned().flatten();
+            let old: BTreeMap<&String, &i64> = before
+                .as_ref()
+                .map(|b| b.timers.iter().collect())
+                .unwrap_or_default();
+            for (key, due) in &old {
+                if state.timers.get(*key) != Some(*due) {
+                    sled.disarm_timer(partition, &run_id, key, **due);
+                }
+            }
+            for (key, due) in &state.timers {
+                if old.get(key) != Some(&due) {
+                    sled.arm_timer(partition, &run_id, key, *due);
+                }
+            }
+            sled.put_run(&run_id, bytes);
+        }
+        for timer in &batch.fired {
+            let still = batch
+                .after
+                .get(&timer.run_id)
+                .map(|s| s.timers.get(&timer.timer_key) == Some(&timer.due_at));
+            if still != Some(true) {
+                sled.disarm_timer(
+                    timer.partition,
+                    &timer.run_id,
+                    &timer.timer_key,
+                    timer.due_at,
+                );
+            }
+        }
+        for (partition, next) in &committed.changelog {
+            sled.set_changelog_offset(*partition, *next);
+        }
+        self.store.apply(sled)?;
+        for (run_id, state) in &batch.after {
+            let partition = self.partition_of(run_id);
+            let before = batch.before.get(run_id).and_then(Option::as_ref);
+            self.gauges.update(partition, run_id, before, state);
+        }
+        tracing::debug!(
+            inputs = batch.inputs,
+            records = committed.records,
+            runs = batch.after.len(),
+            ignored = batch.ignored,
+            dead_letters = batch.dead_letters,
+            commit_ms = committed.took.as_millis() as u64,
+            "Batch committed."
+        );
+        batch
+            .counts
+            .committed(batch.inputs + batch.fired.len(), committed.took);
+        Ok(())
+    }
+}

@@ -1,0 +1,193 @@
+//! The reducer's state between two polls: the producer, the cache, the graph table, the
+//! partition tasks and the open batch. The poll loop (`driver`) and the rebalance callback
+//! (`tasks`) both work on it, one at a time, on the polling thread: the callback runs
+//! inside `poll`, while the loop does not hold the engine.
+//!
+//! This module applies inputs to the open batch with the pure fold; `input` decides what
+//! an input record is, `txn` commits a batch, `cache` writes sled after the commit.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::producer::FutureProducer;
+use sortie_core::{apply, Effect, Input, RunState};
+use sortie_wire::{partition_for, Codec, Record, TraceContext};
+use tokio::runtime::Handle;
+
+use crate::batch::{Output, PendingBatch};
+use crate::convert;
+use crate::driver::{Error, ReducerConfig};
+use crate::graphs::GraphTable;
+use crate::health::Health;
+use crate::metrics::RunGauges;
+use crate::store::Store;
+use crate::tasks::Tasks;
+
+pub(crate) struct Engine {
+    pub config: ReducerConfig,
+    pub runtime: Handle,
+    pub codec: Arc<Codec>,
+    pub store: Arc<Store>,
+    pub graphs: GraphTable,
+    pub producer: FutureProducer,
+    /// Partition count of the co-partitioned topics.
+    pub partitions: u32,
+    pub tasks: Tasks,
+    pub batch: PendingBatch,
+    pub gauges: RunGauges,
+    pub health: Health,
+    /// An error met inside a rebalance callback that must end this incarnation of the
+    /// clients (a fenced producer); the loop returns it after the poll.
+    pub fatal: Option<Error>,
+}
+
+impl Engine {
+    pub fn partition_of(&self, run_id: &str) -> i32 {
+        partition_for(run_id.as_bytes(), self.partitions)
+    }
+
+    /// Encodes with the registry, waiting out a registry outage (bounded).
+    pub fn encode<R: Record>(&self, topic: &str, record: &R) -> Result<Vec<u8>, Error> {
+        crate::input::encode_patiently(&self.runtime, &self.codec, topic, record)
+    }
+
+    /// Fires the timers of active partitions that are due at `now` into the batch.
+    pub fn fire_timers(&mut self, now: i64) -> Result<(), Error> {
+        let active = self.tasks.active();
+        if active.is_empty() {
+            return Ok(());
+        }
+        let due = self.store.due_timers(now, &active, self.config.max_batch)?;
+        for timer in due {
+            if self.batch.fired.iter().any(|f| f == &timer) {
+                continue;
+            }
+            self.batch.touch();
+            if let Some(key) = sortie_core::TimerKey::decode(&timer.timer_key) {
+                let input = Input::TimerFired {
+                    run_id: timer.run_id.clone(),
+                    timer: key,
+                    at: now,
+                };
+                let trace = TraceContext::for_run(&timer.run_id);
+                self.apply(&input, &trace)?;
+            }
+            self.batch.fired.push(timer);
+        }
+        Ok(())
+    }
+
+    /// The run as this batch sees it: its own latest write, else the cache.
+    fn state_of(&mut self, run_id: &str) -> Result<Option<RunState>, Error> {
+        if let Some(state) = self.batch.after.get(run_id) {
+            return Ok(Some(state.clone()));
+        }
+        if let Some(before) = self.batch.before.get(run_id) {
+            return Ok(before.clone());
+        }
+        let stored = match self.store.get_run(run_id)? {
+            Some(bytes) => Some(serde_json::from_slice::<RunState>(&bytes).map_err(|e| {
+                // Never treat an unreadable cache entry as "no such run": that would start
+                // the run's history over. Stop loudly instead; a restart rebuilds the cache.
+                crate::store::Error::Corrupt(format!("cached state of run {run_id}: {e}"))
+            })?),
+            None => None,
+        };
+        self.batch.before.insert(run_id.to_owned(), stored.clone());
+        Ok(stored)
+    }
+
+    /// Applies one input with the fold and adds its effects to the batch. All of its
+    /// records are encoded before any is added, so an input is in the batch whole or not
+    /// at all.
+    pub fn apply(&mut self, input: &Input, trace: &TraceContext) -> Result<(), Error> {
+        let run_id = input.run_id().to_owned();
+        let span = tracing::info_span!(
+            "apply",
+            run_id = %run_id,
+            operation_id = tracing::field::Empty,
+            trace_id = %trace.trace_id,
+        );
+        match input {
+            Input::StepReport(r) => {
+                span.record("operation_id", r.operation_id.as_str());
+            }
+            Input::Command(sortie_core::Command {
+                body: sortie_core::CommandBody::ReconcileOperation { operation_id, .. },
+                ..
+            }) => {
+                span.record("operation_id", operation_id.as_str());
+            }
+            _ => {}
+        }
+        let _entered = span.enter();
+        let state = self.state_of(&run_id)?;
+        if let Input::Command(c) = input {
+            if let sortie_core::CommandBody::StartRun {
+                graph_id,
+                graph_version,
+                ..
+            } = &c.body
+            {
+                if state.is_none() && self.graphs.graphs().get(graph_id, *graph_version).is_none() {
+                    // A graph published a moment ago may not have reached the table yet.
+                    self.graphs.catch_up(Duration::from_secs(5))?;
+                }
+            }
+        }
+        let applied = apply(state.as_ref(), input, self.graphs.graphs());
+        let partition = self.partition_of(&run_id);
+        let mut outputs = Vec::new();
+        let mut write = None;
+        for effect in &applied.effects {
+            match effect {
+                Effect::Emit(event) => {
+                    let topic = self.config.topics.run_events();
+                    let value = self.encode(&topic, &convert::event_to_wire(event))?;
+                    outputs.push(Output {
+                        topic,
+                        partition: Some(partition),
+                        key: run_id.clone().into_bytes(),
+                        value,
+                        headers: vec![trace.child(&event.seq.to_string()).header()],
+                    });
+                }
+                Effect::Dispatch(intent) => {
+                    let topic = self.config.topics.intents(&intent.queue);
+                    let value = self.encode(&topic, &convert::intent_to_wire(intent))?;
+                    outputs.push(Output {
+                        topic,
+                        partition: None,
+                        key: intent.operation_id.clone().into_bytes(),
+                        value,
+                        headers: vec![trace
+                            .child(&format!("{}/{}", intent.operation_id, intent.attempt))
+                            .header()],
+                    });
+                }
+                Effect::WriteState(state) => write = Some(state),
+                Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {} // derived from states at commit
+            }
+        }
+        let events: Vec<&sortie_core::Event> = applied
+            .effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Emit(event) => Some(event),
+                _ => None,
+            })
+            .collect();
+        self.batch
+            .counts
+            .applied(input, applied.ignored, &events, applied.state.as_ref());
+        if applied.ignored.is_some() {
+            self.batch.ignored += 1;
+            tracing::debug!(run_id, reason = applied.ignored, "Input changed nothing.");
+        }
+        self.batch.outputs.extend(outputs);
+        if let Some(state) = write {
+            self.batch.after.insert(run_id, (**state).clone());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,326 @@
+//! Ownership: which partitions this member owns and what state each partition's task is
+//! in, changed only by the rebalance callback — Kafka Streams' task model
+//! (`TaskManager`: revoke → commit, assign → restore then run).
+//!
+//! The callback runs inside `poll`, on the polling thread, while the loop does not hold
+//! the engine, so the two never interleave:
+//!
+//! - **Revoke** (eager protocol: everything, before the member rejoins). The open batch
+//!   is committed here, with the group metadata of the generation its inputs were read
+//!   in, before the partitions are given up; if the assignment was lost (the member was
+//!   kicked out) or the commit fails, the batch is dropped: nothing of it is visible and
+//!   the next owner reads its inputs again. So no batch ever carries inputs from two
+//!   generations, and no offsets of a partition owned by someone else are ever sent.
+//! - **Assign.** First the committed input offsets are fetched with stable semantics
+//!   (`isolation.level=read_committed` makes librdkafka send OffsetFetch with
+//!   `require_stable`, KIP-447): that waits out the previous owner's open transaction.
+//!   Then the changelog is restored to its end, then the partitions are assigned at
+//!   exactly those offsets. A partition whose changelog does not decode is assigned but
+//!   paused, its task stopped: the others go on, and readiness says why.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+
+use crate::driver::Error;
+use crate::engine::Engine;
+use crate::metrics as meter;
+use crate::txn::Failure;
+
+/// One partition's task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Task {
+    /// Restored; its inputs are consumed.
+    Active,
+    /// Restore stopped at a record it cannot decode: assigned, paused, not consumed.
+    Stopped(String),
+}
+
+/// The partitions this member owns (by their number in the co-partitioned topics).
+#[derive(Debug, Default)]
+pub(crate) struct Tasks {
+    tasks: BTreeMap<i32, Task>,
+    /// A member with its assignment in hand (false from a revocation to the next
+    /// assignment, and before the first).
+    joined: bool,
+}
+
+impl Tasks {
+    pub fn is_active(&self, partition: i32) -> bool {
+        self.tasks.get(&partition) == Some(&Task::Active)
+    }
+
+    pub fn active(&self) -> BTreeSet<i32> {
+        self.tasks
+            .iter()
+            .filter(|(_, t)| **t == Task::Active)
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
+    pub fn owned(&self) -> BTreeSet<i32> {
+        self.tasks.keys().copied().collect()
+    }
+
+    /// Ready: joined, and no owned partition stopped.
+    pub fn readiness(&self) -> Result<(), String> {
+        if !self.joined {
+            return Err("waiting for a partition assignment".to_owned());
+        }
+        let stopped: Vec<String> = self
+            .tasks
+            .iter()
+            .filter_map(|(p, t)| match t {
+                Task::Stopped(reason) => Some(format!("partition {p} stopped: {reason}")),
+                Task::Active => None,
+            })
+            .collect();
+        if stopped.is_empty() {
+            Ok(())
+        } else {
+            Err(stopped.join("; "))
+        }
+    }
+}
+
+/// The consumer's context: rebalance callbacks act on the engine.
+pub(crate) struct ReducerContext {
+    pub commands: String,
+    pub engine: Arc<OnceLock<Arc<Mutex<Engine>>>>,
+}
+
+impl ClientContext for ReducerContext {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        sortie_kafka::metrics::consumer_lag(&statistics);
+    }
+}
+
+impl ConsumerContext for ReducerContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let Some(engine) = self.engine.get() else {
+            // Not wired yet (cannot happen: the engine is set before subscribing).
+            let _ = consumer.unassign();
+            return;
+        };
+        let Ok(mut engine) = engine.lock() else {
+            tracing::error!("The engine lock is poisoned; giving the partitions up.");
+            let _ = consumer.unassign();
+            return;
+        };
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                let assignment = engine.on_assign(consumer, tpl, &self.commands);
+                if let Err(e) = consumer.assign(&assignment) {
+                    tracing::error!(error = %e, "Assigning the partitions failed.");
+                    engine.fatal.get_or_insert(Error::Kafka(e));
+                    return;
+                }
+                engine.pause_stopped(consumer, &assignment);
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                engine.on_revoke(consumer);
+                if let Err(e) = consumer.unassign() {
+                    tracing::warn!(error = %e, "Unassigning the partitions failed.");
+                }
+            }
+            other => {
+                tracing::warn!(error = ?other, "Rebalance failed; giving the partitions up.");
+                engine.on_revoke(consumer);
+                let _ = consumer.unassign();
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// Revocation: finish the open batch while the partitions are still ours.
+    pub fn on_revoke<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>) {
+        let owned = self.tasks.owned();
+        if !self.batch.is_empty() {
+            if consumer.assignment_lost() {
+                tracing::warn!(
+                    inputs = self.batch.inputs,
+                    "The assignment was lost (this member left the group): the open batch is dropped, the next owner re-reads it."
+                );
+                self.batch = Default::default();
+                meter::transaction_failed();
+            } else {
+                match self.commit_open(consumer) {
+                    Ok(()) => {
+                        tracing::info!("Committed the open batch before giving the partitions up.")
+                    }
+                    Err(Failure::Aborted(e)) => {
+                        tracing::warn!(error = %e, "The open batch did not commit on revocation; the next owner re-reads it.");
+                    }
+                    Err(Failure::Fatal(e)) => {
+                        tracing::warn!(error = %e, "The open batch did not commit on revocation; the producer is rebuilt.");
+                        self.fatal.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        self.tasks.tasks.clear();
+        self.tasks.joined = false;
+        self.health.set(self.tasks.readiness());
+        tracing::info!(partitions = ?owned, "Partitions revoked.");
+    }
+
+    /// Assignment: stable offsets, then restore, then the offsets to assign at.
+    pub fn on_assign<C: ConsumerContext>(
+        &mut self,
+        consumer: &BaseConsumer<C>,
+        tpl: &TopicPartitionList,
+        commands: &str,
+    ) -> TopicPartitionList {
+        let partitions: BTreeSet<i32> = tpl
+            .elements()
+            .iter()
+            .filter(|e| e.topic() == commands)
+            .map(|e| e.partition())
+            .collect();
+        tracing::info!(
+            ?partitions,
+            "Partitions assigned; settling offsets and restoring."
+        );
+        self.health
+            .set(Err(format!("restoring partitions {partitions:?}")));
+        let started = Instant::now();
+        let committed = match stable_offsets(consumer, tpl) {
+            Ok(committed) => committed,
+            Err(e) => {
+                // Without settled offsets a restore could fall behind the consumer; give
+                // this incarnation up and rejoin with fresh clients.
+                tracing::error!(error = %e, "Fetching the committed offsets failed.");
+                self.fatal.get_or_insert(Error::Kafka(e));
+                return tpl.clone();
+            }
+        };
+        let mut plan = BTreeMap::new();
+        for partition in &partitions {
+            match self.store.changelog_offset(*partition) {
+                Ok(from) => {
+                    plan.insert(*partition, from);
+                }
+                Err(e) => {
+                    self.fatal.get_or_insert(Error::Store(e));
+                    return tpl.clone();
+                }
+            }
+        }
+        let restored = match crate::restore::partitions(
+            &self.config.kafka,
+            &self.config.topics,
+            &self.codec,
+            &self.runtime,
+            &self.store,
+            &plan,
+        ) {
+            Ok(restored) => restored,
+            Err(e) => {
+                tracing::error!(error = %e, "Restoring the assigned partitions failed.");
+                self.fatal.get_or_insert(e);
+                return tpl.clone();
+            }
+        };
+        let took = started.elapsed();
+        let records: usize = restored.records.values().sum();
+        let warm = plan.values().all(Option::is_some);
+        meter::restored(records, warm, took);
+        for partition in &partitions {
+            let task = match restored.stopped.get(partition) {
+                Some(reason) => {
+                    meter::partition_stopped();
+                    Task::Stopped(reason.clone())
+                }
+                None => Task::Active,
+            };
+            self.tasks.tasks.insert(*partition, task);
+        }
+        self.tasks.joined = true;
+        let active = self.tasks.active();
+        let n = self.partitions;
+        let runs = self.store.runs().filter_map(Result::ok);
+        self.gauges.rebuild(&active, runs, |run| {
+            sortie_wire::partition_for(run.as_bytes(), n)
+        });
+        tracing::info!(
+            ?partitions,
+            records,
+            warm,
+            millis = took.as_millis() as u64,
+            stopped = ?restored.stopped.keys().collect::<Vec<_>>(),
+            "Partitions restored from the changelog; consuming from the committed offsets."
+        );
+        self.health.set(self.tasks.readiness());
+        committed
+    }
+
+    /// Pauses the stopped partitions of both input topics.
+    pub fn pause_stopped<C: ConsumerContext>(
+        &self,
+        consumer: &BaseConsumer<C>,
+        assignment: &TopicPartitionList,
+    ) {
+        let mut paused = TopicPartitionList::new();
+        for element in assignment.elements() {
+            if matches!(
+                self.tasks.tasks.get(&element.partition()),
+                Some(Task::Stopped(_))
+            ) {
+                paused.add_partition(element.topic(), element.partition());
+            }
+        }
+        if paused.count() > 0 {
+            if let Err(e) = consumer.pause(&paused) {
+                tracing::warn!(error = %e, "Pausing the stopped partitions failed; their records are skipped instead.");
+            }
+        }
+    }
+}
+
+/// The committed offsets of `tpl`, stable (see the module doc). Retried while the
+/// coordinator settles.
+fn stable_offsets<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    tpl: &TopicPartitionList,
+) -> Result<TopicPartitionList, KafkaError> {
+    let mut pause = Duration::from_millis(100);
+    let mut tries = 0;
+    loop {
+        match consumer.committed_offsets(tpl.clone(), Duration::from_secs(30)) {
+            Ok(committed) => {
+                let mut assignment = TopicPartitionList::new();
+                for element in committed.elements() {
+                    let offset = match element.offset() {
+                        Offset::Offset(o) => Offset::Offset(o),
+                        // Nothing committed yet: auto.offset.reset (earliest) decides.
+                        _ => Offset::Invalid,
+                    };
+                    assignment.add_partition_offset(
+                        element.topic(),
+                        element.partition(),
+                        offset,
+                    )?;
+                }
+                return Ok(assignment);
+            }
+            Err(e) if tries < 10 => {
+                tries += 1;
+                tracing::warn!(error = %e, tries, "Committed offsets not available yet; retrying.");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

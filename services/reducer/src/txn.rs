@@ -1,0 +1,234 @@
+//! The transaction of one batch: its outputs, the final state of every run it changed, and
+//! the offsets it consumed, committed together — or not at all.
+//!
+//! Order inside the transaction, and why:
+//! 1. every record is handed to the producer (run states last: one serialisation each,
+//!    shared with the cache write);
+//! 2. the consumed offsets ("last processed + 1") go in with the consumer's group
+//!    metadata. The poll loop only commits between polls and the rebalance callback
+//!    commits before it gives partitions up, so that metadata is always the generation the
+//!    batch's inputs were read in (KIP-447 fences a zombie's offsets by it);
+//! 3. every delivery is awaited (commit_transaction's own flush polls in 100 ms slices);
+//! 4. commit.
+//!
+//! Failures are sorted once, here: an abortable error aborts the transaction and the
+//! caller seeks back and carries on with the same clients; a fatal one (fenced by a newer
+//! incarnation, an abort that fails) rebuilds them.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::batch::Output;
+use crate::convert;
+use crate::driver::Error;
+use crate::engine::Engine;
+use crate::fault::{self, FaultPoint};
+
+/// Why a transaction did not commit.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// Aborted; the same clients can go on once the consumer is back at the batch's start.
+    Aborted(Error),
+    /// The producer cannot go on (fenced, fatal, or the abort itself failed).
+    Fatal(Error),
+}
+
+/// What a committed transaction leaves for the cache write.
+#[derive(Debug)]
+pub(crate) struct Committed {
+    /// The run-state partition → next changelog offset the committed states reach.
+    pub changelog: BTreeMap<i32, u64>,
+    /// Each changed run's state as serialised once for the changelog, for sled.
+    pub states: Vec<(String, Vec<u8>)>,
+    pub took: Duration,
+    pub records: usize,
+}
+
+/// How often a retriable transactional call is tried before the batch is aborted.
+const RETRIES: u32 = 5;
+
+fn is_fatal(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(inner) if inner.is_fatal())
+}
+
+fn is_retriable(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(inner) if inner.is_retriable() && !inner.txn_requires_abort())
+}
+
+/// Runs a transactional call, retrying what librdkafka says may be retried.
+fn retrying<T>(
+    what: &str,
+    mut call: impl FnMut() -> Result<T, KafkaError>,
+) -> Result<T, KafkaError> {
+    let mut pause = Duration::from_millis(10);
+    let mut tries = 0;
+    loop {
+        match call() {
+            Err(e) if is_retriable(&e) && tries < RETRIES => {
+                tries += 1;
+                tracing::debug!(what, error = %e, tries, "Retriable transactional error; retrying.");
+                std::thread::sleep(pause);
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+}
+
+impl Engine {
+    /// Commits the open batch in one transaction. On `Err` nothing of it is visible to
+    /// `read_committed` readers and the batch is gone from the engine (the caller seeks
+    /// back). On `Ok` the caller writes the cache.
+    pub fn commit_batch<C: ConsumerContext>(
+        &mut self,
+        consumer: &BaseConsumer<C>,
+    ) -> Result<Committed, Failure> {
+        let started = Instant::now();
+        let batch = &self.batch;
+        let run_state_topic = self.config.topics.run_state();
+        let mut run_ids: Vec<&String> = batch.after.keys().collect();
+        run_ids.sort();
+        let mut states = Vec::with_capacity(run_ids.len());
+        let mut state_outputs = Vec::with_capacity(run_ids.len());
+        for run_id in run_ids {
+            let state = &batch.after[run_id];
+            let json = serde_json::to_string(state).map_err(|e| {
+                Failure::Aborted(Error::Setup(format!("run state of {run_id}: {e}")))
+            })?;
+            let value = self
+                .encode(
+                    &run_state_topic,
+                    &convert::state_to_wire_json(state, json.clone()),
+                )
+                .map_err(Failure::Aborted)?;
+            state_outputs.push(Output {
+                topic: run_state_topic.clone(),
+                partition: Some(self.partition_of(run_id)),
+                key: run_id.clone().into_bytes(),
+                value,
+                headers: vec![],
+            });
+            states.push((run_id.clone(), json.into_bytes()));
+        }
+
+        let producer = &self.producer;
+        retrying("begin", || producer.begin_transaction()).map_err(|e| self.failed(e))?;
+        let mut deliveries = Vec::with_capacity(batch.outputs.len() + state_outputs.len());
+        for output in batch.outputs.iter().chain(&state_outputs) {
+            let mut headers = OwnedHeaders::new();
+            for (key, value) in &output.headers {
+                headers = headers.insert(Header {
+                    key,
+                    value: value.as_deref(),
+                });
+            }
+            let mut record = FutureRecord::to(&output.topic)
+                .key(&output.key)
+                .payload(&output.value)
+                .headers(headers);
+            if let Some(p) = output.partition {
+                record = record.partition(p);
+            }
+            loop {
+                match producer.send_result(record) {
+                    Ok(delivery) => {
+                        deliveries.push((output.topic == run_state_topic, delivery));
+                        break;
+                    }
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                        // The local queue is full: let deliveries drain, then try again.
+                        producer.poll(Duration::from_millis(10));
+                        record = back;
+                    }
+                    Err((e, _)) => return Err(self.abort_after(e)),
+                }
+            }
+        }
+        let mut offsets = TopicPartitionList::new();
+        for ((topic, partition), consumed) in &batch.offsets {
+            offsets
+                .add_partition_offset(topic, *partition, Offset::Offset(consumed.next))
+                .map_err(|e| self.abort_after(e))?;
+        }
+        if offsets.count() > 0 {
+            let Some(metadata) = consumer.group_metadata() else {
+                return Err(self.abort_after(KafkaError::Global(RDKafkaErrorCode::State)));
+            };
+            retrying("send offsets", || {
+                producer.send_offsets_to_transaction(&offsets, &metadata, Duration::from_secs(10))
+            })
+            .map_err(|e| self.abort_after(e))?;
+        }
+        let results = self.runtime.block_on(join_all(
+            deliveries
+                .into_iter()
+                .map(|(is_state, d)| async move { (is_state, d.await) }),
+        ));
+        let mut changelog: BTreeMap<i32, u64> = BTreeMap::new();
+        let records = results.len();
+        for (is_state, result) in results {
+            match result {
+                Ok(Ok(delivery)) => {
+                    if is_state {
+                        let next = (delivery.offset + 1) as u64;
+                        let entry = changelog.entry(delivery.partition).or_insert(next);
+                        *entry = (*entry).max(next);
+                    }
+                }
+                Ok(Err((e, _))) => return Err(self.abort_after(e)),
+                Err(_) => return Err(self.abort_after(KafkaError::Canceled)),
+            }
+        }
+        let fault = |point| fault::check(self.config.fault, self.config.fault_after, point);
+        fault(FaultPoint::BeforeCommit);
+        retrying("commit", || {
+            producer.commit_transaction(Duration::from_secs(15))
+        })
+        .map_err(|e| self.abort_after(e))?;
+        fault(FaultPoint::AfterCommit);
+        Ok(Committed {
+            changelog,
+            states,
+            took: started.elapsed(),
+            records,
+        })
+    }
+
+    /// A call failed before anything was sent: nothing to abort unless a transaction began.
+    fn failed(&self, e: KafkaError) -> Failure {
+        if is_fatal(&e) {
+            Failure::Fatal(Error::Fenced)
+        } else {
+            self.abort_after(e)
+        }
+    }
+
+    /// Aborts the open transaction after `e`. A fatal error, or an abort that fails,
+    /// leaves a producer that cannot go on.
+    pub fn abort_after(&self, e: KafkaError) -> Failure {
+        if is_fatal(&e) {
+            tracing::warn!(error = %e, "The transactional producer hit a fatal error (fenced by a newer incarnation?).");
+            return Failure::Fatal(Error::Fenced);
+        }
+        tracing::warn!(error = %e, "Aborting the batch's transaction.");
+        match self.producer.abort_transaction(Duration::from_secs(10)) {
+            Ok(()) => Failure::Aborted(Error::Kafka(e)),
+            Err(abort) if matches!(&abort, KafkaError::Transaction(inner) if inner.code() == RDKafkaErrorCode::State) =>
+            {
+                // No transaction was open (begin failed): nothing to abort.
+                Failure::Aborted(Error::Kafka(e))
+            }
+            Err(abort) => {
+                tracing::warn!(error = %abort, "Aborting the transaction failed; the producer is rebuilt.");
+                Failure::Fatal(Error::Kafka(abort))
+            }
+        }
+    }
+}
