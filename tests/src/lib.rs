@@ -232,9 +232,8 @@ where
     K: AsRef<[u8]>,
     V: AsRef<[u8]>,
 {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("partitioner", "murmur2_random")
+    let producer: FutureProducer = KafkaConfig::new(bootstrap)
+        .producer()
         .set("linger.ms", "0")
         .create()
         .expect("producer");

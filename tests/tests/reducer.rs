@@ -442,3 +442,77 @@ async fn a_transient_failure_is_retried_by_a_timer_with_the_same_operation_id() 
     );
     check_history(&run, &events[&run], &states[&run]);
 }
+
+/// Four nodes whose arguments are each the whole input: a large input would make a run
+/// state bigger than a Kafka record.
+const FAN_OUT: &str = r#"
+id: fan
+version: 1
+nodes:
+  - {id: a, tool: echo, side_effect: pure, args: {data: $input.data}}
+  - {id: b, tool: echo, side_effect: pure, args: {data: $input.data}}
+  - {id: c, tool: echo, side_effect: pure, args: {data: $input.data}}
+  - {id: d, tool: echo, side_effect: pure, args: {data: $input.data}}
+edges: []
+"#;
+
+/// A 1 MB input and a run id with a NUL byte used to crash-loop the partition's owner (a
+/// record over max.message.bytes aborted every transaction; sled refused the key). Now
+/// the first is rejected by the fold with a reason, the second is dead-lettered, and a run
+/// on the same partition after them completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_input_and_a_poison_run_id_do_not_stop_their_partition() {
+    let stack = Stack::start("reducer-poison", &[FAN_OUT, THREE_STEPS]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let good = "run-after-poison".to_owned();
+    let target = partition_for(good.as_bytes(), PARTITIONS);
+    // The big run on the good run's partition.
+    let big = (0..1000)
+        .map(|i| format!("run-big-{i}"))
+        .find(|id| partition_for(id.as_bytes(), PARTITIONS) == target)
+        .expect("a run id on the target partition");
+    let input = format!(r#"{{"data": "{}"}}"#, "x".repeat(1_000_000));
+    stack.send(&start_run(&big, "fan", &input)).await;
+    let moderate = (0..1000)
+        .map(|i| format!("run-fan-{i}"))
+        .find(|id| partition_for(id.as_bytes(), PARTITIONS) == target)
+        .expect("a run id on the target partition");
+    let input = format!(r#"{{"data": "{}"}}"#, "x".repeat(200_000));
+    stack.send(&start_run(&moderate, "fan", &input)).await;
+    // A NUL in the run id, keyed by itself, produced to the same partition.
+    let poison = "run\0poison".to_owned();
+    stack
+        .send_to(&start_run(&poison, "three", "{}"), target)
+        .await;
+    stack.send(&start_run(&good, "three", "{}")).await;
+
+    stack
+        .wait_for_states("the run after the poison to finish", &[good.clone()], LONG, succeeded)
+        .await;
+    let events = stack.events().await;
+    for run in [&big, &moderate] {
+        let rejected: Vec<(String, String)> = events
+            .get(run.as_str())
+            .into_iter()
+            .flatten()
+            .filter_map(|e| match &e.body {
+                EventBody::CommandRejected { code, reason, .. } => {
+                    Some((code.clone(), reason.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(rejected.len(), 1, "{run}: {rejected:?}");
+        assert_eq!(rejected[0].0, "too_large", "{run}: {rejected:?}");
+    }
+    let states = stack.states().await;
+    assert!(!states.contains_key(&big) && !states.contains_key(&moderate));
+    let letters = stack.dead_letters().await;
+    assert!(
+        letters
+            .iter()
+            .any(|l| l.reason_code == "invalid" && l.reason.contains("control character")),
+        "{letters:?}"
+    );
+}

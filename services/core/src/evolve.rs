@@ -44,6 +44,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 ending: None,
                 output: None,
                 buffered: Vec::new(),
+                rejected: Default::default(),
             };
             if let Some(due) = deadline_at {
                 state.timers.insert(TimerKey::RunDeadline.encode(), *due);
@@ -77,13 +78,21 @@ fn apply_body(state: &mut RunState, event: &Event) {
             reason,
             ..
         } => {
-            state
-                .commands
-                .entry(command_id.clone())
-                .or_insert_with(|| Answer::Rejected {
-                    code: code.clone(),
-                    reason: reason.clone(),
-                });
+            if !state.commands.contains_key(command_id) {
+                state.commands.insert(
+                    command_id.clone(),
+                    Answer::Rejected {
+                        code: code.clone(),
+                        reason: reason.clone(),
+                    },
+                );
+                state.rejected.push_back(command_id.clone());
+                while state.rejected.len() > crate::limits::MAX_REJECTED_COMMANDS {
+                    if let Some(oldest) = state.rejected.pop_front() {
+                        state.commands.remove(&oldest);
+                    }
+                }
+            }
             state.buffered.retain(|b| &b.command_id != command_id);
         }
         EventBody::DecisionBuffered {

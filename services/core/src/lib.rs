@@ -20,6 +20,7 @@ pub mod graph;
 pub mod ids;
 pub mod input;
 pub mod json;
+pub mod limits;
 pub mod state;
 pub mod status;
 

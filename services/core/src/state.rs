@@ -1,6 +1,6 @@
 //! A run's state: everything the fold knows about one run, built only from its events.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -38,6 +38,11 @@ pub struct RunState {
     /// Decisions that arrived before their interrupt was registered, oldest first.
     #[serde(default)]
     pub buffered: Vec<BufferedDecision>,
+    /// Ids of the rejected commands still in `commands`, oldest first: only the last
+    /// [`crate::limits::MAX_REJECTED_COMMANDS`] are kept, so a client that keeps sending
+    /// bad commands cannot grow the run without bound.
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
+    pub rejected: VecDeque<String>,
 }
 
 /// A decision waiting for its interrupt.

@@ -26,7 +26,16 @@ fn text(value: &Value) -> String {
     sortie_core::json::canonical(value)
 }
 
+/// Ids must fit everywhere they go (Kafka keys, sled keys, URLs): see
+/// [`sortie_core::limits::check_id`].
+fn id(field: &str, value: &str) -> Result<(), Invalid> {
+    sortie_core::limits::check_id(field, value).map_err(Invalid)
+}
+
 pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
+    id("run_id", &command.run_id)?;
+    id("command_id", &command.command_id)?;
+    id("tenant", &command.tenant)?;
     let body = match command.body {
         w::CommandBody::StartRun(start) => CommandBody::StartRun {
             graph_id: start.graph_id,
@@ -68,6 +77,8 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
 }
 
 pub fn report_from_wire(result: w::StepResult, at: i64) -> Result<StepReport, Invalid> {
+    id("run_id", &result.run_id)?;
+    id("operation_id", &result.operation_id)?;
     let attempt = u32::try_from(result.attempt)
         .map_err(|_| Invalid(format!("attempt {} is negative", result.attempt)))?;
     let error = result.error.clone().unwrap_or(w::StepError {

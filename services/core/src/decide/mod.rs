@@ -17,7 +17,8 @@ use crate::{
     evolve::evolve,
     graph::{Graph, Graphs, Node},
     ids,
-    input::{Command, CommandBody, Input},
+    input::{Command, CommandBody, Input, StepOutcome, StepReport},
+    limits,
     state::{Answer, RunState},
     status::RunStatus,
 };
@@ -36,7 +37,92 @@ pub struct Applied {
 }
 
 /// Applies one input to a run: the whole fold. Pure: no I/O, no clock, no randomness.
+///
+/// What the input would write is held to [`crate::limits`]; an input that would break
+/// a limit is answered as that module says instead of being applied as is.
 pub fn apply(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> Applied {
+    let applied = apply_unchecked(state, input, graphs);
+    match breach(&applied) {
+        None => applied,
+        Some(reason) => over_limit(state, input, graphs, reason),
+    }
+}
+
+/// Why `applied` would write more than a run may, if it would.
+fn breach(applied: &Applied) -> Option<String> {
+    for effect in &applied.effects {
+        match effect {
+            Effect::Emit(event) => {
+                let size = limits::json_len(event);
+                if size > limits::MAX_RECORD_BYTES {
+                    return Some(format!(
+                        "a {} event of {size} bytes would exceed the {}-byte record limit",
+                        event.body.name(),
+                        limits::MAX_RECORD_BYTES
+                    ));
+                }
+            }
+            Effect::Dispatch(intent) => {
+                let size = limits::json_len(intent);
+                if size > limits::MAX_RECORD_BYTES {
+                    return Some(format!(
+                        "the intent of step {} ({size} bytes) would exceed the {}-byte record limit",
+                        intent.step_id,
+                        limits::MAX_RECORD_BYTES
+                    ));
+                }
+            }
+            Effect::WriteState(state) => {
+                let size = limits::json_len(state);
+                if size > limits::MAX_STATE_BYTES {
+                    return Some(format!(
+                        "the run state would grow to {size} bytes, over the {}-byte limit",
+                        limits::MAX_STATE_BYTES
+                    ));
+                }
+            }
+            Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {}
+        }
+    }
+    None
+}
+
+/// The answer to an input that would break a limit (see [`crate::limits`]).
+fn over_limit(state: Option<&RunState>, input: &Input, graphs: &Graphs, reason: String) -> Applied {
+    if let Input::StepReport(report) = input {
+        if matches!(report.outcome, StepOutcome::Succeeded { .. }) {
+            // The output cannot be kept: the step failed, and its node's policy decides.
+            let failed = Input::StepReport(StepReport {
+                outcome: StepOutcome::Failed {
+                    retryable: false,
+                    code: "too_large".into(),
+                    message: reason.clone(),
+                    retry_after_ms: None,
+                },
+                ..report.clone()
+            });
+            let applied = apply_unchecked(state, &failed, graphs);
+            if breach(&applied).is_none() {
+                return applied;
+            }
+        }
+    }
+    let mut ctx = Ctx::new(state.cloned(), input, graphs);
+    match input {
+        Input::Command(command) => {
+            ctx.command_id = Some(command.command_id.clone());
+            ctx.reject(command, "too_large", reason);
+        }
+        Input::StepReport(_) | Input::TimerFired { .. } => {
+            if ctx.state.as_ref().is_some_and(|s| !s.status.is_terminal()) {
+                ctx.set_status(RunStatus::Failed, Some(reason), None);
+            }
+        }
+    }
+    ctx.finish(state, Some("over a limit"))
+}
+
+fn apply_unchecked(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> Applied {
     let mut ctx = Ctx::new(state.cloned(), input, graphs);
     let ignored = match input {
         Input::Command(command) => {

@@ -1,0 +1,144 @@
+//! A run never writes more than Kafka can hold (`sortie_core::limits`): an input that would
+//! break a limit is answered — rejected, or turned into a step failure the node's policy
+//! handles — and the run's history stays foldable. Without these checks the reducer would
+//! produce a record over `max.message.bytes`, abort its transaction and replay the batch
+//! forever (checked: with `apply` returning the unchecked result, the first two tests fail;
+//! the third fails without the bound in `evolve`).
+
+#![allow(clippy::unwrap_used)]
+
+use serde_json::json;
+use sortie_core::limits::{MAX_REJECTED_COMMANDS, MAX_STATE_BYTES};
+use sortie_core::state::StepStatus;
+use sortie_core::{
+    apply, input::Command, CommandBody, Effect, EventBody, Graph, Graphs, Input, RunState,
+    RunStatus, StepOutcome, StepReport,
+};
+
+/// Four nodes that each take the whole input as their arguments: a 200 KiB input makes a
+/// state of over 800 KiB once they are dispatched.
+const FAN: &str = "id: fan\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, args: {data: $input.data}}\n  - {id: b, tool: echo, side_effect: pure, args: {data: $input.data}}\n  - {id: c, tool: echo, side_effect: pure, args: {data: $input.data}}\n  - {id: d, tool: echo, side_effect: pure, args: {data: $input.data}}\nedges: []\n";
+const ONE: &str = "id: one\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure}\nedges: []\n";
+
+fn graphs() -> Graphs {
+    let mut graphs = Graphs::new();
+    graphs.insert(Graph::parse(FAN).unwrap()).unwrap();
+    graphs.insert(Graph::parse(ONE).unwrap()).unwrap();
+    graphs
+}
+
+fn command(id: &str, body: CommandBody) -> Input {
+    Input::Command(Command {
+        command_id: id.into(),
+        tenant: "t".into(),
+        run_id: "r".into(),
+        principal: "svc".into(),
+        roles: vec![],
+        at: 1,
+        body,
+    })
+}
+
+fn start(graph: &str, input: serde_json::Value) -> Input {
+    command(
+        "start",
+        CommandBody::StartRun {
+            graph_id: graph.into(),
+            graph_version: None,
+            input,
+            labels: Default::default(),
+        },
+    )
+}
+
+fn rejections(effects: &[Effect]) -> Vec<(String, String)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Emit(event) => match &event.body {
+                EventBody::CommandRejected { code, reason, .. } => {
+                    Some((code.clone(), reason.clone()))
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_start_whose_run_would_outgrow_a_record_is_rejected_with_a_reason() {
+    let graphs = graphs();
+    let big = "x".repeat(200 * 1024);
+    let applied = apply(None, &start("fan", json!({ "data": big })), &graphs);
+    assert_eq!(applied.state, None, "nothing of the run is kept");
+    let rejected = rejections(&applied.effects);
+    assert_eq!(rejected.len(), 1, "{:?}", applied.effects.len());
+    assert_eq!(rejected[0].0, "too_large");
+    assert!(rejected[0].1.contains("limit"), "{}", rejected[0].1);
+
+    // A small input of the same graph runs.
+    let applied = apply(None, &start("fan", json!({ "data": "small" })), &graphs);
+    assert_eq!(applied.state.map(|s| s.status), Some(RunStatus::Running));
+}
+
+#[test]
+fn an_output_too_large_to_keep_fails_its_step_and_the_run_with_the_reason() {
+    let graphs = graphs();
+    let state = apply(None, &start("one", json!({})), &graphs).state.unwrap();
+    let step = state.steps.values().next().unwrap().clone();
+    let report = Input::StepReport(StepReport {
+        operation_id: step.operation_id.clone(),
+        attempt: 1,
+        tenant: "t".into(),
+        run_id: "r".into(),
+        step_id: step.step_id.clone(),
+        outcome: StepOutcome::Succeeded {
+            output: json!({ "blob": "y".repeat(MAX_STATE_BYTES) }),
+        },
+        at: 2,
+    });
+    let applied = apply(Some(&state), &report, &graphs);
+    let after = applied.state.unwrap();
+    let step = &after.steps[&step.step_id];
+    assert_eq!(step.status, StepStatus::Failed);
+    assert!(
+        step.error.as_deref().unwrap_or_default().contains("too_large")
+            || step.error.as_deref().unwrap_or_default().contains("limit"),
+        "{:?}",
+        step.error
+    );
+    assert_eq!(after.status, RunStatus::Failed);
+    assert!(sortie_core::limits::json_len(&after) < MAX_STATE_BYTES);
+}
+
+#[test]
+fn only_the_last_rejected_commands_are_remembered() {
+    let graphs = graphs();
+    let mut state: RunState = apply(None, &start("one", json!({})), &graphs).state.unwrap();
+    for i in 0..(MAX_REJECTED_COMMANDS + 40) {
+        // Approving an interrupt that does not exist: rejected every time.
+        let resume = command(
+            &format!("bad-{i}"),
+            CommandBody::ResumeRun {
+                interrupt_id: "int_none".into(),
+                proposal_hash: "h".into(),
+                approve: true,
+                payload: None,
+                comment: None,
+            },
+        );
+        state = apply(Some(&state), &resume, &graphs).state.unwrap();
+    }
+    assert_eq!(state.rejected.len(), MAX_REJECTED_COMMANDS);
+    let rejected = state
+        .commands
+        .values()
+        .filter(|a| matches!(a, sortie_core::state::Answer::Rejected { .. }))
+        .count();
+    assert_eq!(rejected, MAX_REJECTED_COMMANDS);
+    assert!(!state.commands.contains_key("bad-0"), "the oldest is forgotten");
+    assert!(state
+        .commands
+        .contains_key(&format!("bad-{}", MAX_REJECTED_COMMANDS + 39)));
+}
