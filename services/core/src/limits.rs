@@ -83,6 +83,9 @@ mod tests {
     #[test]
     fn json_len_is_the_length_of_the_json() {
         let value = serde_json::json!({"a": [1, "two", null], "b": "ü"});
-        assert_eq!(json_len(&value), serde_json::to_vec(&value).map(|v| v.len()).unwrap_or(0));
+        assert_eq!(
+            json_len(&value),
+            serde_json::to_vec(&value).map(|v| v.len()).unwrap_or(0)
+        );
     }
 }

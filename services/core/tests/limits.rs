@@ -18,7 +18,8 @@ use sortie_core::{
 /// Four nodes that each take the whole input as their arguments: a 200 KiB input makes a
 /// state of over 800 KiB once they are dispatched.
 const FAN: &str = "id: fan\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, args: {data: $input.data}}\n  - {id: b, tool: echo, side_effect: pure, args: {data: $input.data}}\n  - {id: c, tool: echo, side_effect: pure, args: {data: $input.data}}\n  - {id: d, tool: echo, side_effect: pure, args: {data: $input.data}}\nedges: []\n";
-const ONE: &str = "id: one\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure}\nedges: []\n";
+const ONE: &str =
+    "id: one\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure}\nedges: []\n";
 
 fn graphs() -> Graphs {
     let mut graphs = Graphs::new();
@@ -85,7 +86,9 @@ fn a_start_whose_run_would_outgrow_a_record_is_rejected_with_a_reason() {
 #[test]
 fn an_output_too_large_to_keep_fails_its_step_and_the_run_with_the_reason() {
     let graphs = graphs();
-    let state = apply(None, &start("one", json!({})), &graphs).state.unwrap();
+    let state = apply(None, &start("one", json!({})), &graphs)
+        .state
+        .unwrap();
     let step = state.steps.values().next().unwrap().clone();
     let report = Input::StepReport(StepReport {
         operation_id: step.operation_id.clone(),
@@ -103,7 +106,10 @@ fn an_output_too_large_to_keep_fails_its_step_and_the_run_with_the_reason() {
     let step = &after.steps[&step.step_id];
     assert_eq!(step.status, StepStatus::Failed);
     assert!(
-        step.error.as_deref().unwrap_or_default().contains("too_large")
+        step.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("too_large")
             || step.error.as_deref().unwrap_or_default().contains("limit"),
         "{:?}",
         step.error
@@ -115,7 +121,9 @@ fn an_output_too_large_to_keep_fails_its_step_and_the_run_with_the_reason() {
 #[test]
 fn only_the_last_rejected_commands_are_remembered() {
     let graphs = graphs();
-    let mut state: RunState = apply(None, &start("one", json!({})), &graphs).state.unwrap();
+    let mut state: RunState = apply(None, &start("one", json!({})), &graphs)
+        .state
+        .unwrap();
     for i in 0..(MAX_REJECTED_COMMANDS + 40) {
         // Approving an interrupt that does not exist: rejected every time.
         let resume = command(
@@ -137,7 +145,10 @@ fn only_the_last_rejected_commands_are_remembered() {
         .filter(|a| matches!(a, sortie_core::state::Answer::Rejected { .. }))
         .count();
     assert_eq!(rejected, MAX_REJECTED_COMMANDS);
-    assert!(!state.commands.contains_key("bad-0"), "the oldest is forgotten");
+    assert!(
+        !state.commands.contains_key("bad-0"),
+        "the oldest is forgotten"
+    );
     assert!(state
         .commands
         .contains_key(&format!("bad-{}", MAX_REJECTED_COMMANDS + 39)));

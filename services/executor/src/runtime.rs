@@ -7,7 +7,8 @@
 //! `<prefix>executor.<queue>` (so every process serving a queue shares that queue's
 //! partitions, whatever other queues it serves). `read_committed`, no auto-commit, no
 //! auto offset store, `cooperative-sticky`. Each intent runs as a tokio task; at most
-//! `max_in_flight` per queue (the thread stops polling while the queue is full).
+//! `max_in_flight` per queue (while the queue is full its partitions are paused and the
+//! thread keeps polling, so the member stays in the group).
 //! Results go to `partition_for(run_id, N)` of `step-results` (N read from metadata at
 //! start), keyed by operation id, from one idempotent `acks=all` producer.
 //!
@@ -578,6 +579,7 @@ impl QueueConsumer {
         let interval = self.worker.config.commit_interval;
         let mut last_commit = Instant::now();
         let mut next_task = 0u64;
+        let mut paused = false;
         while !stop.load(Ordering::Relaxed) {
             let (urgent, in_flight) = {
                 let state = self.shared.lock();
@@ -588,20 +590,22 @@ impl QueueConsumer {
                 self.shared.commit(&self.consumer, None);
                 last_commit = Instant::now();
             }
-            if in_flight >= max {
-                // Full: wait for a slot (or a commit request) without polling. The group
-                // session is kept by librdkafka's own thread; a rebalance waits at most
-                // for one intent to finish.
-                let state = self.shared.lock();
-                if state.in_flight >= max && !state.urgent {
-                    let _ = self
-                        .shared
-                        .changed
-                        .wait_timeout(state, Duration::from_millis(50));
-                }
-                continue;
+            // Full: pause the assignment and keep polling. Not polling would exceed
+            // max.poll.interval.ms behind slow intents (the member would be kicked out
+            // and its partitions handed over with work in flight); polling serves
+            // rebalances while paused partitions deliver nothing. Paused again on every
+            // pass, so partitions assigned meanwhile are paused too.
+            let full = in_flight >= max;
+            if full {
+                self.set_paused(true);
+                paused = true;
+            } else if paused {
+                self.set_paused(false);
+                paused = false;
             }
-            let timeout = if in_flight > 0 {
+            let timeout = if full {
+                Duration::from_millis(20)
+            } else if in_flight > 0 {
                 Duration::from_millis(10)
             } else {
                 Duration::from_millis(100)
@@ -619,6 +623,25 @@ impl QueueConsumer {
             }
         }
         self.drain();
+    }
+
+    /// Pauses (or resumes) every partition assigned now. A record fetched before a pause
+    /// may still arrive: it is dispatched (one over the limit) rather than skipped.
+    fn set_paused(&self, pause: bool) {
+        let Ok(assignment) = self.consumer.assignment() else {
+            return;
+        };
+        if assignment.count() == 0 {
+            return;
+        }
+        let result = if pause {
+            self.consumer.pause(&assignment)
+        } else {
+            self.consumer.resume(&assignment)
+        };
+        if let Err(e) = result {
+            tracing::warn!(topic = %self.shared.topic, pause, error = %e, "Pausing or resuming the queue's partitions failed.");
+        }
     }
 
     /// Hands one intent to a task. A record of a partition this consumer does not own
