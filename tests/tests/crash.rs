@@ -334,6 +334,18 @@ async fn dies_then_retried(stack: &Stack, path: &str, key: &str, body: Value) ->
         "the gateway died after publishing:\n{}",
         faulty.log_text()
     );
+    // The client retries once the first copy was applied (it never got the answer); a
+    // retry racing the first copy into one batch is applied once too, but is then
+    // answered with the first copy's answer (`duplicate: false`).
+    sortie_tests::wait_until("the reducer to answer the first copy", LONG, || async {
+        stack
+            .events()
+            .await
+            .values()
+            .flatten()
+            .any(|e| e.command_id.as_deref() == Some(key))
+    })
+    .await;
     let (_healthy, url) = stack.gateway_process(&data, &[ALICE]).await;
     post(&url, path, key, &body)
         .await

@@ -153,6 +153,14 @@ pub fn run_with_health(
         .and_then(|mut r| r.run(&shutdown))
         {
             Ok(()) => return Ok(()),
+            Err(e @ Error::Store(store::Error::Corrupt(_))) => {
+                // Never trust it again: the next start wipes it and restores from Kafka.
+                tracing::error!(error = %e, "The local store holds an unreadable entry; it is invalidated and will be rebuilt from the changelog at the next start.");
+                if let Err(invalidate) = store.invalidate() {
+                    tracing::error!(error = %invalidate, "Invalidating the local store failed.");
+                }
+                return Err(e);
+            }
             Err(e @ (Error::Setup(_) | Error::Store(_))) => return Err(e),
             Err(e) => {
                 failures += 1;

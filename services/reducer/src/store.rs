@@ -23,6 +23,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// sled's page cache. Its 1 GiB default made the reducer's memory grow with the number
+/// of cached runs; the cache is a cache of a cache (Kafka is the truth).
+const CACHE_CAPACITY: u64 = 64 * 1024 * 1024;
+
 /// Written at creation; a store whose marker differs is wiped on open.
 const FORMAT: &[u8] = b"sortie-reducer-store/1";
 
@@ -345,6 +349,15 @@ impl Store {
         Ok(())
     }
 
+    /// Marks the store untrusted (its marker removed, flushed): the next [`Store::open`]
+    /// wipes it and the partitions are restored from the changelog. Called when an entry
+    /// cannot be read.
+    pub fn invalidate(&self) -> Result<()> {
+        self.db.remove(MARKER_KEY)?;
+        self.db.flush()?;
+        Ok(())
+    }
+
     /// Clear everything (a cold restore) and rewrite the marker.
     pub fn wipe(&self) -> Result<()> {
         // sled's clear is not atomic: remove the marker first, so a crash halfway leaves
@@ -370,7 +383,11 @@ const LOCK_WAIT: Duration = Duration::from_secs(5);
 fn open_db(path: &Path, lock_wait: Duration) -> sled::Result<sled::Db> {
     let deadline = Instant::now() + lock_wait;
     loop {
-        match sled::Config::new().path(path).open() {
+        match sled::Config::new()
+            .path(path)
+            .cache_capacity(CACHE_CAPACITY)
+            .open()
+        {
             Err(error) if is_lock_error(&error) && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(10));
             }
@@ -405,8 +422,13 @@ fn verify(db: &sled::Db) -> Result<(), String> {
             }
             None => return Ok(Err("it has no format marker".to_owned())),
         }
-        // Read every entry once: a page sled cannot read shows up now, not mid-restore.
-        for entry in db.iter() {
+        // Read every entry but the run states once: a page sled cannot read shows up now,
+        // not mid-restore. Run states (the bulk: a million runs cost seconds of every
+        // start) are checked when read; one that cannot be is reported as
+        // `Error::Corrupt`, and the reducer then calls `invalidate`, so the next start
+        // wipes and restores.
+        let after_runs: &[u8] = b"r0"; // the first key past every `r/` key
+        for entry in db.range(..RUN_PREFIX).chain(db.range(after_runs..)) {
             let (key, value) = entry?;
             if let Some(reason) = malformed(&key, &value) {
                 return Ok(Err(reason));

@@ -253,13 +253,21 @@ impl Engine {
         self.gauges.rebuild(&active, runs, |run| {
             sortie_wire::partition_for(run.as_bytes(), n)
         });
+        for (partition, read) in &restored.records {
+            tracing::info!(
+                partition,
+                records = read,
+                warm = plan.get(partition).is_some_and(Option::is_some),
+                "Partition restored from the changelog."
+            );
+        }
         tracing::info!(
             ?partitions,
             records,
             warm,
             millis = took.as_millis() as u64,
             stopped = ?restored.stopped.keys().collect::<Vec<_>>(),
-            "Partitions restored from the changelog; consuming from the committed offsets."
+            "Assignment restored; consuming from the committed offsets."
         );
         self.health.set(self.tasks.readiness());
         committed
