@@ -527,3 +527,83 @@ async fn a_huge_input_and_a_poison_run_id_do_not_stop_their_partition() {
         "{letters:?}"
     );
 }
+
+/// A changelog record the reducer cannot decode is never skipped: its partition stops
+/// (assigned, not consumed), the reducer says so on `/readyz` and in a metric, and every
+/// other partition keeps going. Before, the restore logged it, left the run out of the
+/// cache and moved its marker past it — the run's next input then started its history
+/// over. (Checked: with the stop in `restore.rs` replaced by the old skip, `/readyz`
+/// answers 200 and this test fails.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_changelog_record_stops_its_partition_loudly() {
+    let stack = Stack::start("reducer-bad-changelog", &[THREE_STEPS]).await;
+    let broken = 1;
+    let victim = (0..1000)
+        .map(|i| format!("run-victim-{i}"))
+        .find(|id| partition_for(id.as_bytes(), PARTITIONS) == broken)
+        .expect("a run id on the broken partition");
+    stack
+        .send_raw(
+            &stack.topics.run_state(),
+            Some(broken),
+            victim.as_bytes(),
+            b"not a run state",
+        )
+        .await;
+    let reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let others: Vec<String> = (0..1000)
+        .map(|i| format!("run-other-{i}"))
+        .filter(|id| partition_for(id.as_bytes(), PARTITIONS) != broken)
+        .take(4)
+        .collect();
+    for run in others.iter().chain([&victim]) {
+        stack.send(&start_run(run, "three", "{}")).await;
+    }
+    // (The state table holds the bad record, so the runs are followed through events.)
+    sortie_tests::wait_until("the runs of healthy partitions to finish", LONG, || async {
+        let events = stack.events().await;
+        others.iter().all(|run| {
+            events.get(run).is_some_and(|history| {
+                history.iter().any(|e| {
+                    matches!(
+                        e.body,
+                        EventBody::RunStatusChanged {
+                            status: RunStatus::Succeeded,
+                            ..
+                        }
+                    )
+                })
+            })
+        })
+    })
+    .await;
+    let url = reducer.metrics_url().await;
+    let readyz = reqwest::get(format!("{url}/readyz"))
+        .await
+        .expect("GET /readyz");
+    let status = readyz.status().as_u16();
+    let body = readyz.text().await.unwrap_or_default();
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains(&format!("partition {broken} stopped")),
+        "{body}"
+    );
+    let metrics = sortie_tests::stack::scrape(&url).await;
+    assert_eq!(
+        sortie_tests::stack::metric_sum(&metrics, "sortie_reducer_partitions_stopped_total", &[]),
+        1.0
+    );
+    let log = reducer.log_text();
+    assert!(
+        log.contains("A changelog record does not decode")
+            && log.contains(&format!("partition={broken}")),
+        "{log}"
+    );
+    let events = stack.events().await;
+    assert!(
+        !events.contains_key(&victim),
+        "nothing of the stopped partition was applied: {:?}",
+        events.get(&victim)
+    );
+}
