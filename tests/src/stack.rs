@@ -20,6 +20,7 @@ use sortie_wire::{partition_for, Codec, CodecConfig, Topics};
 
 use crate::{Isolation, ServedRegistry};
 
+/// The run partitions of [`Stack::start`] (see [`Stack::start_with_partitions`]).
 pub const PARTITIONS: u32 = 3;
 
 pub fn now_ms() -> i64 {
@@ -50,6 +51,10 @@ pub fn sortie_bin() -> PathBuf {
 pub struct Stack {
     pub bootstrap: String,
     pub prefix: String,
+    /// The run partitions (commands, step-results, run-state, run-events).
+    pub partitions: u32,
+    /// The executor queues the topology declares (one intents topic each).
+    pub queues: Vec<String>,
     pub topics: Topics,
     pub kafka: KafkaConfig,
     pub registry: ServedRegistry,
@@ -65,6 +70,22 @@ impl Stack {
 
     /// [`Stack::start`] on another broker (e.g. a [`PrivateBroker`] a test restarts).
     pub async fn start_on(bootstrap: String, name: &str, graphs: &[&str]) -> Stack {
+        Stack::start_on_with_partitions(bootstrap, name, graphs, PARTITIONS).await
+    }
+
+    /// [`Stack::start`] with `partitions` run partitions (e.g. 12, enough for several
+    /// reducers to share them and to move between them on every rebalance).
+    pub async fn start_with_partitions(name: &str, graphs: &[&str], partitions: u32) -> Stack {
+        Stack::start_on_with_partitions(crate::bootstrap().await, name, graphs, partitions).await
+    }
+
+    /// [`Stack::start_on`] with `partitions` run partitions.
+    pub async fn start_on_with_partitions(
+        bootstrap: String,
+        name: &str,
+        graphs: &[&str],
+        partitions: u32,
+    ) -> Stack {
         let prefix = crate::unique_prefix(name);
         let kafka = KafkaConfig::new(bootstrap.clone());
         let registry = ServedRegistry::start(&kafka, &format!("{prefix}_schemas"))
@@ -74,13 +95,14 @@ impl Stack {
             .and_then(|t| {
                 t.with_overrides(&Overrides {
                     prefix: Some(prefix.clone()),
-                    run_partitions: Some(PARTITIONS),
+                    run_partitions: Some(partitions),
                     ..Overrides::default()
                 })
             })
             .expect("topology");
         let report = topology.apply(&kafka).await.expect("topology apply");
         assert!(report.is_complete(), "topology apply left work: {report:?}");
+        let queues = topology.queues().to_vec();
         let codec = Arc::new(Codec::new(&CodecConfig {
             registry_url: registry.url.clone(),
             auto_register: true,
@@ -100,6 +122,8 @@ impl Stack {
         Stack {
             bootstrap,
             prefix,
+            partitions,
+            queues,
             topics,
             kafka,
             registry,
@@ -113,10 +137,11 @@ impl Stack {
     }
 
     /// [`Stack::reducer`] with extra arguments appended (e.g. `["--fault",
-    /// "reducer.after_commit", "--fault-after", "3"]`).
+    /// "reducer.after_commit", "--fault-after", "3"]`). An extra `--commit-interval-ms` or
+    /// `--session-timeout-ms` replaces the harness's (50 ms, 6 s).
     pub fn reducer_with(&self, instance: &str, extra: &[&str]) -> Process {
         let data = self.dir.join(format!("reducer-{instance}"));
-        let mut args = vec![
+        let mut args: Vec<&str> = vec![
             "reducer",
             "--bootstrap-servers",
             &self.bootstrap,
@@ -135,6 +160,13 @@ impl Stack {
             "--metrics-addr",
             "127.0.0.1:0",
         ];
+        for flag in ["--commit-interval-ms", "--session-timeout-ms"] {
+            if extra.contains(&flag) {
+                if let Some(at) = args.iter().position(|a| *a == flag) {
+                    args.drain(at..at + 2);
+                }
+            }
+        }
         args.extend_from_slice(extra);
         self.spawn(&format!("reducer-{instance}"), &args)
     }
@@ -322,6 +354,7 @@ impl Stack {
             queue.to_owned(),
         );
         let (stop2, seen2) = (stop.clone(), seen.clone());
+        let partitions = self.partitions;
         let runtime = tokio::runtime::Handle::current();
         let thread = std::thread::spawn(move || {
             let mut config = kafka.client();
@@ -351,7 +384,7 @@ impl Stack {
                 let bytes = runtime
                     .block_on(codec.encode(&topics.step_results(), &result))
                     .expect("encode result");
-                let partition = partition_for(result.run_id.as_bytes(), PARTITIONS);
+                let partition = partition_for(result.run_id.as_bytes(), partitions);
                 let results_topic = topics.step_results();
                 let record = FutureRecord::to(&results_topic)
                     .key(&result.operation_id)
@@ -772,36 +805,61 @@ impl Drop for PrivateBroker {
 
 /// Audit-style checks on one run's committed history: gap-free seq (so no record of an
 /// aborted transaction and no repeat), an intact hash chain, no step attempt dispatched
-/// twice, and folding it gives `state` (the changelog's).
+/// twice, and folding it gives `state` (the changelog's). Panics on the first problem.
 pub fn check_history(run_id: &str, events: &[sortie_core::Event], state: &RunState) {
+    if let Some(problem) = history_problems(run_id, events, state).into_iter().next() {
+        panic!("{problem}");
+    }
+}
+
+/// What [`check_history`] checks, as a list of problems (empty: the history is sound), so
+/// a test can report every broken run at once. A repeated or missing seq is reported once
+/// per run with the seqs as committed.
+pub fn history_problems(
+    run_id: &str,
+    events: &[sortie_core::Event],
+    state: &RunState,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+    if seqs.iter().enumerate().any(|(i, seq)| *seq != i as i64 + 1) {
+        let shown: Vec<i64> = seqs.iter().copied().take(40).collect();
+        problems.push(format!(
+            "{run_id}: seq gap or repeat: committed seqs {shown:?}{}",
+            if seqs.len() > 40 { " ..." } else { "" }
+        ));
+        // The chain and the fold break too; the seqs say it all.
+        return problems;
+    }
     let mut folded = None;
     let mut prev = None;
     let mut dispatched = std::collections::BTreeSet::new();
-    for (i, event) in events.iter().enumerate() {
-        assert_eq!(event.seq, i as i64 + 1, "{run_id}: seq gap or repeat");
-        assert_eq!(event.prev_hash, prev, "{run_id}: hash chain");
-        assert_eq!(
-            event.hash.as_deref(),
-            Some(event.compute_hash().as_str()),
-            "{run_id}: hash"
-        );
+    for event in events {
+        if event.prev_hash != prev {
+            problems.push(format!("{run_id}: hash chain broken at seq {}", event.seq));
+        }
+        if event.hash.as_deref() != Some(event.compute_hash().as_str()) {
+            problems.push(format!("{run_id}: hash of seq {}", event.seq));
+        }
         prev = event.hash.clone();
         if let sortie_core::EventBody::StepDispatched {
             step_id, attempt, ..
         } = &event.body
         {
-            assert!(
-                dispatched.insert((step_id.clone(), *attempt)),
-                "{run_id}: {step_id} attempt {attempt} dispatched twice"
-            );
+            if !dispatched.insert((step_id.clone(), *attempt)) {
+                problems.push(format!(
+                    "{run_id}: {step_id} attempt {attempt} dispatched twice"
+                ));
+            }
         }
         folded = sortie_core::evolve(folded, event);
     }
-    assert_eq!(
-        folded.as_ref(),
-        Some(state),
-        "{run_id}: folding the history does not give the changelog state"
-    );
+    if folded.as_ref() != Some(state) {
+        problems.push(format!(
+            "{run_id}: folding the history does not give the changelog state"
+        ));
+    }
+    problems
 }
 
 impl Stack {
@@ -918,4 +976,162 @@ pub fn metric_sum(metrics: &BTreeMap<String, f64>, name: &str, labels: &[(&str, 
         })
         .map(|(_, value)| value)
         .sum()
+}
+
+// ---------------------------------------------------------------- chaos
+
+/// SplitMix64: small, seedable, good enough to draw a workload and a fault schedule.
+#[derive(Debug, Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+
+    /// Uniform in `low..high` (milliseconds resolution).
+    pub fn between(&mut self, low: Duration, high: Duration) -> Duration {
+        let span = high.saturating_sub(low).as_millis() as u64;
+        low + Duration::from_millis(self.below(span.max(1)))
+    }
+}
+
+/// The seed in the environment variable `var`, else one from the clock. Tests print it
+/// first so that `var=<seed>` replays the same workload and schedule.
+pub fn seed_from_env(var: &str) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(7)
+        })
+}
+
+/// A number from the environment variable `var`, else `default`.
+pub fn env_number(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+impl Stack {
+    /// Produces many commands at once (one producer, every delivery awaited), each keyed
+    /// by its run id with the Java-compatible partitioner like [`Stack::send`].
+    pub async fn send_many(&self, commands: &[w::RunCommand]) {
+        let mut records = Vec::with_capacity(commands.len());
+        for command in commands {
+            let bytes = self
+                .codec
+                .encode(&self.topics.commands(), command)
+                .await
+                .expect("encode command");
+            records.push((command.run_id.clone(), bytes));
+        }
+        crate::produce(&self.bootstrap, &self.topics.commands(), &records).await;
+    }
+
+    /// Produces `commands` one by one, evenly spread over `over` (one producer; every
+    /// delivery awaited), so commands keep arriving while a test changes things around.
+    pub async fn send_spread(&self, commands: &[w::RunCommand], over: Duration) {
+        let producer: FutureProducer = self.kafka.producer().create().expect("producer");
+        let topic = self.topics.commands();
+        let gap = over / (commands.len().max(1) as u32);
+        let start = std::time::Instant::now();
+        let mut deliveries = Vec::with_capacity(commands.len());
+        for (i, command) in commands.iter().enumerate() {
+            let due = gap * i as u32;
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+            let bytes = self
+                .codec
+                .encode(&topic, command)
+                .await
+                .expect("encode command");
+            let record = FutureRecord::to(&topic)
+                .key(command.run_id.as_bytes())
+                .payload(&bytes);
+            match producer.send_result(record) {
+                Ok(delivery) => deliveries.push(delivery),
+                Err((error, _)) => panic!("producing to {topic}: {error}"),
+            }
+        }
+        for delivery in deliveries {
+            match delivery.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((error, _))) => panic!("producing to {topic}: {error}"),
+                Err(_) => panic!("producing to {topic}: the delivery was cancelled"),
+            }
+        }
+    }
+
+    /// Every `(queue, operation_id, attempt)` committed more than once on any intents
+    /// topic, with how many times (read_committed). Empty: no executor can see an intent
+    /// twice.
+    pub async fn repeated_intents(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for queue in &self.queues {
+            let mut seen: BTreeMap<(String, i32), usize> = BTreeMap::new();
+            for intent in self.intents(queue).await {
+                *seen
+                    .entry((intent.operation_id, intent.attempt))
+                    .or_default() += 1;
+            }
+            for ((op, attempt), n) in seen {
+                if n > 1 {
+                    problems.push(format!(
+                        "intents.{queue}: {op} attempt {attempt} committed {n} times"
+                    ));
+                }
+            }
+        }
+        problems
+    }
+}
+
+impl Process {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether it still runs (never blocks).
+    pub fn is_running(&mut self) -> bool {
+        self.try_exit().is_none()
+    }
+}
+
+impl PrivateBroker {
+    /// SIGKILL to the broker's JVM (its pid from `broker.pid` in the data dir, which
+    /// `sortie_kafka::local` writes on start), no clean shutdown: what a machine crash
+    /// looks like to the clients. Returns the pid it killed. The data stays;
+    /// [`PrivateBroker::ensure_running`] restarts it on the same data (log recovery).
+    pub async fn kill(&self) -> u32 {
+        let broker = self.broker.clone();
+        tokio::task::spawn_blocking(move || broker.kill())
+            .await
+            .expect("the kill task panicked")
+            .unwrap_or_else(|e| panic!("killing the private broker: {e}"))
+            .expect("the private broker was running")
+    }
 }
