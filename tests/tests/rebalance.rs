@@ -1,0 +1,774 @@
+//! Group membership under load, and a broker that dies without a clean shutdown.
+//!
+//! `runs_survive_rebalances_under_load`: a topology of 12 run partitions shared by three
+//! reducer processes (distinct instance ids, transactional ids and data dirs) and two
+//! executor processes, a few hundred runs of short graphs whose steps call a ledger as
+//! `keyed`, `reconcilable` and `unsafe` receivers, and, while they are in flight, a
+//! seeded schedule of membership changes: a reducer leaves (SIGTERM) and rejoins, a
+//! reducer dies (SIGKILL) and is restarted, an extra reducer joins (and later leaves), an
+//! executor dies (SIGKILL) and is restarted. At least one reducer and one executor live
+//! at every moment; at the end the full set is back. Every partition moves several
+//! times, so a batch committed after its partitions moved (a revocation that does not
+//! end the open transaction) shows up as a repeated seq, an intent committed twice or a
+//! second call in the ledger.
+//!
+//! The seed is printed first; `SORTIE_REBALANCE_SEED=<seed>` replays the same workload
+//! and schedule (process timing still varies); `SORTIE_REBALANCE_RUNS` sets the number of
+//! runs and `SORTIE_REBALANCE_FAULTS` the number of membership changes.
+//!
+//! `a_broker_sigkill_mid_run_loses_nothing`: the same graphs on a broker of the test's
+//! own that is SIGKILLed with runs in flight and restarted on its data.
+//!
+//! Both are heavy for a 2-core machine, so they take turns (`HEAVY`).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use sortie_core::state::StepStatus;
+use sortie_core::{EventBody, RunState, RunStatus, SideEffect};
+use sortie_tests::stack::{
+    env_number, history_problems, seed_from_env, start_run, LedgerProcess, PrivateBroker, Process,
+    Rng, Stack,
+};
+use sortie_wire::records as w;
+
+/// The tests of this file take turns: each alone loads both cores.
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const RUN_PARTITIONS: u32 = 12;
+/// Reducers 0..3 are the regular set; reducer 3 is the extra one that joins and leaves.
+const REDUCERS: usize = 3;
+const EXTRA: usize = 3;
+const EXECUTORS: usize = 2;
+
+// ---------------------------------------------------------------- graphs and ledgers
+
+/// The three ledgers: one per receiver contract (a ledger has one mode).
+const LEDGERS: [(&str, &str); 3] = [
+    ("keyed", "keyed"),
+    ("recon", "reconcilable"),
+    ("plain", "plain"),
+];
+
+/// Short graphs mixing the three classes. Timeouts outlast every outage the schedule
+/// causes plus the queueing of a loaded 2-core machine, so an attempt is re-dispatched
+/// only when an executor died holding it: a `keyed` repeat is absorbed by the ledger; a
+/// `reconcilable` attempt 2 asks the receiver first (and stays clear of the known defect
+/// of two attempts running at once, see soak.rs); an `unsafe` one waits for an operator.
+fn graphs(keyed: &str, recon: &str, plain: &str) -> Vec<String> {
+    let retry = "retry: {max_attempts: 8, initial_backoff: 200ms, max_backoff: 1s, multiplier: 2.0, jitter: 0.1}";
+    let keyed_step = |id: &str| {
+        format!(
+            "  - id: {id}\n    tool: http\n    side_effect: keyed\n    args: {{n: $input.n}}\n    config: {{url: \"{keyed}/effects/{id}\"}}\n    timeout: 20s\n    {retry}\n"
+        )
+    };
+    let recon_step = |id: &str, after: &str| {
+        format!(
+            "  - id: {id}\n    tool: http\n    side_effect: reconcilable\n    args: {{n: $input.n, after: $steps.{after}.output.ledger_seq}}\n    config: {{url: \"{recon}/effects/{id}\", status_url: \"{recon}/status\"}}\n    timeout: 25s\n    {retry}\n"
+        )
+    };
+    let unsafe_step = |id: &str| {
+        format!(
+            "  - id: {id}\n    tool: http\n    side_effect: unsafe\n    args: {{n: $input.n}}\n    config: {{url: \"{plain}/effects/{id}\"}}\n    timeout: 20s\n    {retry}\n"
+        )
+    };
+    vec![
+        // keyed → reconcilable
+        format!(
+            "id: order\nversion: 1\nnodes:\n{}{}edges:\n  - {{from: reserve, to: book}}\n",
+            keyed_step("reserve"),
+            recon_step("book", "reserve"),
+        ),
+        // unsafe → pure
+        format!(
+            "id: notify\nversion: 1\nnodes:\n{}  - {{id: receipt, tool: echo, side_effect: pure, args: {{seq: $steps.send.output.ledger_seq}}}}\nedges:\n  - {{from: send, to: receipt}}\n",
+            unsafe_step("send"),
+        ),
+        // keyed → unsafe → reconcilable
+        format!(
+            "id: mixed\nversion: 1\nnodes:\n{}{}{}edges:\n  - {{from: hold, to: ping}}\n  - {{from: ping, to: confirm}}\n",
+            keyed_step("hold"),
+            unsafe_step("ping"),
+            recon_step("confirm", "ping"),
+        ),
+    ]
+}
+
+const GRAPHS: [&str; 3] = ["order", "notify", "mixed"];
+
+/// Which ledger a node's calls go to.
+fn ledger_of(node: &str) -> &'static str {
+    match node {
+        "reserve" | "hold" => "keyed",
+        "book" | "confirm" => "recon",
+        _ => "plain",
+    }
+}
+
+async fn ledgers(stack: &Stack) -> BTreeMap<&'static str, LedgerProcess> {
+    let mut out = BTreeMap::new();
+    for (name, mode) in LEDGERS {
+        out.insert(name, stack.ledger_process(name, mode).await);
+    }
+    let g = graphs(&out["keyed"].url, &out["recon"].url, &out["plain"].url);
+    for graph in g {
+        stack.publish(&graph).await;
+    }
+    out
+}
+
+fn run_commands(seed: u64, n: usize) -> Vec<w::RunCommand> {
+    let mut rng = Rng(seed ^ 0x5151);
+    (0..n)
+        .map(|i| {
+            let graph = *rng.pick(&GRAPHS);
+            start_run(&format!("run-{i}"), graph, &json!({ "n": i }).to_string())
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- the checks
+
+/// What the runs may have been through.
+struct Allowed {
+    /// An executor was SIGKILLed: an `unsafe` step whose STARTED was recorded may have
+    /// lost its outcome and wait for an operator.
+    executor_killed: bool,
+}
+
+/// Whether a run is settled: terminal, or waiting for an operator.
+fn settled(state: &RunState) -> bool {
+    state.status.is_terminal() || state.status == RunStatus::NeedsReconciliation
+}
+
+/// Every end-of-test check on the committed topics and the ledgers; returns what is
+/// wrong (empty: every promise kept).
+async fn check(
+    stack: &Stack,
+    ledgers: &BTreeMap<&'static str, LedgerProcess>,
+    runs: &[String],
+    states: &HashMap<String, RunState>,
+    allowed: &Allowed,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let events = stack.events().await;
+    let mut snapshots = BTreeMap::new();
+    for (name, ledger) in ledgers {
+        snapshots.insert(*name, ledger.snapshot().await);
+    }
+    let mut known: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    for run in runs {
+        let Some(state) = states.get(run) else {
+            problems.push(format!("{run}: no state"));
+            continue;
+        };
+        let history = events.get(run).map_or(&[][..], Vec::as_slice);
+        problems.extend(history_problems(run, history, state));
+        let started: BTreeSet<(&str, u32)> = history
+            .iter()
+            .filter_map(|e| match &e.body {
+                EventBody::StepStarted { step_id, attempt } => Some((step_id.as_str(), *attempt)),
+                _ => None,
+            })
+            .collect();
+        // Each StartRun was produced once: a second CommandAccepted (even one answered
+        // as a duplicate) means an input was applied twice, by two owners of a partition
+        // or by one that read it again past a commit.
+        let accepted: Vec<bool> = history
+            .iter()
+            .filter_map(|e| match &e.body {
+                EventBody::CommandAccepted { duplicate, .. } => Some(*duplicate),
+                _ => None,
+            })
+            .collect();
+        if accepted != [false] {
+            problems.push(format!(
+                "{run}: its one StartRun was accepted {} times (duplicate flags {accepted:?})",
+                accepted.len()
+            ));
+        }
+        match state.status {
+            RunStatus::Succeeded => {}
+            RunStatus::NeedsReconciliation => {
+                // Legitimate only for an unsafe step whose executor died after recording
+                // STARTED (the intent's offset is committed before the call, so nobody
+                // takes it again): the ledger has at most one call, checked below.
+                for step in state
+                    .steps
+                    .values()
+                    .filter(|s| s.status == StepStatus::NeedsOperator)
+                {
+                    let why = if step.side_effect != SideEffect::Unsafe {
+                        Some("a non-unsafe step")
+                    } else if !allowed.executor_killed {
+                        Some("no executor was killed")
+                    } else if !started.contains(&(step.step_id.as_str(), step.attempt)) {
+                        Some("no STARTED was recorded (a timeout under load?)")
+                    } else {
+                        None
+                    };
+                    if let Some(why) = why {
+                        problems.push(format!(
+                            "{run}: needs reconciliation of {} ({:?}): {why}",
+                            step.step_id, step.side_effect
+                        ));
+                    }
+                }
+            }
+            other => problems.push(format!("{run}: ended {other:?}")),
+        }
+        for step in state.steps.values().filter(|s| s.tool == "http") {
+            let name = ledger_of(&step.node);
+            let snapshot = &snapshots[name];
+            let op = &step.operation_id;
+            known.entry(name).or_default().insert(op.clone());
+            let (effects, calls) = (snapshot.effects(op), snapshot.calls(op));
+            let first = snapshot
+                .calls
+                .iter()
+                .find(|c| c.operation_id.as_deref() == Some(op.as_str()))
+                .map(|c| &c.answer);
+            let succeeded = step.status == StepStatus::Succeeded;
+            let id = format!(
+                "{run} {} ({:?}, attempt {})",
+                step.step_id, step.side_effect, step.attempt
+            );
+            match step.side_effect {
+                SideEffect::Unsafe if succeeded && calls != 1 => {
+                    problems.push(format!("{id}: succeeded, called {calls} times"));
+                }
+                SideEffect::Unsafe if calls > 1 => {
+                    problems.push(format!("{id}: {:?}, called {calls} times", step.status));
+                }
+                SideEffect::Keyed if succeeded && effects != 1 => {
+                    problems.push(format!("{id}: succeeded with {effects} effects"));
+                }
+                _ if effects > 1 => {
+                    problems.push(format!("{id}: {:?} with {effects} effects", step.status));
+                }
+                _ if succeeded && effects != 1 => {
+                    problems.push(format!("{id}: succeeded with {effects} effects"));
+                }
+                _ => {}
+            }
+            if succeeded && step.output.as_ref() != first {
+                problems.push(format!(
+                    "{id}: output {:?} is not the receiver's first answer {first:?}",
+                    step.output
+                ));
+            }
+        }
+    }
+    for (name, snapshot) in &snapshots {
+        let known = known.get(name).cloned().unwrap_or_default();
+        for call in snapshot.calls.iter().filter(|c| c.effect) {
+            let op = call.operation_id.clone().unwrap_or_default();
+            if !known.contains(&op) {
+                problems.push(format!(
+                    "ledger {name}: an effect of unknown operation {op}"
+                ));
+            }
+        }
+    }
+    problems.extend(stack.repeated_intents().await);
+    let (clean, report) = stack.audit_verify().await;
+    if !clean || report["diverged"] != json!(0) {
+        problems.push(format!("audit replay --verify: {report}"));
+    }
+    problems
+}
+
+/// Waits until every run is settled (restarting nothing); panics with the stuck runs.
+async fn wait_settled(
+    stack: &Stack,
+    runs: &[String],
+    deadline: Duration,
+) -> HashMap<String, RunState> {
+    let until = Instant::now() + deadline;
+    loop {
+        let states = stack.states().await;
+        if runs.iter().all(|r| states.get(r).is_some_and(settled)) {
+            return states;
+        }
+        if Instant::now() > until {
+            let stuck: Vec<String> = runs
+                .iter()
+                .filter(|r| !states.get(*r).is_some_and(settled))
+                .take(20)
+                .map(|r| format!("{r}: {:?}", states.get(r).map(|s| s.status)))
+                .collect();
+            let n = runs
+                .iter()
+                .filter(|r| !states.get(*r).is_some_and(settled))
+                .count();
+            panic!("{n} runs did not settle within {deadline:?}, e.g. {stuck:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+fn by_status(states: &HashMap<String, RunState>, runs: &[String]) -> BTreeMap<&'static str, usize> {
+    let mut out = BTreeMap::new();
+    for run in runs {
+        if let Some(state) = states.get(run) {
+            *out.entry(state.status.as_str()).or_default() += 1;
+        }
+    }
+    out
+}
+
+fn fail_with(seed_hint: &str, problems: &[String]) {
+    if problems.is_empty() {
+        return;
+    }
+    let shown: Vec<&String> = problems.iter().take(40).collect();
+    panic!(
+        "{seed_hint}: {} problems (first {}):\n{shown:#?}",
+        problems.len(),
+        shown.len()
+    );
+}
+
+// ---------------------------------------------------------------- membership schedule
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    /// SIGTERM: a clean leave (the group rebalances at once).
+    ReducerLeave(usize),
+    /// SIGKILL: the group notices after the session timeout.
+    ReducerKill(usize),
+    /// Start (or restart, on its data dir) a reducer; `EXTRA` is a new member.
+    ReducerStart(usize),
+    ExecutorKill(usize),
+    ExecutorStart(usize),
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::ReducerLeave(i) => write!(f, "reducer r{i} leaves (SIGTERM)"),
+            Action::ReducerKill(i) => write!(f, "reducer r{i} dies (SIGKILL)"),
+            Action::ReducerStart(i) => write!(f, "reducer r{i} (re)joins"),
+            Action::ExecutorKill(i) => write!(f, "executor e{i} dies (SIGKILL)"),
+            Action::ExecutorStart(i) => write!(f, "executor e{i} restarts"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Leave,
+    Kill,
+    Join,
+    ExecutorKill,
+}
+
+/// `faults` membership changes from `start`, each a down and a later up, every kind at
+/// least once (in a seeded order), never leaving no reducer or no executor alive.
+fn schedule(rng: &mut Rng, faults: usize, start: Duration) -> Vec<(Duration, Action)> {
+    let mut kinds = vec![Kind::Leave, Kind::Kill, Kind::Join, Kind::ExecutorKill];
+    for i in (1..kinds.len()).rev() {
+        kinds.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    while kinds.len() < faults {
+        kinds.push(*rng.pick(&[
+            Kind::Leave,
+            Kind::Kill,
+            Kind::Kill,
+            Kind::Join,
+            Kind::ExecutorKill,
+        ]));
+    }
+    kinds.truncate(faults.max(4));
+
+    let mut reducers: BTreeSet<usize> = (0..REDUCERS).collect();
+    let mut executors: BTreeSet<usize> = (0..EXECUTORS).collect();
+    let mut out: Vec<(Duration, Action)> = Vec::new();
+    // Ups not yet applied to the simulated membership.
+    let mut ups: Vec<(Duration, Action)> = Vec::new();
+    let mut at = start;
+    for kind in kinds {
+        at += rng.between(Duration::from_millis(1500), Duration::from_millis(3500));
+        loop {
+            // Apply every up due by now.
+            ups.sort_by_key(|(t, _)| *t);
+            while ups.first().is_some_and(|(t, _)| *t <= at) {
+                let (_, up) = ups.remove(0);
+                match up {
+                    Action::ReducerStart(i) => reducers.insert(i),
+                    Action::ExecutorStart(i) => executors.insert(i),
+                    Action::ReducerLeave(i) => reducers.remove(&i),
+                    _ => false,
+                };
+            }
+            let regular: Vec<usize> = reducers.iter().copied().filter(|i| *i < REDUCERS).collect();
+            let possible = match kind {
+                // A regular reducer stays: the extra one may leave at any time.
+                Kind::Leave | Kind::Kill => regular.len() >= 2,
+                Kind::Join => !reducers.contains(&EXTRA),
+                Kind::ExecutorKill => executors.len() >= 2,
+            };
+            if possible {
+                break;
+            }
+            // Wait for the next up (there is one: something is down).
+            at = ups.iter().map(|(t, _)| *t).min().unwrap_or(at) + Duration::from_millis(200);
+        }
+        let regular: Vec<usize> = reducers.iter().copied().filter(|i| *i < REDUCERS).collect();
+        let gap = rng.between(Duration::from_secs(2), Duration::from_secs(7));
+        let (down, up) = match kind {
+            Kind::Leave => {
+                let r = *rng.pick(&regular);
+                (Action::ReducerLeave(r), Action::ReducerStart(r))
+            }
+            Kind::Kill => {
+                let r = *rng.pick(&regular);
+                (Action::ReducerKill(r), Action::ReducerStart(r))
+            }
+            Kind::Join => (Action::ReducerStart(EXTRA), Action::ReducerLeave(EXTRA)),
+            Kind::ExecutorKill => {
+                let e = *rng.pick(&executors.iter().copied().collect::<Vec<_>>());
+                (Action::ExecutorKill(e), Action::ExecutorStart(e))
+            }
+        };
+        match down {
+            Action::ReducerLeave(i) | Action::ReducerKill(i) => {
+                reducers.remove(&i);
+            }
+            Action::ReducerStart(i) => {
+                reducers.insert(i);
+            }
+            Action::ExecutorKill(i) => {
+                executors.remove(&i);
+            }
+            Action::ExecutorStart(_) => {}
+        }
+        out.push((at, down));
+        out.push((at + gap, up));
+        ups.push((at + gap, up));
+    }
+    out.sort_by_key(|(t, _)| *t);
+    out
+}
+
+/// The reducer and executor processes, by index (`None`: down on purpose).
+struct Members<'s> {
+    stack: &'s Stack,
+    /// The reducers' `--commit-interval-ms`: how long a batch stays open.
+    commit_interval_ms: u64,
+    reducers: Vec<Option<Process>>,
+    executors: Vec<Option<Process>>,
+    applied: Vec<String>,
+    /// Processes that exited without being told to (each a problem).
+    unexpected: Vec<String>,
+    executor_killed: bool,
+}
+
+impl<'s> Members<'s> {
+    fn start(stack: &'s Stack, commit_interval_ms: u64) -> Members<'s> {
+        let mut members = Members {
+            stack,
+            commit_interval_ms,
+            reducers: (0..=EXTRA).map(|_| None).collect(),
+            executors: (0..EXECUTORS).map(|_| None).collect(),
+            applied: Vec::new(),
+            unexpected: Vec::new(),
+            executor_killed: false,
+        };
+        for i in 0..REDUCERS {
+            members.reducers[i] = Some(members.reducer(i));
+        }
+        for i in 0..EXECUTORS {
+            members.executors[i] = Some(members.executor(i));
+        }
+        members
+    }
+
+    fn reducer(&self, i: usize) -> Process {
+        let interval = self.commit_interval_ms.to_string();
+        self.stack.reducer_with(
+            &format!("r{i}"),
+            &["--commit-interval-ms", interval.as_str()],
+        )
+    }
+
+    fn executor(&self, i: usize) -> Process {
+        self.stack
+            .executor_process(&format!("e{i}"), &["default"], &[])
+    }
+
+    fn apply(&mut self, at: Duration, action: Action) {
+        match action {
+            Action::ReducerLeave(i) => {
+                if let Some(mut p) = self.reducers[i].take() {
+                    tokio::task::block_in_place(|| p.stop());
+                }
+            }
+            Action::ReducerKill(i) => {
+                if let Some(mut p) = self.reducers[i].take() {
+                    p.kill();
+                }
+            }
+            Action::ReducerStart(i) => {
+                if self.reducers[i].is_none() {
+                    self.reducers[i] = Some(self.reducer(i));
+                }
+            }
+            Action::ExecutorKill(i) => {
+                if let Some(mut p) = self.executors[i].take() {
+                    p.kill();
+                    self.executor_killed = true;
+                }
+            }
+            Action::ExecutorStart(i) => {
+                if self.executors[i].is_none() {
+                    self.executors[i] = Some(self.executor(i));
+                }
+            }
+        }
+        self.applied
+            .push(format!("{:>5.1}s {action}", at.as_secs_f64()));
+    }
+
+    /// Restarts any member that exited without being told to, and records it.
+    fn supervise(&mut self) {
+        for i in 0..self.reducers.len() {
+            if let Some(p) = self.reducers[i].as_mut() {
+                if let Some(status) = p.try_exit() {
+                    self.unexpected.push(format!(
+                        "reducer r{i} exited on its own ({status}); see {}",
+                        p.log.display()
+                    ));
+                    self.reducers[i] = Some(self.reducer(i));
+                }
+            }
+        }
+        for i in 0..self.executors.len() {
+            if let Some(p) = self.executors[i].as_mut() {
+                if let Some(status) = p.try_exit() {
+                    self.unexpected.push(format!(
+                        "executor e{i} exited on its own ({status}); see {}",
+                        p.log.display()
+                    ));
+                    self.executors[i] = Some(self.executor(i));
+                }
+            }
+        }
+    }
+
+    /// The full set: the regular reducers and every executor running.
+    fn restore_full_set(&mut self, at: Duration) {
+        for i in 0..REDUCERS {
+            if self.reducers[i].is_none() {
+                self.apply(at, Action::ReducerStart(i));
+            }
+        }
+        for i in 0..EXECUTORS {
+            if self.executors[i].is_none() {
+                self.apply(at, Action::ExecutorStart(i));
+            }
+        }
+    }
+
+    /// How many assignments the reducers' logs show (every spawn of every instance).
+    fn assignments(&self) -> usize {
+        (0..=EXTRA)
+            .map(|i| {
+                std::fs::read_to_string(self.stack.dir.join(format!("reducer-r{i}.log")))
+                    .unwrap_or_default()
+                    .matches("Partitions assigned.")
+                    .count()
+            })
+            .sum()
+    }
+}
+
+// ---------------------------------------------------------------- the tests
+
+/// Prints how to replay a failing seed.
+struct ReplayHint(String);
+
+impl Drop for ReplayHint {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("FAILED; replay: {}", self.0);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_survive_rebalances_under_load() {
+    let _turn = HEAVY.lock().await;
+    let seed = seed_from_env("SORTIE_REBALANCE_SEED");
+    let n = env_number("SORTIE_REBALANCE_RUNS", 300);
+    let faults = env_number("SORTIE_REBALANCE_FAULTS", 10);
+    let commit_interval_ms = env_number("SORTIE_REBALANCE_COMMIT_INTERVAL_MS", 100) as u64;
+    let replay = format!(
+        "SORTIE_REBALANCE_SEED={seed} SORTIE_REBALANCE_RUNS={n} SORTIE_REBALANCE_FAULTS={faults} \
+         cargo test -p sortie-tests --test rebalance -- runs_survive_rebalances_under_load"
+    );
+    println!("rebalance: seed {seed}, {n} runs, {faults} membership changes; replay: {replay}");
+    let _hint = ReplayHint(replay.clone());
+    let began = Instant::now();
+    let mut rng = Rng(seed);
+
+    let stack = Stack::start_with_partitions("rebalance", &[], RUN_PARTITIONS).await;
+    let ledgers = ledgers(&stack).await;
+    let commands = run_commands(seed, n);
+    let runs: Vec<String> = commands.iter().map(|c| c.run_id.clone()).collect();
+    let mut members = Members::start(&stack, commit_interval_ms);
+    // Everyone in the group before the load starts: the first faults then move real work.
+    let ready = Instant::now();
+    for i in 0..REDUCERS {
+        let p = members.reducers[i].as_ref().expect("started");
+        let url = p.metrics_url().await;
+        sortie_tests::wait_until(
+            &format!("reducer r{i} to be ready"),
+            Duration::from_secs(90),
+            || {
+                let url = url.clone();
+                async move {
+                    reqwest::get(format!("{url}/readyz"))
+                        .await
+                        .is_ok_and(|r| r.status().is_success())
+                }
+            },
+        )
+        .await;
+    }
+    println!(
+        "rebalance: 3 reducers ready in {:.1}s",
+        ready.elapsed().as_secs_f64()
+    );
+
+    // StartRuns arrive one by one across the whole schedule, so every membership change
+    // moves partitions with commands and results in open batches and intents out (a
+    // command applied twice shows as a second CommandAccepted).
+    let plan = schedule(&mut rng, faults, Duration::from_millis(1500));
+    println!("rebalance: schedule:");
+    for (at, action) in &plan {
+        println!("  {:>5.1}s {action}", at.as_secs_f64());
+    }
+    let window = plan.last().map_or(Duration::from_secs(10), |(at, _)| *at);
+    let chaos = Instant::now();
+    let faults_applied = async {
+        for (at, action) in &plan {
+            while chaos.elapsed() < *at {
+                members.supervise();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            members.apply(chaos.elapsed(), *action);
+        }
+        members.restore_full_set(chaos.elapsed());
+    };
+    tokio::join!(stack.send_spread(&commands, window), faults_applied);
+    let chaos_took = chaos.elapsed();
+
+    let settle = Instant::now();
+    let states = tokio::select! {
+        states = wait_settled(&stack, &runs, Duration::from_secs(150)) => states,
+        _ = async {
+            loop {
+                members.supervise();
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        } => unreachable!(),
+    };
+    let settle_took = settle.elapsed();
+
+    let mut problems = std::mem::take(&mut members.unexpected);
+    problems.extend(
+        check(
+            &stack,
+            &ledgers,
+            &runs,
+            &states,
+            &Allowed {
+                executor_killed: members.executor_killed,
+            },
+        )
+        .await,
+    );
+    let assignments = members.assignments();
+    if assignments < REDUCERS + 3 {
+        problems.push(format!(
+            "the reducers' logs show {assignments} assignments: the schedule moved too little"
+        ));
+    }
+    println!(
+        "rebalance: seed {seed} — {n} runs {:?}; {} membership changes applied:\n  {}\n\
+         reducer assignments {assignments}; chaos {:.1}s, settle {:.1}s, total {:.1}s",
+        by_status(&states, &runs),
+        members.applied.len(),
+        members.applied.join("\n  "),
+        chaos_took.as_secs_f64(),
+        settle_took.as_secs_f64(),
+        began.elapsed().as_secs_f64()
+    );
+    fail_with(&format!("seed {seed}"), &problems);
+}
+
+/// SIGKILL (not a clean stop) of a broker of the test's own with runs in flight at every
+/// stage of the three receiver classes; started again on its data, it recovers its logs
+/// and its transaction state, and every run finishes: one effect per operation (one call
+/// per unsafe operation), each event and intent committed once, audit clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_sigkill_mid_run_loses_nothing() {
+    let _turn = HEAVY.lock().await;
+    let began = Instant::now();
+    let broker = PrivateBroker::start("sigkill-broker").await;
+    let stack = Stack::start_on_with_partitions(broker.bootstrap(), "sigkill-broker", &[], 3).await;
+    let ledgers = ledgers(&stack).await;
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let _reducer = stack.reducer("0");
+    // Slow receivers, so runs are mid-call when the broker goes.
+    for ledger in ledgers.values() {
+        ledger.fault(json!({"delay_ms": 700, "times": 1000})).await;
+    }
+    let commands = run_commands(0xB0B, 36);
+    let runs: Vec<String> = commands.iter().map(|c| c.run_id.clone()).collect();
+    let (before, after) = commands.split_at(24);
+    stack.send_many(before).await;
+    sortie_tests::wait_until(
+        "a receiver call on every ledger",
+        Duration::from_secs(90),
+        || async {
+            let mut all = true;
+            for ledger in ledgers.values() {
+                all &= !ledger.snapshot().await.calls.is_empty();
+            }
+            all
+        },
+    )
+    .await;
+    let pid = broker.kill().await;
+    let down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await; // down for a moment, not just a blip
+    broker.ensure_running().await;
+    println!(
+        "sigkill: broker pid {pid} SIGKILLed, back after {:.1}s",
+        down.elapsed().as_secs_f64()
+    );
+    stack.send_many(after).await;
+
+    let states = wait_settled(&stack, &runs, Duration::from_secs(150)).await;
+    let problems = check(
+        &stack,
+        &ledgers,
+        &runs,
+        &states,
+        &Allowed {
+            executor_killed: false,
+        },
+    )
+    .await;
+    println!(
+        "sigkill: {} runs {:?}; total {:.1}s",
+        runs.len(),
+        by_status(&states, &runs),
+        began.elapsed().as_secs_f64()
+    );
+    fail_with("broker sigkill", &problems);
+}
