@@ -985,6 +985,7 @@ pub fn metric_sum(metrics: &BTreeMap<String, f64>, name: &str, labels: &[(&str, 
 pub struct Rng(pub u64);
 
 impl Rng {
+    #[allow(clippy::should_implement_trait)] // an infinite stream of u64, not an iterator
     pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

@@ -578,7 +578,7 @@ impl<'s> Members<'s> {
             .map(|i| {
                 std::fs::read_to_string(self.stack.dir.join(format!("reducer-r{i}.log")))
                     .unwrap_or_default()
-                    .matches("Partitions assigned.")
+                    .matches("Partitions assigned")
                     .count()
             })
             .sum()

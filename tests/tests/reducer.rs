@@ -494,7 +494,7 @@ async fn a_huge_input_and_a_poison_run_id_do_not_stop_their_partition() {
     stack
         .wait_for_states(
             "the run after the poison to finish",
-            &[good.clone()],
+            std::slice::from_ref(&good),
             LONG,
             succeeded,
         )
