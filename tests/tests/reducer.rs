@@ -607,3 +607,74 @@ async fn an_undecodable_changelog_record_stops_its_partition_loudly() {
         events.get(&victim)
     );
 }
+
+/// Issue 12.1, deterministically: a batch still open when the group rebalances is
+/// committed inside the revoke callback, before its partitions move, so the new owner
+/// continues from its offsets. Both reducers keep batches open for 6 s (`--batch-linger-ms`),
+/// so a batch is certainly open at the revocation. Checked: with the commit in
+/// `tasks::on_revoke` skipped (the batch outliving its partitions, as before), the old
+/// owner commits the batch later with the new generation's metadata while the new owner
+/// has already applied the same commands: every moved run starts twice (duplicate seq).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_open_at_a_revocation_is_committed_before_its_partitions_move() {
+    let stack = Stack::start("reducer-revoke", &[THREE_STEPS]).await;
+    let linger = ["--commit-interval-ms", "6000", "--batch-linger-ms", "6000"];
+    let first = stack.reducer_with("0", &linger);
+    let url = first.metrics_url().await;
+    sortie_tests::wait_until("the first reducer to be ready", LONG, || async {
+        reqwest::get(format!("{url}/readyz"))
+            .await
+            .is_ok_and(|r| r.status().is_success())
+    })
+    .await;
+    let runs: Vec<String> = (0..PARTITIONS as i32)
+        .flat_map(|p| {
+            (0..1000)
+                .map(|i| format!("run-revoke-{i}"))
+                .filter(move |id| partition_for(id.as_bytes(), PARTITIONS) == p)
+                .take(2)
+        })
+        .collect();
+    for run in &runs {
+        stack.send(&start_run(run, "three", "{}")).await;
+    }
+    // Give the first reducer a moment to read them into its open batch (if it has not,
+    // the test proves nothing but cannot fail wrongly).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = stack.reducer_with("1", &linger);
+    let _executor = stack.executor("default", succeed);
+    // Every run finishes (3 steps, each through a lingering batch): by then any batch of
+    // the old owner that outlived its partitions would have been committed too.
+    sortie_tests::wait_until("every run to succeed", LONG, || async {
+        let events = stack.events().await;
+        runs.iter().all(|run| {
+            events.get(run).is_some_and(|history| {
+                history.iter().any(|e| {
+                    matches!(
+                        e.body,
+                        EventBody::RunStatusChanged {
+                            status: RunStatus::Succeeded,
+                            ..
+                        }
+                    )
+                })
+            })
+        })
+    })
+    .await;
+    let events = stack.events().await;
+    for run in &runs {
+        let history = &events[run];
+        let started = history
+            .iter()
+            .filter(|e| matches!(e.body, EventBody::RunStarted { .. }))
+            .count();
+        let seqs: BTreeSet<i64> = history.iter().map(|e| e.seq).collect();
+        assert_eq!(started, 1, "{run} started {started} times: {history:?}");
+        assert_eq!(seqs.len(), history.len(), "{run} has a repeated seq");
+    }
+    assert!(
+        first.own_log_text().contains("Partitions revoked"),
+        "the first reducer gave partitions up"
+    );
+}

@@ -45,6 +45,10 @@ pub struct Args {
         default_value_t = 100
     )]
     commit_interval_ms: u64,
+    /// Keep a batch open at least this long even when no input is waiting (0: commit as
+    /// soon as no input waits). Larger transactions for more latency.
+    #[arg(long, env = "SORTIE__REDUCER__BATCH_LINGER_MS", default_value_t = 0)]
+    batch_linger_ms: u64,
     #[arg(long, env = "SORTIE__REDUCER__MAX_BATCH", default_value_t = 500)]
     max_batch: usize,
     #[arg(
@@ -84,6 +88,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.instance_id = args.instance_id;
     config.static_membership = args.static_membership;
     config.commit_interval = Duration::from_millis(args.commit_interval_ms);
+    config.batch_linger = Duration::from_millis(args.batch_linger_ms);
     config.max_batch = args.max_batch;
     config.session_timeout = Duration::from_millis(args.session_timeout_ms);
     config.max_payload_bytes = args.max_payload_bytes;

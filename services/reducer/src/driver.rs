@@ -67,6 +67,9 @@ pub struct ReducerConfig {
     pub static_membership: bool,
     pub data_dir: PathBuf,
     pub commit_interval: Duration,
+    /// A batch stays open at least this long even when no input is waiting (0: adaptive,
+    /// commit as soon as no input waits).
+    pub batch_linger: Duration,
     pub max_batch: usize,
     pub max_payload_bytes: usize,
     pub session_timeout: Duration,
@@ -93,6 +96,7 @@ impl ReducerConfig {
             static_membership: false,
             data_dir,
             commit_interval: Duration::from_millis(100),
+            batch_linger: Duration::ZERO,
             max_batch: 500,
             max_payload_bytes: 1024 * 1024,
             session_timeout: Duration::from_secs(10),
@@ -178,6 +182,7 @@ struct Reducer {
     engine: Arc<Mutex<Engine>>,
     consumer: BaseConsumer<ReducerContext>,
     commit_interval: Duration,
+    batch_linger: Duration,
     max_batch: usize,
     gauges_published: Option<Instant>,
 }
@@ -275,6 +280,7 @@ impl Reducer {
             engine,
             consumer,
             commit_interval: config.commit_interval,
+            batch_linger: config.batch_linger,
             max_batch: config.max_batch.max(1),
             gauges_published: None,
         })
@@ -294,8 +300,10 @@ impl Reducer {
                 let engine = self.engine()?;
                 if engine.batch.is_empty() {
                     self.commit_interval.min(Duration::from_millis(100))
-                } else {
+                } else if self.batch_linger.is_zero() {
                     Duration::ZERO
+                } else {
+                    Duration::from_millis(10)
                 }
             };
             // Rebalance callbacks run inside this poll, on this thread.
@@ -325,7 +333,11 @@ impl Reducer {
                     .batch
                     .opened
                     .is_some_and(|at| at.elapsed() >= self.commit_interval);
-            if !engine.batch.is_empty() && (idle || full) {
+            let lingered = engine
+                .batch
+                .opened
+                .is_none_or(|at| at.elapsed() >= self.batch_linger);
+            if !engine.batch.is_empty() && ((idle && lingered) || full) {
                 commit(&mut engine, &self.consumer)?;
             }
             drop(engine);
