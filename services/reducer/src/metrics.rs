@@ -30,7 +30,8 @@ pub const BATCH_SIZE: &str = "sortie_reducer_batch_inputs";
 pub const COMMIT_SECONDS: &str = "sortie_reducer_transaction_commit_seconds";
 /// Transactions aborted or failed (the batch is applied again).
 pub const TRANSACTIONS_FAILED: &str = "sortie_reducer_transactions_failed_total";
-/// Restore of one partition from the changelog, by `warm` (true: from the cache marker).
+/// Restore of one assignment (all its partitions) from the changelog, by `warm` (true:
+/// every partition from its cache marker).
 pub const RESTORE_SECONDS: &str = "sortie_reducer_restore_seconds";
 /// Changelog records read by restores.
 pub const RECORDS_RESTORED: &str = "sortie_reducer_restored_records_total";
@@ -112,7 +113,7 @@ pub fn describe() {
     describe_histogram!(
         RESTORE_SECONDS,
         Unit::Seconds,
-        "Restore of one partition from sortie.run-state, by warm (from the cache marker) or cold."
+        "Restore of one assignment (all its partitions) from sortie.run-state, by warm (every partition from its cache marker) or cold."
     );
     describe_counter!(
         RECORDS_RESTORED,
