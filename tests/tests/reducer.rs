@@ -641,7 +641,7 @@ async fn a_batch_open_at_a_revocation_is_committed_before_its_partitions_move() 
     // Give the first reducer a moment to read them into its open batch (if it has not,
     // the test proves nothing but cannot fail wrongly).
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let second = stack.reducer_with("1", &linger);
+    let _second = stack.reducer_with("1", &linger);
     let _executor = stack.executor("default", succeed);
     // Every run finishes (3 steps, each through a lingering batch): by then any batch of
     // the old owner that outlived its partitions would have been committed too.
