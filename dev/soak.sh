@@ -7,6 +7,7 @@
 #   SORTIE_SOAK_RUNS=2000 SORTIE_SOAK_FAULTS=300 dev/soak.sh
 #   SORTIE_SOAK_SEED=1795947140307420890 dev/soak.sh   # replay a seed
 #
+# The schedule also has a second reducer join the group and leave it (SIGTERM).
 # Also: SORTIE_SOAK_RECON_TIMEOUT (the reconcilable step's timeout, default 8s; see the
 # known defect in soak.rs). Logs of every process: target/test-runs/t.soak.*/.
 set -euo pipefail

@@ -2,7 +2,9 @@
 //! and idempotent receiver calls; approval gates that are approved, rejected, cancelled or
 //! left waiting; runs cancelled in flight; duplicate commands), started through the gateway
 //! and straight on Kafka, while the reducer, the executor and the gateway are killed at
-//! random fault points (and by SIGKILL) on a schedule drawn from a seed.
+//! random fault points (and by SIGKILL) on a schedule drawn from a seed, and a second
+//! reducer instance joins the group and leaves it again (SIGTERM), so partitions move
+//! between live reducers too.
 //!
 //! At the end every run is terminal or waits on a human or an operator, the ledgers match
 //! every run's recorded effects, every committed history is gap-free and folds to its
@@ -20,7 +22,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sortie_core::state::StepStatus;
 use sortie_core::{RunState, RunStatus};
-use sortie_tests::stack::{check_history, command, start_run, LedgerProcess, Process, Stack};
+use sortie_tests::stack::{check_history, command, start_run, LedgerProcess, Process, Rng, Stack};
 use sortie_wire::records as w;
 
 const ALICE: &str = "acme:user:alice:approver:tok-alice";
@@ -39,47 +41,11 @@ struct Plan {
 
 impl Plan {
     fn seed() -> u64 {
-        std::env::var("SORTIE_SOAK_SEED")
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(7)
-            })
+        sortie_tests::stack::seed_from_env("SORTIE_SOAK_SEED")
     }
 
     fn env(name: &str, default: usize) -> usize {
-        std::env::var(name)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(default)
-    }
-}
-
-/// SplitMix64: small, seedable, good enough to draw a schedule.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len() as u64) as usize]
+        sortie_tests::stack::env_number(name, default)
     }
 }
 
@@ -150,10 +116,15 @@ enum Service {
     Reducer,
     Executor,
     Gateway,
+    /// A second reducer instance (dynamic membership) that joins the group and later
+    /// leaves it (SIGTERM): partitions move away from reducer 0 and back, with batches
+    /// open and intents out.
+    SecondReducer,
 }
 
 /// One scheduled fault: at `at` (from the start), replace `service`'s process by one that
 /// dies at `point` (the reducer: on its `after`-th pass), or (no point) just SIGKILL it.
+/// For [`Service::SecondReducer`] the point is `"join"` or `"leave"`.
 #[derive(Debug, Clone)]
 struct Fault {
     at: Duration,
@@ -163,42 +134,70 @@ struct Fault {
 }
 
 fn schedule(rng: &mut Rng, plan: &Plan, window: Duration) -> Vec<Fault> {
-    let mut faults: Vec<Fault> = (0..plan.faults)
-        .map(|i| {
-            // Every service at least once, then mostly the reducer and the executor.
-            let service = *rng.pick(&[
-                Service::Reducer,
-                Service::Reducer,
-                Service::Executor,
-                Service::Executor,
-                Service::Gateway,
-            ]);
-            let service = [Service::Reducer, Service::Executor, Service::Gateway]
-                .get(i)
-                .copied()
-                .unwrap_or(service);
-            let point = match service {
-                Service::Reducer => *rng.pick(&[
-                    Some("reducer.before_commit"),
-                    Some("reducer.after_commit"),
-                    None,
-                ]),
-                Service::Executor => *rng.pick(&[
-                    Some("executor.before_call"),
-                    Some("executor.after_call"),
-                    Some("executor.after_result"),
-                    None,
-                ]),
-                Service::Gateway => *rng.pick(&[Some("gateway.after_publish"), None]),
-            };
-            Fault {
-                at: window.mul_f64(rng.below(1000) as f64 / 1000.0),
+    let mut faults: Vec<Fault> = Vec::new();
+    for i in 0..plan.faults {
+        // Every service at least once (and a membership change), then mostly the reducer
+        // and the executor.
+        let service = *rng.pick(&[
+            Service::Reducer,
+            Service::Reducer,
+            Service::Executor,
+            Service::Executor,
+            Service::Gateway,
+            Service::SecondReducer,
+        ]);
+        let service = [
+            Service::Reducer,
+            Service::Executor,
+            Service::Gateway,
+            Service::SecondReducer,
+        ]
+        .get(i)
+        .copied()
+        .unwrap_or(service);
+        let point = match service {
+            Service::Reducer => *rng.pick(&[
+                Some("reducer.before_commit"),
+                Some("reducer.after_commit"),
+                None,
+            ]),
+            Service::Executor => *rng.pick(&[
+                Some("executor.before_call"),
+                Some("executor.after_call"),
+                Some("executor.after_result"),
+                None,
+            ]),
+            Service::Gateway => *rng.pick(&[Some("gateway.after_publish"), None]),
+            Service::SecondReducer => Some("join"),
+        };
+        let at = window.mul_f64(rng.below(1000) as f64 / 1000.0);
+        let after = 1 + rng.below(6) as u32;
+        if service == Service::SecondReducer {
+            // It joins in the first two thirds of the window and leaves 2-5 s later,
+            // within the window, so the soak takes no longer than it did.
+            let at = at.mul_f64(0.66);
+            let stay = Duration::from_millis(2000 + rng.below(3000));
+            faults.push(Fault {
+                at,
                 service,
                 point,
-                after: 1 + rng.below(6) as u32,
-            }
-        })
-        .collect();
+                after,
+            });
+            faults.push(Fault {
+                at: at + stay,
+                service,
+                point: Some("leave"),
+                after,
+            });
+            continue;
+        }
+        faults.push(Fault {
+            at,
+            service,
+            point,
+            after,
+        });
+    }
     faults.sort_by_key(|f| f.at);
     faults
 }
@@ -210,9 +209,13 @@ struct Services<'s> {
     reducer: Process,
     executor: Process,
     gateway: Process,
+    /// The second reducer while it is a member.
+    second: Option<Process>,
     url: Arc<Mutex<String>>,
     /// Deaths seen: (service, how).
     deaths: Vec<(Service, String)>,
+    /// Membership changes applied: "join" / "leave".
+    membership: Vec<String>,
     armed: BTreeMap<Service, String>,
 }
 
@@ -224,8 +227,10 @@ impl<'s> Services<'s> {
             reducer: Self::reducer(stack, &[]),
             executor: Self::executor(stack, &[]),
             gateway,
+            second: None,
             url: Arc::new(Mutex::new(url)),
             deaths: Vec::new(),
+            membership: Vec::new(),
             armed: BTreeMap::new(),
         }
     }
@@ -250,9 +255,24 @@ impl<'s> Services<'s> {
 
     fn process(&mut self, service: Service) -> &mut Process {
         match service {
-            Service::Reducer => &mut self.reducer,
+            Service::Reducer | Service::SecondReducer => &mut self.reducer,
             Service::Executor => &mut self.executor,
             Service::Gateway => &mut self.gateway,
+        }
+    }
+
+    /// The second reducer joins (`"join"`) or leaves with a clean SIGTERM (`"leave"`).
+    fn membership(&mut self, what: &str) {
+        match (what, self.second.take()) {
+            ("join", None) => {
+                self.second = Some(self.stack.reducer("1"));
+                self.membership.push("join".to_owned());
+            }
+            ("leave", Some(mut second)) => {
+                tokio::task::block_in_place(|| second.stop());
+                self.membership.push("leave".to_owned());
+            }
+            (_, second) => self.second = second,
         }
     }
 
@@ -279,6 +299,7 @@ impl<'s> Services<'s> {
                 self.gateway = process;
                 *self.url.lock().expect("url") = url;
             }
+            Service::SecondReducer => {}
         }
     }
 
@@ -296,9 +317,20 @@ impl<'s> Services<'s> {
                 self.restart(service, None).await;
             }
         }
+        if let Some(second) = self.second.as_mut() {
+            if second.try_exit().is_some() {
+                self.deaths
+                    .push((Service::SecondReducer, "exit".to_owned()));
+                self.second = None;
+            }
+        }
     }
 
     async fn apply(&mut self, fault: &Fault) {
+        if fault.service == Service::SecondReducer {
+            self.membership(fault.point.unwrap_or("join"));
+            return;
+        }
         match fault.point {
             Some(point) => {
                 self.restart(fault.service, Some((point, fault.after)))
@@ -603,9 +635,10 @@ async fn soak(plan: Plan, replay: impl Fn(u64) -> String) {
         *deaths.entry(format!("{service:?} {how}")).or_default() += 1;
     }
     println!(
-        "soak: seed {} — {} runs {by_status:?}; deaths {deaths:?}; chaos {:.1}s, total {:.1}s",
+        "soak: seed {} — {} runs {by_status:?}; deaths {deaths:?}; second reducer {:?}; chaos {:.1}s, total {:.1}s",
         plan.seed,
         runs.len(),
+        services.membership,
         chaos_took.as_secs_f64(),
         began.elapsed().as_secs_f64()
     );
