@@ -42,6 +42,8 @@ const RUN_PARTITIONS: u32 = 12;
 const REDUCERS: usize = 3;
 const EXTRA: usize = 3;
 const EXECUTORS: usize = 2;
+/// The harness's reducer session timeout (`Stack::reducer_with`).
+const SESSION_TIMEOUT_MS: u64 = 6000;
 
 // ---------------------------------------------------------------- graphs and ledgers
 
@@ -453,6 +455,56 @@ fn schedule(rng: &mut Rng, faults: usize, start: Duration) -> Vec<(Duration, Act
     out
 }
 
+/// When the reducers' group rebalances after `action` (about): at once for a leave, once
+/// the session times out for a kill, once the process is up and joins for a start.
+fn rebalance_at(at: Duration, action: Action) -> Option<Duration> {
+    match action {
+        Action::ReducerLeave(_) => Some(at),
+        Action::ReducerKill(_) => Some(at + Duration::from_millis(SESSION_TIMEOUT_MS)),
+        Action::ReducerStart(_) => Some(at + Duration::from_millis(1500)),
+        Action::ExecutorKill(_) | Action::ExecutorStart(_) => None,
+    }
+}
+
+/// How the runs go in: a quarter trickles across the window, the rest in dense streams of
+/// a second around each reducer rebalance (seeded jitter), so the batches open when
+/// partitions move hold commands.
+fn bursts<'c>(
+    rng: &mut Rng,
+    plan: &[(Duration, Action)],
+    commands: &'c [w::RunCommand],
+    window: Duration,
+) -> Vec<(Duration, &'c [w::RunCommand])> {
+    let mut points: Vec<Duration> = plan
+        .iter()
+        .filter_map(|(at, action)| rebalance_at(*at, *action))
+        .map(|t| {
+            (t + rng.between(Duration::ZERO, Duration::from_millis(400)))
+                .saturating_sub(Duration::from_millis(300))
+        })
+        .collect();
+    points.sort();
+    let trickle = commands.len() / 4;
+    let (slow, fast) = commands.split_at(trickle);
+    let mut groups: Vec<(Duration, &[w::RunCommand])> = Vec::new();
+    let gap = window / (slow.len().max(1) as u32);
+    for (i, one) in slow.chunks(1).enumerate() {
+        groups.push((gap * i as u32, one));
+    }
+    // Each burst streams over a second around its point: whichever batch is open when
+    // the rebalance lands holds commands.
+    let per = fast.len().div_ceil(points.len().max(1)).max(1);
+    for (i, burst) in fast.chunks(per).enumerate() {
+        let point = points.get(i).copied().unwrap_or(window);
+        let gap = Duration::from_millis(1000) / (burst.len().max(1) as u32);
+        for (j, one) in burst.chunks(1).enumerate() {
+            groups.push((point + gap * j as u32, one));
+        }
+    }
+    groups.sort_by_key(|(t, _)| *t);
+    groups
+}
+
 /// The reducer and executor processes, by index (`None`: down on purpose).
 struct Members<'s> {
     stack: &'s Stack,
@@ -572,6 +624,43 @@ impl<'s> Members<'s> {
         }
     }
 
+    /// What the reducers' logs say went wrong in their own loop: a transaction the
+    /// broker refused. In this test nothing fences a live reducer but its own commits,
+    /// so each one is a batch committed after the group moved on: the broker's generation
+    /// check (KIP-447) refused its offsets (`ILLEGAL_GENERATION`) because the batch was
+    /// still open when the partitions were revoked and was committed after this member
+    /// had rejoined. A reducer that commits (or aborts) its open batch inside the revoke
+    /// callback never hits it; where the check misses (the commit lands before the
+    /// generation moves on), the same race shows as a repeated seq or intent.
+    fn loop_failures(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for i in 0..=EXTRA {
+            let log = self.stack.dir.join(format!("reducer-r{i}.log"));
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let mut revoked_at = None;
+            for line in text.lines() {
+                if line.contains("Partitions revoked.") {
+                    revoked_at = line.split_whitespace().next().map(str::to_owned);
+                }
+                if line.contains("The reducer loop failed") {
+                    let what = if line.contains("ILLEGAL_GENERATION")
+                        || line.contains("generation id is not valid")
+                    {
+                        "a batch committed after its partitions were revoked (fenced: ILLEGAL_GENERATION)"
+                    } else {
+                        "the reducer loop failed"
+                    };
+                    let shown: String = line.chars().take(320).collect();
+                    out.push(format!(
+                        "reducer r{i}: {what}; last revoke at {}: {shown}",
+                        revoked_at.as_deref().unwrap_or("-")
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// How many assignments the reducers' logs show (every spawn of every instance).
     fn assignments(&self) -> usize {
         (0..=EXTRA)
@@ -643,9 +732,9 @@ async fn runs_survive_rebalances_under_load() {
         ready.elapsed().as_secs_f64()
     );
 
-    // StartRuns arrive one by one across the whole schedule, so every membership change
-    // moves partitions with commands and results in open batches and intents out (a
-    // command applied twice shows as a second CommandAccepted).
+    // StartRuns arrive in bursts timed to land as the group rebalances, so partitions
+    // move with big batches of commands open (a command applied twice shows as a second
+    // CommandAccepted), plus a trickle in between.
     let plan = schedule(&mut rng, faults, Duration::from_millis(1500));
     println!("rebalance: schedule:");
     for (at, action) in &plan {
@@ -663,7 +752,8 @@ async fn runs_survive_rebalances_under_load() {
         }
         members.restore_full_set(chaos.elapsed());
     };
-    tokio::join!(stack.send_spread(&commands, window), faults_applied);
+    let groups = bursts(&mut rng, &plan, &commands, window);
+    tokio::join!(stack.send_timed(&groups), faults_applied);
     let chaos_took = chaos.elapsed();
 
     let settle = Instant::now();
@@ -691,6 +781,7 @@ async fn runs_survive_rebalances_under_load() {
         )
         .await,
     );
+    problems.extend(members.loop_failures());
     let assignments = members.assignments();
     if assignments < REDUCERS + 3 {
         problems.push(format!(
@@ -743,6 +834,10 @@ async fn a_broker_sigkill_mid_run_loses_nothing() {
         },
     )
     .await;
+    let mut calls_at_kill = 0;
+    for ledger in ledgers.values() {
+        calls_at_kill += ledger.snapshot().await.calls.len();
+    }
     let pid = broker.kill().await;
     let down = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await; // down for a moment, not just a blip
@@ -754,7 +849,7 @@ async fn a_broker_sigkill_mid_run_loses_nothing() {
     stack.send_many(after).await;
 
     let states = wait_settled(&stack, &runs, Duration::from_secs(150)).await;
-    let problems = check(
+    let mut problems = check(
         &stack,
         &ledgers,
         &runs,
@@ -764,6 +859,20 @@ async fn a_broker_sigkill_mid_run_loses_nothing() {
         },
     )
     .await;
+    let mut effects_before = 0;
+    for run in &runs[..before.len()] {
+        effects_before += states[run]
+            .steps
+            .values()
+            .filter(|s| s.tool == "http")
+            .count();
+    }
+    if calls_at_kill >= effects_before {
+        problems.push(format!(
+            "no run was in flight at the kill: {calls_at_kill} calls of {effects_before} made"
+        ));
+    }
+    println!("sigkill: {calls_at_kill} of the first runs' {effects_before} receiver calls made at the kill");
     println!(
         "sigkill: {} runs {:?}; total {:.1}s",
         runs.len(),
