@@ -985,8 +985,7 @@ pub fn metric_sum(metrics: &BTreeMap<String, f64>, name: &str, labels: &[(&str, 
 pub struct Rng(pub u64);
 
 impl Rng {
-    #[allow(clippy::should_implement_trait)] // an infinite stream of u64, not an iterator
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -996,7 +995,7 @@ impl Rng {
 
     /// Uniform in `0..n` (0 when `n` is 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.next_u64() % n.max(1)
     }
 
     pub fn chance(&mut self, percent: u64) -> bool {
@@ -1055,27 +1054,40 @@ impl Stack {
     /// Produces `commands` one by one, evenly spread over `over` (one producer; every
     /// delivery awaited), so commands keep arriving while a test changes things around.
     pub async fn send_spread(&self, commands: &[w::RunCommand], over: Duration) {
+        let gap = over / (commands.len().max(1) as u32);
+        let groups: Vec<(Duration, &[w::RunCommand])> = commands
+            .chunks(1)
+            .enumerate()
+            .map(|(i, one)| (gap * i as u32, one))
+            .collect();
+        self.send_timed(&groups).await;
+    }
+
+    /// Produces each group of commands at its offset from now (in order; a late group goes
+    /// at once), with one producer, and awaits every delivery: bursts timed to land when
+    /// a test changes something.
+    pub async fn send_timed(&self, groups: &[(Duration, &[w::RunCommand])]) {
         let producer: FutureProducer = self.kafka.producer().create().expect("producer");
         let topic = self.topics.commands();
-        let gap = over / (commands.len().max(1) as u32);
         let start = std::time::Instant::now();
-        let mut deliveries = Vec::with_capacity(commands.len());
-        for (i, command) in commands.iter().enumerate() {
-            let due = gap * i as u32;
+        let mut deliveries = Vec::new();
+        for (due, commands) in groups {
             if let Some(wait) = due.checked_sub(start.elapsed()) {
                 tokio::time::sleep(wait).await;
             }
-            let bytes = self
-                .codec
-                .encode(&topic, command)
-                .await
-                .expect("encode command");
-            let record = FutureRecord::to(&topic)
-                .key(command.run_id.as_bytes())
-                .payload(&bytes);
-            match producer.send_result(record) {
-                Ok(delivery) => deliveries.push(delivery),
-                Err((error, _)) => panic!("producing to {topic}: {error}"),
+            for command in *commands {
+                let bytes = self
+                    .codec
+                    .encode(&topic, command)
+                    .await
+                    .expect("encode command");
+                let record = FutureRecord::to(&topic)
+                    .key(command.run_id.as_bytes())
+                    .payload(&bytes);
+                match producer.send_result(record) {
+                    Ok(delivery) => deliveries.push(delivery),
+                    Err((error, _)) => panic!("producing to {topic}: {error}"),
+                }
             }
         }
         for delivery in deliveries {
