@@ -9,8 +9,12 @@
 //! executor dies (SIGKILL) and is restarted. At least one reducer and one executor live
 //! at every moment; at the end the full set is back. Every partition moves several
 //! times, so a batch committed after its partitions moved (a revocation that does not
-//! end the open transaction) shows up as a repeated seq, an intent committed twice or a
-//! second call in the ledger.
+//! end the open transaction) shows up as a repeated seq, a command accepted twice, an
+//! intent committed twice or a second call in the ledger; and, when the broker's
+//! generation check catches the late commit first, as a reducer transaction refused with
+//! `ILLEGAL_GENERATION` (nothing else fences a live reducer here, so the test reports
+//! each one). Commands arrive in streams timed to land as the group rebalances, so the
+//! batches open at a revocation hold commands.
 //!
 //! The seed is printed first; `SORTIE_REBALANCE_SEED=<seed>` replays the same workload
 //! and schedule (process timing still varies); `SORTIE_REBALANCE_RUNS` sets the number of
@@ -816,7 +820,7 @@ async fn a_broker_sigkill_mid_run_loses_nothing() {
     let _reducer = stack.reducer("0");
     // Slow receivers, so runs are mid-call when the broker goes.
     for ledger in ledgers.values() {
-        ledger.fault(json!({"delay_ms": 700, "times": 1000})).await;
+        ledger.fault(json!({"delay_ms": 1500, "times": 1000})).await;
     }
     let commands = run_commands(0xB0B, 36);
     let runs: Vec<String> = commands.iter().map(|c| c.run_id.clone()).collect();
