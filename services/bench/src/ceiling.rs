@@ -5,6 +5,12 @@
 //! `read_committed`, produce one output per input, `send_offsets_to_transaction`, await
 //! every delivery (SPEC §13: `commit_transaction`'s own flush polls in 100 ms slices),
 //! commit. Whatever Sortie cannot reach of this is Sortie's own cost.
+//!
+//! It runs in up to three settings, all reported: *untuned* (librdkafka's default 100 ms
+//! `retry.backoff.ms`, which it waits after every CONCURRENT_TRANSACTIONS answer),
+//! *tuned* (the transactional producer settings Sortie uses, `KafkaConfig::
+//! transactional_producer`), and *tuned with Sortie's fan-out* (as many records out per
+//! input as Sortie writes: events, intents and states). The last is the fair ceiling.
 
 use std::time::{Duration, Instant};
 
@@ -32,11 +38,19 @@ pub struct Setup {
     pub value_bytes: usize,
     pub commit_interval: Duration,
     pub max_batch: usize,
+    /// Records produced per consumed record.
+    pub fan_out: usize,
+    /// Sortie's transactional producer settings (else librdkafka's retry defaults).
+    pub tuned: bool,
+    /// Distinguishes the topics and group of several loops in one bench.
+    pub name: String,
 }
 
 /// Figures of the bare loop.
 #[derive(Debug)]
 pub struct Ceiling {
+    pub fan_out: usize,
+    pub tuned: bool,
     pub records: usize,
     pub elapsed: Duration,
     /// Whole transaction: begin, produce, offsets, drain, commit.
@@ -54,6 +68,8 @@ impl Ceiling {
 
     pub fn json(&self) -> Value {
         json!({
+            "fan_out": self.fan_out,
+            "tuned": self.tuned,
             "records": self.records,
             "elapsed_s": round(self.elapsed.as_secs_f64()),
             "records_per_s": round(self.records_per_s()),
@@ -72,26 +88,35 @@ impl Ceiling {
 
 /// Creates the loop's topics, preloads its input (not timed), runs the loop. Blocking.
 pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Result<Ceiling> {
-    let input = format!("{}ceiling.in", setup.prefix);
-    let output = format!("{}ceiling.out", setup.prefix);
+    let input = format!("{}ceiling.{}.in", setup.prefix, setup.name);
+    let output = format!("{}ceiling.{}.out", setup.prefix, setup.name);
     runtime.block_on(create_topics(kafka, &[&input, &output], setup.partitions))?;
     preload(kafka, &input, setup)?;
 
     let mut consumer_config = kafka.client();
     consumer_config
-        .set("group.id", format!("{}ceiling", setup.prefix))
+        .set(
+            "group.id",
+            format!("{}ceiling.{}", setup.prefix, setup.name),
+        )
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("isolation.level", "read_committed")
         .set("auto.offset.reset", "earliest")
         .set("partition.assignment.strategy", "range");
     let consumer: BaseConsumer = consumer_config.create()?;
-    // The reducer's producer settings.
-    let mut producer_config = kafka.producer();
+    // The reducer's producer settings (tuned), or librdkafka's retry defaults.
+    let transactional_id = format!("{}ceiling-{}", setup.prefix, setup.name);
+    let mut producer_config = kafka.transactional_producer(&transactional_id);
+    if !setup.tuned {
+        producer_config
+            .set("retry.backoff.ms", "100")
+            .set("retry.backoff.max.ms", "1000");
+        for (key, value) in &kafka.properties {
+            producer_config.set(key, value); // given properties still win
+        }
+    }
     producer_config
-        .set("transactional.id", format!("{}ceiling-0", setup.prefix))
-        .set("enable.idempotence", "true")
-        .set("transaction.timeout.ms", "15000")
         .set("linger.ms", "2")
         .set("compression.type", "zstd");
     let producer: FutureProducer = producer_config.create()?;
@@ -137,13 +162,24 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
         let mut deliveries = Vec::with_capacity(batch.len());
         let mut offsets = std::collections::BTreeMap::new();
         for message in &batch {
-            let record = FutureRecord::to(&output)
-                .key(message.key().unwrap_or_default())
-                .payload(message.payload().unwrap_or_default())
-                .partition(message.partition());
-            match producer.send_result(record) {
-                Ok(delivery) => deliveries.push(delivery),
-                Err((e, _)) => bail!("ceiling produce failed: {e}"),
+            for _ in 0..setup.fan_out.max(1) {
+                let mut record = FutureRecord::to(&output)
+                    .key(message.key().unwrap_or_default())
+                    .payload(message.payload().unwrap_or_default())
+                    .partition(message.partition());
+                loop {
+                    match producer.send_result(record) {
+                        Ok(delivery) => {
+                            deliveries.push(delivery);
+                            break;
+                        }
+                        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                            producer.poll(Duration::from_millis(5));
+                            record = back;
+                        }
+                        Err((e, _)) => bail!("ceiling produce failed: {e}"),
+                    }
+                }
             }
             offsets.insert(message.partition(), message.offset() + 1);
         }
@@ -177,6 +213,8 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
     }
     consumer.unsubscribe();
     Ok(Ceiling {
+        fan_out: setup.fan_out.max(1),
+        tuned: setup.tuned,
         records: consumed,
         elapsed: last_commit.duration_since(first.unwrap_or(last_commit)),
         commit_ms,

@@ -362,22 +362,42 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         )?
     };
 
-    // The ceiling, fed as many records as Sortie will consume: a StartRun and one result
-    // per step for every run.
+    // The ceilings, each fed as many records as Sortie will consume: a StartRun and one
+    // result per step for every run. Untuned and tuned copy one record per input; the
+    // fair one writes as many records per input as Sortie does (from the calibration
+    // run: its events, one intent per step, and a state per input at most).
     let inputs = options.runs * (options.steps + 1);
-    eprintln!("sortie bench: ceiling loop over {inputs} records");
-    let ceiling = ceiling::run(
-        &bench.kafka,
-        &ceiling::Setup {
-            prefix: bench.prefix.clone(),
-            partitions: options.partitions,
-            records: inputs,
-            value_bytes: options.payload_bytes + 200,
-            commit_interval: options.commit_interval,
-            max_batch: options.max_batch,
-        },
-        &bench.runtime,
-    )?;
+    let per_run_inputs = (options.steps + 1) as f64;
+    let fan_out = ((pattern.events as f64 + options.steps as f64 + per_run_inputs) / per_run_inputs)
+        .round()
+        .max(1.0) as usize;
+    let mut ceilings = Vec::new();
+    for (name, tuned, fan_out) in [
+        ("untuned", false, 1),
+        ("tuned", true, 1),
+        ("fan-out", true, fan_out),
+    ] {
+        eprintln!("sortie bench: ceiling loop ({name}) over {inputs} records");
+        ceilings.push(ceiling::run(
+            &bench.kafka,
+            &ceiling::Setup {
+                prefix: bench.prefix.clone(),
+                partitions: options.partitions,
+                records: inputs,
+                value_bytes: options.payload_bytes + 200,
+                commit_interval: options.commit_interval,
+                max_batch: options.max_batch,
+                fan_out,
+                tuned,
+                name: name.to_owned(),
+            },
+            &bench.runtime,
+        )?);
+    }
+    // The fair ceiling: Sortie's client settings and Sortie's records out per input.
+    let ceiling = ceilings
+        .pop()
+        .ok_or_else(|| anyhow::anyhow!("no ceiling"))?;
 
     // A light load first (the round trip when nothing queues), then the full load.
     let mut all: Vec<&mut Service> = vec![&mut reducer];
@@ -457,6 +477,21 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         ),
     );
     targets.insert(
+        "steps_per_s".into(),
+        verdict(round(steps_per_s), ">= 5000", steps_per_s >= 5000.0),
+    );
+    let p99 = light.json["step_round_trip_ms"]["p99"]
+        .as_f64()
+        .unwrap_or(0.0);
+    targets.insert(
+        "light_round_trip_p50_ms".into(),
+        verdict(p50, "<= 50", p50 <= 50.0),
+    );
+    targets.insert(
+        "light_round_trip_p99_ms".into(),
+        verdict(p99, "<= 150", p99 <= 150.0),
+    );
+    targets.insert(
         "round_trip_p50_vs_commit_interval".into(),
         verdict(
             ratio(p50, commit_interval_ms),
@@ -479,6 +514,10 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         .fold(warm_ms, f64::max);
     targets.insert(
         "warm_restart_ms".into(),
+        verdict(round(warm_ms), "<= 1000", warm_ms <= 1000.0),
+    );
+    targets.insert(
+        "warm_restart_ms_largest_cache".into(),
         verdict(round(scale_warm), "<= 2000", scale_warm <= 2000.0),
     );
     let restore_rate = scale
@@ -500,6 +539,14 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         targets.insert(
             "reducer_rss_growth_smallest_to_largest".into(),
             verdict(growth, "<= 1.5 (flat)", growth > 0.0 && growth <= 1.5),
+        );
+        targets.insert(
+            "reducer_rss_mib_largest".into(),
+            verdict(
+                rss(large),
+                "<= 256",
+                rss(large) > 0.0 && rss(large) <= 256.0,
+            ),
         );
     }
 
@@ -526,6 +573,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         "sortie": load.json,
         "sortie_light_load": light.json,
         "ceiling": ceiling.json(),
+        "ceilings_one_record_per_input": ceilings.iter().map(ceiling::Ceiling::json).collect::<Vec<_>>(),
         "ratios": {
             "steps_per_s_to_ceiling_records_per_s": ratio(steps_per_s, ceiling_per_s),
             "inputs_per_s_to_ceiling_records_per_s": ratio(

@@ -390,17 +390,18 @@ pub fn restores(lines: &[String]) -> (usize, u64, u64) {
     let mut partitions = 0;
     let mut records = 0;
     let mut millis = 0;
-    for line in lines
-        .iter()
-        .filter(|l| l.contains("Partition restored from the changelog."))
-    {
-        partitions += 1;
-        records += field(line, "records")
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
-        millis += field(line, "millis")
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
+    for line in lines {
+        if line.contains("Partition restored from the changelog.") {
+            partitions += 1;
+            records += field(line, "records")
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        } else if line.contains("Assignment restored") {
+            // One restore per assignment, all its partitions at once.
+            millis += field(line, "millis")
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
     }
     (partitions, records, millis)
 }

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use crate::batch::PendingBatch;
 use crate::driver::Error;
-use crate::engine::Engine;
+use crate::engine::{Engine, HOT_RUNS};
 use crate::store;
 use crate::txn::Committed;
 
@@ -64,7 +64,7 @@ impl Engine {
         }
         tracing::debug!(
             inputs = batch.inputs,
-            records = committed.records,
+            outputs = committed.records,
             runs = batch.after.len(),
             ignored = batch.ignored,
             dead_letters = batch.dead_letters,
@@ -74,6 +74,17 @@ impl Engine {
         batch
             .counts
             .committed(batch.inputs + batch.fired.len(), committed.took);
+        for (run_id, state) in batch.after {
+            if state.status.is_terminal() {
+                self.hot.remove(&run_id);
+                continue;
+            }
+            if self.hot.len() >= HOT_RUNS && !self.hot.contains_key(&run_id) {
+                // Crude but bounded: start over rather than track recency.
+                self.hot.clear();
+            }
+            self.hot.insert(run_id, state);
+        }
         Ok(())
     }
 }

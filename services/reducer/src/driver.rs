@@ -271,6 +271,7 @@ impl Reducer {
             batch: PendingBatch::default(),
             gauges: RunGauges::default(),
             health,
+            hot: Default::default(),
             fatal: None,
         }));
         let _ = wiring.set(engine.clone());

@@ -6,6 +6,7 @@
 //! This module applies inputs to the open batch with the pure fold; `input` decides what
 //! an input record is, `txn` commits a batch, `cache` writes sled after the commit.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +24,9 @@ use crate::metrics::RunGauges;
 use crate::store::Store;
 use crate::tasks::Tasks;
 
+/// Most runs kept in [`Engine::hot`].
+pub(crate) const HOT_RUNS: usize = 8_192;
+
 pub(crate) struct Engine {
     pub config: ReducerConfig,
     pub runtime: Handle,
@@ -36,6 +40,11 @@ pub(crate) struct Engine {
     pub batch: PendingBatch,
     pub gauges: RunGauges,
     pub health: Health,
+    /// Committed states of recently changed, unfinished runs of the owned partitions, so
+    /// the next input of a busy run is not re-read and re-parsed from sled. Holds only
+    /// what Kafka has committed (filled after a commit), bounded by [`HOT_RUNS`], emptied
+    /// on every rebalance.
+    pub hot: HashMap<String, RunState>,
     /// An error met inside a rebalance callback that must end this incarnation of the
     /// clients (a fenced producer); the loop returns it after the poll.
     pub fatal: Option<Error>,
@@ -84,6 +93,11 @@ impl Engine {
         }
         if let Some(before) = self.batch.before.get(run_id) {
             return Ok(before.clone());
+        }
+        if let Some(hot) = self.hot.get(run_id) {
+            let state = Some(hot.clone());
+            self.batch.before.insert(run_id.to_owned(), state.clone());
+            return Ok(state);
         }
         let stored = match self.store.get_run(run_id)? {
             Some(bytes) => Some(serde_json::from_slice::<RunState>(&bytes).map_err(|e| {

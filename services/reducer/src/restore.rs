@@ -13,7 +13,7 @@
 //! counted, and reported so the partition is not consumed and the reducer is not ready —
 //! rather than being skipped while the marker moves past it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -51,6 +51,10 @@ struct Progress {
     warm: bool,
     pending: usize,
     batch: Batch,
+    /// Timers armed by this restore, per run: a later record of the same run disarms
+    /// them (its earlier state is not what the cache holds, so reading the cache for the
+    /// old timers would leave these armed and stale).
+    armed: HashMap<String, BTreeMap<String, i64>>,
 }
 
 /// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
@@ -104,10 +108,12 @@ pub fn partitions(
                 warm: from.is_some(),
                 pending: 0,
                 batch: Batch::default(),
+                armed: HashMap::new(),
             },
         );
     }
     if progress.is_empty() {
+        std::thread::spawn(move || drop(consumer));
         return Ok(restored);
     }
     consumer.assign(&assignment)?;
@@ -140,6 +146,12 @@ pub fn partitions(
                 else {
                     continue;
                 };
+                if let Some(armed) = p.armed.remove(&key) {
+                    // An earlier record of this restore armed these.
+                    for (timer, due) in &armed {
+                        p.batch.disarm_timer(partition, &key, timer, *due);
+                    }
+                }
                 if p.warm {
                     // The cache holds an older state of this run: its timers go.
                     if let Some(old) = store.get_run(&key)? {
@@ -166,6 +178,9 @@ pub fn partitions(
                             Ok((json, state)) => {
                                 for (timer, due) in &state.timers {
                                     p.batch.arm_timer(partition, &key, timer, *due);
+                                }
+                                if !state.timers.is_empty() {
+                                    p.armed.insert(key.clone(), state.timers.clone());
                                 }
                                 // The changelog's JSON is exactly what sled stores.
                                 p.batch.put_run(&key, json.into_bytes());
@@ -223,5 +238,7 @@ pub fn partitions(
         batch.set_changelog_offset(partition, p.next.max(0) as u64);
         store.apply(batch)?;
     }
+    // Closing a consumer takes librdkafka ~100 ms; nothing waits for it.
+    std::thread::spawn(move || drop(consumer));
     Ok(restored)
 }

@@ -171,6 +171,8 @@ impl Engine {
         }
         self.tasks.tasks.clear();
         self.tasks.joined = false;
+        // Another member may change these runs before they come back.
+        self.hot.clear();
         self.health.set(self.tasks.readiness());
         tracing::info!(partitions = ?owned, "Partitions revoked.");
     }
@@ -182,6 +184,7 @@ impl Engine {
         tpl: &TopicPartitionList,
         commands: &str,
     ) -> TopicPartitionList {
+        self.hot.clear();
         let partitions: BTreeSet<i32> = tpl
             .elements()
             .iter()
