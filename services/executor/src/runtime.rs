@@ -7,8 +7,8 @@
 //! `<prefix>executor.<queue>` (so every process serving a queue shares that queue's
 //! partitions, whatever other queues it serves). `read_committed`, no auto-commit, no
 //! auto offset store, `cooperative-sticky`. Each intent runs as a tokio task; at most
-//! `max_in_flight` per queue (while the queue is full its partitions are paused and the
-//! thread keeps polling, so the member stays in the group).
+//! `max_in_flight` per queue (a queue full for more than 2 s has its partitions paused
+//! while the thread keeps polling, so the member stays in the group).
 //! Results go to `partition_for(run_id, N)` of `step-results` (N read from metadata at
 //! start), keyed by operation id, from one idempotent `acks=all` producer.
 //!
@@ -70,6 +70,10 @@ use crate::handler::{Call, HandlerError, Handlers, Lookup};
 use crate::health::Health;
 use crate::metrics as meter;
 use crate::tracker::PartitionTracker;
+
+/// How long a queue may stay full (every slot taken) before its partitions are paused
+/// and the consumer polls again; well below `max.poll.interval.ms`.
+const PAUSE_WHEN_FULL_FOR: Duration = Duration::from_secs(2);
 
 /// How an executor process runs.
 #[derive(Debug, Clone)]
@@ -580,6 +584,7 @@ impl QueueConsumer {
         let mut last_commit = Instant::now();
         let mut next_task = 0u64;
         let mut paused = false;
+        let mut full_since: Option<Instant> = None;
         while !stop.load(Ordering::Relaxed) {
             let (urgent, in_flight) = {
                 let state = self.shared.lock();
@@ -590,18 +595,32 @@ impl QueueConsumer {
                 self.shared.commit(&self.consumer, None);
                 last_commit = Instant::now();
             }
-            // Full: pause the assignment and keep polling. Not polling would exceed
-            // max.poll.interval.ms behind slow intents (the member would be kicked out
-            // and its partitions handed over with work in flight); polling serves
-            // rebalances while paused partitions deliver nothing. Paused again on every
-            // pass, so partitions assigned meanwhile are paused too.
+            // Full: wait for a slot without polling — briefly. A queue that stays full
+            // (slow tools) pauses its assignment and polls on: not polling at all would
+            // exceed max.poll.interval.ms (the member would be kicked out with work in
+            // flight), while paused partitions deliver nothing and rebalances are served.
+            // Not paused at once: a resumed partition waits for the broker's next fetch
+            // (up to fetch.wait.max.ms), which would throttle fast tools to a batch per
+            // fetch. Paused again on every pass, so partitions assigned meanwhile are too.
             let full = in_flight >= max;
-            if full {
+            if !full {
+                full_since = None;
+                if paused {
+                    self.set_paused(false);
+                    paused = false;
+                }
+            } else if full_since.get_or_insert_with(Instant::now).elapsed() < PAUSE_WHEN_FULL_FOR {
+                let state = self.shared.lock();
+                if state.in_flight >= max && !state.urgent {
+                    let _ = self
+                        .shared
+                        .changed
+                        .wait_timeout(state, Duration::from_millis(50));
+                }
+                continue;
+            } else {
                 self.set_paused(true);
                 paused = true;
-            } else if paused {
-                self.set_paused(false);
-                paused = false;
             }
             let timeout = if full {
                 Duration::from_millis(20)

@@ -16,8 +16,10 @@ pub const MAX_RECORD_BYTES: usize = 1_048_588;
 /// to ~10 ms. The exponential backoff of other retries is capped by
 /// [`TXN_RETRY_BACKOFF_MAX_MS`].
 pub const TXN_RETRY_BACKOFF_MS: &str = "5";
-/// `retry.backoff.max.ms` of transactional producers.
-pub const TXN_RETRY_BACKOFF_MAX_MS: &str = "250";
+/// `retry.backoff.max.ms` of transactional producers: librdkafka backs off
+/// exponentially, and back-to-back small transactions (light load) meet
+/// CONCURRENT_TRANSACTIONS several times in a row; a low cap keeps each wait short.
+pub const TXN_RETRY_BACKOFF_MAX_MS: &str = "20";
 
 /// How a Sortie service reaches Kafka.
 ///

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
-use rdkafka::producer::{FutureProducer, Producer};
+use rdkafka::producer::Producer;
 use rdkafka::Offset;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, CodecConfig, Topics};
@@ -47,7 +47,7 @@ use crate::health::Health;
 use crate::metrics::{self as meter, RunGauges};
 use crate::store::{self, Store};
 use crate::tasks::{ReducerContext, Tasks};
-use crate::txn::Failure;
+use crate::txn::{Deliveries, Failure, TxnProducer};
 
 /// How a reducer instance runs.
 #[derive(Debug, Clone)]
@@ -200,12 +200,12 @@ impl Reducer {
         let loaded = graphs.catch_up(Duration::from_secs(30))?;
         tracing::info!(graphs = loaded, "Graph table loaded.");
 
-        let producer: FutureProducer = config
+        let producer: TxnProducer = config
             .kafka
             .transactional_producer(&config.transactional_id())
             .set("linger.ms", "2")
             .set("compression.type", "zstd")
-            .create()?;
+            .create_with_context(Deliveries::default())?;
         producer.init_transactions(Duration::from_secs(30))?;
 
         let wiring = Arc::new(OnceLock::new());
@@ -349,6 +349,8 @@ impl Reducer {
         if !engine.batch.is_empty() {
             commit(&mut engine, &self.consumer)?;
         }
+        engine.save_tallies();
+        engine.store.flush()?;
         drop(engine);
         self.consumer.unsubscribe();
         Ok(())

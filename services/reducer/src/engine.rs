@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::producer::FutureProducer;
+use crate::txn::TxnProducer;
 use sortie_core::{apply, Effect, Input, RunState};
 use sortie_wire::{partition_for, Codec, Record, TraceContext};
 use tokio::runtime::Handle;
@@ -33,7 +33,7 @@ pub(crate) struct Engine {
     pub codec: Arc<Codec>,
     pub store: Arc<Store>,
     pub graphs: GraphTable,
-    pub producer: FutureProducer,
+    pub producer: TxnProducer,
     /// Partition count of the co-partitioned topics.
     pub partitions: u32,
     pub tasks: Tasks,

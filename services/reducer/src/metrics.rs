@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use sortie_core::state::{InterruptStatus, StepStatus};
 use sortie_core::{Event, EventBody, Input, RunState, RunStatus};
 
@@ -410,6 +410,18 @@ impl PartitionTally {
     }
 }
 
+/// A partition's tally as stored next to the changelog offset it reflects, so a warm
+/// restart does not parse every cached run to count them again.
+#[derive(Debug, Serialize, Deserialize)]
+struct TallySnapshot {
+    /// The partition's changelog offset (sled's marker) the tally reflects.
+    offset: u64,
+    runs: Vec<(RunStatus, i64)>,
+    awaiting_operator: i64,
+    /// (run id, interrupt id, first seen open at).
+    open: Vec<(String, String, i64)>,
+}
+
 /// The gauges of the partitions this instance owns.
 #[derive(Debug, Default)]
 pub(crate) struct RunGauges {
@@ -417,6 +429,66 @@ pub(crate) struct RunGauges {
 }
 
 impl RunGauges {
+    /// The tally of `partition` as bytes to store with its changelog `offset`, if held.
+    pub fn snapshot(&self, partition: i32, offset: u64) -> Option<Vec<u8>> {
+        let tally = self.partitions.get(&partition)?;
+        let snapshot = TallySnapshot {
+            offset,
+            runs: tally.runs.iter().map(|(s, n)| (*s, *n)).collect(),
+            awaiting_operator: tally.awaiting_operator,
+            open: tally
+                .open
+                .iter()
+                .map(|((run, id), at)| (run.clone(), id.clone(), *at))
+                .collect(),
+        };
+        serde_json::to_vec(&snapshot).ok()
+    }
+
+    /// Takes `partition`'s tally from a stored snapshot if it reflects exactly the
+    /// changelog `offset` the cache is at; `false` (nothing loaded) otherwise.
+    pub fn load(&mut self, partition: i32, bytes: &[u8], offset: u64) -> bool {
+        let Ok(snapshot) = serde_json::from_slice::<TallySnapshot>(bytes) else {
+            return false;
+        };
+        if snapshot.offset != offset {
+            return false;
+        }
+        let mut tally = PartitionTally {
+            runs: snapshot.runs.into_iter().collect(),
+            awaiting_operator: snapshot.awaiting_operator,
+            ..PartitionTally::default()
+        };
+        for (run, id, at) in snapshot.open {
+            tally.by_age.insert((at, run.clone(), id.clone()));
+            tally.open.insert((run, id), at);
+        }
+        self.partitions.insert(partition, tally);
+        true
+    }
+
+    /// A run's state changed from `before` to `after` outside a commit (a restore).
+    pub fn restored(
+        &mut self,
+        partition: i32,
+        run_id: &str,
+        before: Option<&RunState>,
+        after: Option<&RunState>,
+    ) {
+        let tally = self.partitions.entry(partition).or_default();
+        let after = after.map(Contribution::of);
+        if let Some(before) = before {
+            let still_open = after
+                .as_ref()
+                .map(|a| a.open_interrupts.clone())
+                .unwrap_or_default();
+            tally.remove(run_id, &Contribution::of(before), &still_open);
+        }
+        if let Some(after) = &after {
+            tally.add(run_id, after);
+        }
+    }
+
     /// Rebuilds the tallies of `restored` partitions from the cache (after their restore).
     pub fn rebuild(
         &mut self,

@@ -55,9 +55,16 @@ struct Progress {
     /// them (its earlier state is not what the cache holds, so reading the cache for the
     /// old timers would leave these armed and stale).
     armed: HashMap<String, BTreeMap<String, i64>>,
+    /// Tracked partitions: the state each run got from an earlier record of this restore.
+    prior: HashMap<String, RunState>,
 }
 
+/// A run's state as the cache held it before a restored record, and as the record has it
+/// (`None`: a tombstone).
+pub type Change<'a> = (i32, &'a str, Option<&'a RunState>, Option<&'a RunState>);
+
 /// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
+/// For the partitions in `track` (warm ones), every change is also handed to `observe`.
 pub fn partitions(
     kafka: &KafkaConfig,
     topics: &Topics,
@@ -65,6 +72,8 @@ pub fn partitions(
     runtime: &Handle,
     store: &Store,
     plan: &BTreeMap<i32, Option<u64>>,
+    track: &std::collections::BTreeSet<i32>,
+    observe: &mut dyn FnMut(Change<'_>),
 ) -> Result<Restored, Error> {
     let mut restored = Restored::default();
     if plan.is_empty() {
@@ -109,6 +118,7 @@ pub fn partitions(
                 pending: 0,
                 batch: Batch::default(),
                 armed: HashMap::new(),
+                prior: HashMap::new(),
             },
         );
     }
@@ -152,6 +162,8 @@ pub fn partitions(
                         p.batch.disarm_timer(partition, &key, timer, *due);
                     }
                 }
+                let tracked = track.contains(&partition);
+                let mut before = if tracked { p.prior.remove(&key) } else { None };
                 if p.warm {
                     // The cache holds an older state of this run: its timers go.
                     if let Some(old) = store.get_run(&key)? {
@@ -161,11 +173,17 @@ pub fn partitions(
                         for (timer, due) in &old.timers {
                             p.batch.disarm_timer(partition, &key, timer, *due);
                         }
+                        if tracked && before.is_none() {
+                            before = Some(old);
+                        }
                     }
                 }
                 match message.payload() {
                     None => {
                         p.batch.remove_run(&key);
+                        if tracked {
+                            observe((partition, &key, before.as_ref(), None));
+                        }
                     }
                     Some(payload) => {
                         let state = decode_patiently::<w::RunState>(runtime, codec, Some(payload))
@@ -184,6 +202,10 @@ pub fn partitions(
                                 }
                                 // The changelog's JSON is exactly what sled stores.
                                 p.batch.put_run(&key, json.into_bytes());
+                                if tracked {
+                                    observe((partition, &key, before.as_ref(), Some(&state)));
+                                    p.prior.insert(key.clone(), state);
+                                }
                             }
                             Err(e) => {
                                 let reason = format!(

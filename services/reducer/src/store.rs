@@ -9,6 +9,8 @@
 //! r/<run_id>                                          -> run state bytes (opaque)
 //! t/<due_at: i64 as u64 ^ 1<<63, BE>/<partition: i32 BE>/<run_id>\0<timer_key> -> empty
 //! o/<partition: i32 BE>                               -> next changelog offset, u64 BE
+//! g/<partition: i32 BE>                               -> the partition's gauge tally (JSON,
+//!                                                        with the changelog offset it reflects)
 //! m/format                                            -> FORMAT marker
 //! ```
 //!
@@ -34,6 +36,7 @@ const MARKER_KEY: &[u8] = b"m/format";
 const RUN_PREFIX: &[u8] = b"r/";
 const TIMER_PREFIX: &[u8] = b"t/";
 const OFFSET_PREFIX: &[u8] = b"o/";
+const TALLY_PREFIX: &[u8] = b"g/";
 
 /// `t/` + due (8) + `/` + partition (4) + `/`: where the run id starts in a timer key.
 const TIMER_RUN_ID_AT: usize = 2 + 8 + 1 + 4 + 1;
@@ -175,6 +178,13 @@ impl Batch {
         self
     }
 
+    /// Store a partition's gauge tally (see `metrics::RunGauges::snapshot`).
+    pub fn put_tally(&mut self, partition: i32, tally: Vec<u8>) -> &mut Self {
+        self.len += 1;
+        self.writes.insert(tally_key(partition).to_vec(), tally);
+        self
+    }
+
     fn check_run_id(&mut self, run_id: &str) -> bool {
         if run_id.contains('\0') {
             self.invalid.get_or_insert_with(|| run_id.to_owned());
@@ -302,6 +312,12 @@ impl Store {
         }
     }
 
+    /// A partition's stored gauge tally, if any (it may be stale: the caller checks the
+    /// offset it carries).
+    pub fn tally(&self, partition: i32) -> Result<Option<Vec<u8>>> {
+        Ok(self.db.get(tally_key(partition))?.map(|v| v.to_vec()))
+    }
+
     /// Up to `limit` timers with `due_at <= now` of the given partitions, in due order.
     pub fn due_timers(
         &self,
@@ -335,6 +351,7 @@ impl Store {
     pub fn forget_partition(&self, partition: i32) -> Result<()> {
         let mut writes = sled::Batch::default();
         writes.remove(&offset_key(partition)[..]);
+        writes.remove(&tally_key(partition)[..]);
         for entry in self.db.scan_prefix(TIMER_PREFIX) {
             let (key, _) = entry?;
             let timer = decode_timer_key(&key).ok_or_else(|| corrupt_timer(&key))?;
@@ -454,6 +471,9 @@ fn malformed(key: &[u8], value: &[u8]) -> Option<String> {
         decode_timer_key(key)
             .is_none()
             .then(|| format!("timer key {key:?} is malformed"))
+    } else if key.starts_with(TALLY_PREFIX) {
+        (key.len() != TALLY_PREFIX.len() + 4)
+            .then(|| format!("gauge tally entry {key:?} is malformed"))
     } else if key.starts_with(OFFSET_PREFIX) {
         (key.len() != OFFSET_PREFIX.len() + 4 || decode_offset(value).is_none())
             .then(|| format!("changelog offset entry {key:?} is malformed"))
@@ -506,6 +526,13 @@ fn run_key(run_id: &str) -> Vec<u8> {
     let mut key = Vec::with_capacity(RUN_PREFIX.len() + run_id.len());
     key.extend_from_slice(RUN_PREFIX);
     key.extend_from_slice(run_id.as_bytes());
+    key
+}
+
+fn tally_key(partition: i32) -> [u8; 6] {
+    let mut key = [0; 6];
+    key[..2].copy_from_slice(TALLY_PREFIX);
+    key[2..].copy_from_slice(&partition.to_be_bytes());
     key
 }
 

@@ -169,6 +169,7 @@ impl Engine {
                 }
             }
         }
+        self.save_tallies();
         self.tasks.tasks.clear();
         self.tasks.joined = false;
         // Another member may change these runs before they come back.
@@ -220,6 +221,18 @@ impl Engine {
                 }
             }
         }
+        // The gauges' tallies: from the snapshot stored at the last revocation or shutdown
+        // where it reflects exactly the cache's marker, then kept up to date by the
+        // restore; the other partitions are counted again from the cache afterwards.
+        let mut tracked = BTreeSet::new();
+        for (partition, from) in &plan {
+            if let (Some(offset), Ok(Some(bytes))) = (from, self.store.tally(*partition)) {
+                if self.gauges.load(*partition, &bytes, *offset) {
+                    tracked.insert(*partition);
+                }
+            }
+        }
+        let gauges = &mut self.gauges;
         let restored = match crate::restore::partitions(
             &self.config.kafka,
             &self.config.topics,
@@ -227,6 +240,10 @@ impl Engine {
             &self.runtime,
             &self.store,
             &plan,
+            &tracked,
+            &mut |(partition, run_id, before, after)| {
+                gauges.restored(partition, run_id, before, after)
+            },
         ) {
             Ok(restored) => restored,
             Err(e) => {
@@ -250,12 +267,14 @@ impl Engine {
             self.tasks.tasks.insert(*partition, task);
         }
         self.tasks.joined = true;
-        let active = self.tasks.active();
-        let n = self.partitions;
-        let runs = self.store.runs().filter_map(Result::ok);
-        self.gauges.rebuild(&active, runs, |run| {
-            sortie_wire::partition_for(run.as_bytes(), n)
-        });
+        let untracked: BTreeSet<i32> = self.tasks.active().difference(&tracked).copied().collect();
+        if !untracked.is_empty() {
+            let n = self.partitions;
+            let runs = self.store.runs().filter_map(Result::ok);
+            self.gauges.rebuild(&untracked, runs, |run| {
+                sortie_wire::partition_for(run.as_bytes(), n)
+            });
+        }
         for (partition, read) in &restored.records {
             tracing::info!(
                 partition,
@@ -274,6 +293,25 @@ impl Engine {
         );
         self.health.set(self.tasks.readiness());
         committed
+    }
+
+    /// Stores the gauge tally of every active partition with the changelog offset it
+    /// reflects (between commits the tally and the cache agree), so the next assignment
+    /// of these partitions to this member need not count their runs again.
+    pub fn save_tallies(&self) {
+        let mut batch = crate::store::Batch::default();
+        for partition in self.tasks.active() {
+            if let Ok(Some(offset)) = self.store.changelog_offset(partition) {
+                if let Some(bytes) = self.gauges.snapshot(partition, offset) {
+                    batch.put_tally(partition, bytes);
+                }
+            }
+        }
+        if !batch.is_empty() {
+            if let Err(e) = self.store.apply(batch) {
+                tracing::warn!(error = %e, "Storing the gauge tallies failed; the next assignment counts the runs again.");
+            }
+        }
     }
 
     /// Pauses the stopped partitions of both input topics.

@@ -18,18 +18,57 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use futures::future::join_all;
+use std::sync::Mutex;
+
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureRecord, Producer};
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 
 use crate::batch::Output;
 use crate::convert;
 use crate::driver::Error;
 use crate::engine::Engine;
 use crate::fault::{self, FaultPoint};
+
+/// The reducer's transactional producer. A `BaseProducer` polled by the loop itself:
+/// with a background polling thread (`FutureProducer`), `commit_transaction`'s own flush
+/// raced that thread for the last delivery reports and often waited out a whole 100 ms
+/// poll slice after every delivery had already been awaited.
+pub(crate) type TxnProducer = BaseProducer<Deliveries>;
+
+/// Delivery reports of the open transaction: (record index, partition and offset, or the
+/// error).
+#[derive(Debug, Default)]
+pub(crate) struct Deliveries {
+    reports: Mutex<Vec<(usize, Result<(i32, i64), KafkaError>)>>,
+}
+
+impl ClientContext for Deliveries {}
+
+impl ProducerContext for Deliveries {
+    type DeliveryOpaque = usize;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, index: usize) {
+        let report = match result {
+            Ok(message) => Ok((message.partition(), message.offset())),
+            Err((e, _)) => Err(e.clone()),
+        };
+        if let Ok(mut reports) = self.reports.lock() {
+            reports.push((index, report));
+        }
+    }
+}
+
+impl Deliveries {
+    fn take(&self) -> Vec<(usize, Result<(i32, i64), KafkaError>)> {
+        self.reports
+            .lock()
+            .map(|mut r| std::mem::take(&mut *r))
+            .unwrap_or_default()
+    }
+}
 
 /// Why a transaction did not commit.
 #[derive(Debug)]
@@ -49,6 +88,9 @@ pub(crate) struct Committed {
     pub states: Vec<(String, Vec<u8>)>,
     pub took: Duration,
     pub records: usize,
+    /// Where the transaction's time went, ms: encode states, begin + produce, send
+    /// offsets, await deliveries, commit.
+    pub phases: [u64; 5],
 }
 
 /// How often a retriable transactional call is tried before the batch is aborted.
@@ -118,10 +160,15 @@ impl Engine {
             states.push((run_id.clone(), json.into_bytes()));
         }
 
+        let ms = |at: Instant| at.elapsed().as_millis() as u64;
+        let mut phases = [0u64; 5];
+        phases[0] = ms(started);
+        let phase = Instant::now();
         let producer = &self.producer;
+        producer.context().take(); // nothing of an earlier transaction is pending
         retrying("begin", || producer.begin_transaction()).map_err(|e| self.failed(e))?;
-        let mut deliveries = Vec::with_capacity(batch.outputs.len() + state_outputs.len());
-        for output in batch.outputs.iter().chain(&state_outputs) {
+        let outputs: Vec<&Output> = batch.outputs.iter().chain(&state_outputs).collect();
+        for (index, output) in outputs.iter().enumerate() {
             let mut headers = OwnedHeaders::new();
             for (key, value) in &output.headers {
                 headers = headers.insert(Header {
@@ -129,7 +176,7 @@ impl Engine {
                     value: value.as_deref(),
                 });
             }
-            let mut record = FutureRecord::to(&output.topic)
+            let mut record = BaseRecord::with_opaque_to(&output.topic, index)
                 .key(&output.key)
                 .payload(&output.value)
                 .headers(headers);
@@ -137,14 +184,11 @@ impl Engine {
                 record = record.partition(p);
             }
             loop {
-                match producer.send_result(record) {
-                    Ok(delivery) => {
-                        deliveries.push((output.topic == run_state_topic, delivery));
-                        break;
-                    }
+                match producer.send(record) {
+                    Ok(()) => break,
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                        // The local queue is full: let deliveries drain, then try again.
-                        producer.poll(Duration::from_millis(10));
+                        // The local queue is full: serve delivery reports, then try again.
+                        producer.poll(Duration::from_millis(5));
                         record = back;
                     }
                     Err((e, _)) => return Err(self.abort_after(e)),
@@ -157,6 +201,8 @@ impl Engine {
                 .add_partition_offset(topic, *partition, Offset::Offset(consumed.next))
                 .map_err(|e| self.abort_after(e))?;
         }
+        phases[1] = ms(phase);
+        let phase = Instant::now();
         if offsets.count() > 0 {
             let Some(metadata) = consumer.group_metadata() else {
                 return Err(self.abort_after(KafkaError::Global(RDKafkaErrorCode::State)));
@@ -166,38 +212,51 @@ impl Engine {
             })
             .map_err(|e| self.abort_after(e))?;
         }
-        let results = self.runtime.block_on(join_all(
-            deliveries
-                .into_iter()
-                .map(|(is_state, d)| async move { (is_state, d.await) }),
-        ));
+        phases[2] = ms(phase);
+        let phase = Instant::now();
+        // Every delivery report, served on this thread, before the commit: then
+        // commit_transaction's flush has nothing left to wait for.
         let mut changelog: BTreeMap<i32, u64> = BTreeMap::new();
-        let records = results.len();
-        for (is_state, result) in results {
-            match result {
-                Ok(Ok(delivery)) => {
-                    if is_state {
-                        let next = (delivery.offset + 1) as u64;
-                        let entry = changelog.entry(delivery.partition).or_insert(next);
-                        *entry = (*entry).max(next);
+        let records = outputs.len();
+        let mut reported = 0;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while reported < records {
+            producer.poll(Duration::from_millis(5));
+            for (index, report) in producer.context().take() {
+                reported += 1;
+                match report {
+                    Ok((partition, offset)) => {
+                        if outputs[index].topic == run_state_topic {
+                            let next = (offset + 1) as u64;
+                            let entry = changelog.entry(partition).or_insert(next);
+                            *entry = (*entry).max(next);
+                        }
                     }
+                    Err(e) => return Err(self.abort_after(e)),
                 }
-                Ok(Err((e, _))) => return Err(self.abort_after(e)),
-                Err(_) => return Err(self.abort_after(KafkaError::Canceled)),
+            }
+            if reported < records && Instant::now() > deadline {
+                return Err(self.abort_after(KafkaError::MessageProduction(
+                    RDKafkaErrorCode::MessageTimedOut,
+                )));
             }
         }
+        phases[3] = ms(phase);
+        let phase = Instant::now();
         let fault = |point| fault::check(self.config.fault, self.config.fault_after, point);
         fault(FaultPoint::BeforeCommit);
         retrying("commit", || {
             producer.commit_transaction(Duration::from_secs(15))
         })
         .map_err(|e| self.abort_after(e))?;
+        phases[4] = ms(phase);
         fault(FaultPoint::AfterCommit);
         Ok(Committed {
             changelog,
             states,
             took: started.elapsed(),
             records,
+            phases,
         })
     }
 
