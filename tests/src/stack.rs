@@ -2,7 +2,7 @@
 //! under a unique prefix, published graphs, reducer processes, and a test executor that
 //! answers intents. Each test gets its own stack, so tests run in parallel.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1146,5 +1146,45 @@ impl PrivateBroker {
             .expect("the kill task panicked")
             .unwrap_or_else(|e| panic!("killing the private broker: {e}"))
             .expect("the private broker was running")
+    }
+}
+
+/// The effects `ledger` recorded for operations no run knows of (each a problem line).
+pub fn unknown_effects(
+    ledger: &str,
+    snapshot: &sortie_executor::ledger::Snapshot,
+    known: &BTreeSet<String>,
+) -> Vec<String> {
+    snapshot
+        .calls
+        .iter()
+        .filter(|c| c.effect)
+        .map(|c| c.operation_id.clone().unwrap_or_default())
+        .filter(|op| !known.contains(op))
+        .map(|op| format!("ledger {ledger}: an effect of unknown operation {op}"))
+        .collect()
+}
+
+impl Stack {
+    /// Waits until every run in `runs` has a committed `RunStatusChanged` to `Succeeded`,
+    /// reading events (for tests whose state table holds records `states` cannot read).
+    pub async fn wait_succeeded_by_events(&self, what: &str, runs: &[String], deadline: Duration) {
+        crate::wait_until(what, deadline, || async {
+            let events = self.events().await;
+            runs.iter().all(|run| {
+                events.get(run).is_some_and(|history| {
+                    history.iter().any(|e| {
+                        matches!(
+                            e.body,
+                            sortie_core::EventBody::RunStatusChanged {
+                                status: sortie_core::RunStatus::Succeeded,
+                                ..
+                            }
+                        )
+                    })
+                })
+            })
+        })
+        .await;
     }
 }

@@ -561,23 +561,9 @@ async fn an_undecodable_changelog_record_stops_its_partition_loudly() {
         stack.send(&start_run(run, "three", "{}")).await;
     }
     // (The state table holds the bad record, so the runs are followed through events.)
-    sortie_tests::wait_until("the runs of healthy partitions to finish", LONG, || async {
-        let events = stack.events().await;
-        others.iter().all(|run| {
-            events.get(run).is_some_and(|history| {
-                history.iter().any(|e| {
-                    matches!(
-                        e.body,
-                        EventBody::RunStatusChanged {
-                            status: RunStatus::Succeeded,
-                            ..
-                        }
-                    )
-                })
-            })
-        })
-    })
-    .await;
+    stack
+        .wait_succeeded_by_events("the runs of healthy partitions to finish", &others, LONG)
+        .await;
     let url = reducer.metrics_url().await;
     let readyz = reqwest::get(format!("{url}/readyz"))
         .await
@@ -645,23 +631,9 @@ async fn a_batch_open_at_a_revocation_is_committed_before_its_partitions_move() 
     let _executor = stack.executor("default", succeed);
     // Every run finishes (3 steps, each through a lingering batch): by then any batch of
     // the old owner that outlived its partitions would have been committed too.
-    sortie_tests::wait_until("every run to succeed", LONG, || async {
-        let events = stack.events().await;
-        runs.iter().all(|run| {
-            events.get(run).is_some_and(|history| {
-                history.iter().any(|e| {
-                    matches!(
-                        e.body,
-                        EventBody::RunStatusChanged {
-                            status: RunStatus::Succeeded,
-                            ..
-                        }
-                    )
-                })
-            })
-        })
-    })
-    .await;
+    stack
+        .wait_succeeded_by_events("every run to succeed", &runs, LONG)
+        .await;
     let events = stack.events().await;
     for run in &runs {
         let history = &events[run];

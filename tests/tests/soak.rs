@@ -720,14 +720,7 @@ async fn check(
     }
     for (name, snapshot) in &snapshots {
         let known = known.get(name).cloned().unwrap_or_default();
-        for call in snapshot.calls.iter().filter(|c| c.effect) {
-            let op = call.operation_id.clone().unwrap_or_default();
-            if !known.contains(&op) {
-                problems.push(format!(
-                    "ledger {name}: an effect of unknown operation {op}"
-                ));
-            }
-        }
+        problems.extend(sortie_tests::stack::unknown_effects(name, snapshot, &known));
     }
     let mut intents: HashMap<(String, i32), usize> = HashMap::new();
     for intent in stack.intents("default").await {
