@@ -51,9 +51,11 @@ struct Progress {
     warm: bool,
     pending: usize,
     batch: Batch,
-    /// Timers armed by this restore, per run: a later record of the same run disarms
-    /// them (its earlier state is not what the cache holds, so reading the cache for the
-    /// old timers would leave these armed and stale).
+    /// Timers armed by the current chunk, per run: a later record of the same run in the
+    /// chunk disarms them (the cache does not hold that state yet, so reading it for the
+    /// old timers would leave these armed and stale). Chunk-local, so memory stays
+    /// bounded on a cold restore of a million runs; across chunks the cache has the state
+    /// (warm restores read it). A stale timer left behind only fires and is ignored.
     armed: HashMap<String, BTreeMap<String, i64>>,
     /// Tracked partitions: the state each run got from an earlier record of this restore.
     prior: HashMap<String, RunState>,
@@ -237,6 +239,8 @@ pub fn partitions(
                     batch.set_changelog_offset(partition, p.next as u64);
                     store.apply(batch)?;
                     p.pending = 0;
+                    p.armed.clear();
+                    p.prior.clear();
                 }
             }
             Some(Err(e)) => tracing::warn!(error = %e, "Changelog read error."),
