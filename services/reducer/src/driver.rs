@@ -196,17 +196,34 @@ impl Reducer {
         health: Health,
     ) -> Result<Self, Error> {
         let topics = &config.topics;
-        let mut graphs = GraphTable::open(&config.kafka, topics, codec.clone(), runtime.clone())?;
-        let loaded = graphs.catch_up(Duration::from_secs(30))?;
-        tracing::info!(graphs = loaded, "Graph table loaded.");
-
-        let producer: TxnProducer = config
-            .kafka
-            .transactional_producer(&config.transactional_id())
-            .set("linger.ms", "2")
-            .set("compression.type", "zstd")
-            .create_with_context(Deliveries::default())?;
-        producer.init_transactions(Duration::from_secs(30))?;
+        // The transactional producer (init fences and aborts a previous incarnation's
+        // transaction, which the stable offset fetch of the first assignment would
+        // otherwise wait out) and the graph table start side by side: both are round
+        // trips to the broker, and a restart waits for the slower only.
+        let (producer, graphs) = std::thread::scope(|scope| {
+            let init = scope.spawn(|| -> Result<TxnProducer, Error> {
+                let producer: TxnProducer = config
+                    .kafka
+                    .transactional_producer(&config.transactional_id())
+                    .set("linger.ms", "2")
+                    .set("compression.type", "zstd")
+                    .create_with_context(Deliveries::default())?;
+                producer.init_transactions(Duration::from_secs(30))?;
+                Ok(producer)
+            });
+            let graphs = GraphTable::open(&config.kafka, topics, codec.clone(), runtime.clone())
+                .map_err(Error::from)
+                .and_then(|mut graphs| {
+                    let loaded = graphs.catch_up(Duration::from_secs(30))?;
+                    tracing::info!(graphs = loaded, "Graph table loaded.");
+                    Ok(graphs)
+                });
+            let producer = init
+                .join()
+                .unwrap_or_else(|_| Err(Error::Setup("initialising the producer panicked".into())));
+            (producer, graphs)
+        });
+        let (producer, graphs) = (producer?, graphs?);
 
         let wiring = Arc::new(OnceLock::new());
         let context = ReducerContext {

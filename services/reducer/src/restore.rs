@@ -76,31 +76,20 @@ pub fn partitions(
     plan: &BTreeMap<i32, Option<u64>>,
     track: &std::collections::BTreeSet<i32>,
     observe: &mut dyn FnMut(Change<'_>),
+    high_watermark: &dyn Fn(&str, i32) -> Result<i64, rdkafka::error::KafkaError>,
 ) -> Result<Restored, Error> {
     let mut restored = Restored::default();
     if plan.is_empty() {
         return Ok(restored);
     }
     let topic = topics.run_state();
-    let mut config = kafka.client();
-    config
-        .set("group.id", format!("{}restore", topics.prefix()))
-        .set("enable.auto.commit", "false")
-        .set("isolation.level", "read_committed")
-        .set("allow.auto.create.topics", "false")
-        .set("fetch.max.bytes", "67108864")
-        .set("max.partition.fetch.bytes", "16777216");
-    let consumer: BaseConsumer = config.create()?;
     let deadline = Instant::now() + DEADLINE;
     let mut progress: BTreeMap<i32, Progress> = BTreeMap::new();
     let mut assignment = TopicPartitionList::new();
     for (&partition, &from) in plan {
-        let (_, high) = sortie_kafka::fetch_watermarks(
-            &consumer,
-            &topic,
-            partition,
-            Instant::now() + Duration::from_secs(30),
-        )?;
+        // Asked through the caller's client: a warm restart with nothing to read creates
+        // no consumer at all.
+        let high = high_watermark(&topic, partition)?;
         if from.is_none() {
             store.forget_partition(partition)?;
         }
@@ -125,9 +114,17 @@ pub fn partitions(
         );
     }
     if progress.is_empty() {
-        std::thread::spawn(move || drop(consumer));
         return Ok(restored);
     }
+    let mut config = kafka.client();
+    config
+        .set("group.id", format!("{}restore", topics.prefix()))
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("allow.auto.create.topics", "false")
+        .set("fetch.max.bytes", "67108864")
+        .set("max.partition.fetch.bytes", "16777216");
+    let consumer: BaseConsumer = config.create()?;
     consumer.assign(&assignment)?;
 
     while progress.values().any(|p| p.next < p.high) {

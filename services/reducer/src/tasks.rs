@@ -244,6 +244,11 @@ impl Engine {
             &mut |(partition, run_id, before, after)| {
                 gauges.restored(partition, run_id, before, after)
             },
+            &|topic, partition| {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                sortie_kafka::fetch_watermarks(consumer, topic, partition, deadline)
+                    .map(|(_, high)| high)
+            },
         ) {
             Ok(restored) => restored,
             Err(e) => {
