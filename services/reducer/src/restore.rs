@@ -67,17 +67,30 @@ pub type Change<'a> = (i32, &'a str, Option<&'a RunState>, Option<&'a RunState>)
 
 /// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
 /// For the partitions in `track` (warm ones), every change is also handed to `observe`.
+/// What a restore reads with and writes to.
+#[derive(Debug, Clone, Copy)]
+pub struct Sources<'a> {
+    pub kafka: &'a KafkaConfig,
+    pub topics: &'a Topics,
+    pub codec: &'a Codec,
+    pub runtime: &'a Handle,
+    pub store: &'a Store,
+}
+
 pub fn partitions(
-    kafka: &KafkaConfig,
-    topics: &Topics,
-    codec: &Codec,
-    runtime: &Handle,
-    store: &Store,
+    sources: Sources<'_>,
     plan: &BTreeMap<i32, Option<u64>>,
     track: &std::collections::BTreeSet<i32>,
     observe: &mut dyn FnMut(Change<'_>),
     high_watermark: &dyn Fn(&str, i32) -> Result<i64, rdkafka::error::KafkaError>,
 ) -> Result<Restored, Error> {
+    let Sources {
+        kafka,
+        topics,
+        codec,
+        runtime,
+        store,
+    } = sources;
     let mut restored = Restored::default();
     if plan.is_empty() {
         return Ok(restored);

@@ -233,12 +233,15 @@ impl Engine {
             }
         }
         let gauges = &mut self.gauges;
+        let sources = crate::restore::Sources {
+            kafka: &self.config.kafka,
+            topics: &self.config.topics,
+            codec: &self.codec,
+            runtime: &self.runtime,
+            store: &self.store,
+        };
         let restored = match crate::restore::partitions(
-            &self.config.kafka,
-            &self.config.topics,
-            &self.codec,
-            &self.runtime,
-            &self.store,
+            sources,
             &plan,
             &tracked,
             &mut |(partition, run_id, before, after)| {

@@ -42,8 +42,11 @@ pub(crate) type TxnProducer = BaseProducer<Deliveries>;
 /// error).
 #[derive(Debug, Default)]
 pub(crate) struct Deliveries {
-    reports: Mutex<Vec<(usize, Result<(i32, i64), KafkaError>)>>,
+    reports: Mutex<Vec<Report>>,
 }
+
+/// One delivery report: the record's index in the transaction, and where it landed.
+type Report = (usize, Result<(i32, i64), KafkaError>);
 
 impl ClientContext for Deliveries {}
 
@@ -62,7 +65,7 @@ impl ProducerContext for Deliveries {
 }
 
 impl Deliveries {
-    fn take(&self) -> Vec<(usize, Result<(i32, i64), KafkaError>)> {
+    fn take(&self) -> Vec<Report> {
         self.reports
             .lock()
             .map(|mut r| std::mem::take(&mut *r))
