@@ -631,6 +631,22 @@ fn phase(
     let commit_ms: Vec<f64> = commits.iter().map(|c| c.2 as f64).collect();
     let outputs: Vec<f64> = commits.iter().map(|c| c.1 as f64).collect();
     let inputs: Vec<f64> = commits.iter().map(|c| c.0 as f64).collect();
+    // Where a transaction's time goes, and how much of the phase the reducer spent in
+    // transactions at all: the profile hint.
+    let phases = stack::commit_phases(lines.get(log_before..).unwrap_or_default());
+    let phase_of = |i: usize| summary(&phases.iter().map(|p| p[i]).collect::<Vec<_>>());
+    let in_commits_s = commit_ms.iter().sum::<f64>() / 1000.0;
+    let profile = json!({
+        "transaction_phase_ms": {
+            "encode_states": phase_of(0),
+            "begin_and_produce": phase_of(1),
+            "send_offsets": phase_of(2),
+            "await_deliveries": phase_of(3),
+            "commit": phase_of(4),
+        },
+        "share_of_time_in_transactions": round(in_commits_s / elapsed),
+        "hint": "send_offsets and await_deliveries wait for the broker (CONCURRENT_TRANSACTIONS while the previous transaction's markers are written); the rest of the time not in transactions is the reducer's own CPU (fold, encode, sled) or waiting for input",
+    });
     Ok(Phase {
         json: json!({
             "runs": runs,
@@ -650,6 +666,7 @@ fn phase(
             "commit_ms": summary(&commit_ms),
             "records_per_txn": summary(&outputs),
             "inputs_per_txn": summary(&inputs),
+            "profile": profile,
             "processes": processes,
         }),
     })

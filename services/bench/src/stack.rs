@@ -406,6 +406,24 @@ pub fn restores(lines: &[String]) -> (usize, u64, u64) {
     (partitions, records, millis)
 }
 
+/// The transaction phases of each "Batch committed." line (`phases_ms=[a, b, c, d, e]`:
+/// encode states, begin + produce, send offsets, await deliveries, commit).
+pub fn commit_phases(lines: &[String]) -> Vec<[f64; 5]> {
+    lines
+        .iter()
+        .filter(|l| l.contains("Batch committed."))
+        .filter_map(|line| {
+            let at = line.find("phases_ms=[")? + "phases_ms=[".len();
+            let end = line[at..].find(']')? + at;
+            let values: Vec<f64> = line[at..end]
+                .split(',')
+                .filter_map(|v| v.trim().parse().ok())
+                .collect();
+            <[f64; 5]>::try_from(values).ok()
+        })
+        .collect()
+}
+
 /// One "Batch committed." line of the reducer: (inputs, outputs, commit_ms).
 pub fn commits(lines: &[String]) -> Vec<(u64, u64, u64)> {
     lines
@@ -428,8 +446,13 @@ mod tests {
         assert_eq!(field(line, "inputs"), Some("12"));
         assert_eq!(field(line, "commit_ms"), Some("3"));
         assert_eq!(commits(&[line.to_owned()]), vec![(12, 40, 3)]);
-        let restore = "2026-01-01T00:00:00Z  INFO sortie_reducer::driver: Partition restored from the changelog. partition=3 records=120 warm=false millis=40";
-        assert_eq!(restores(&[restore.to_owned()]), (1, 120, 40));
+        let restore = [
+            "2026-01-01T00:00:00Z  INFO sortie_reducer::tasks: Partition restored from the changelog. partition=3 records=120 warm=false".to_owned(),
+            "2026-01-01T00:00:00Z  INFO sortie_reducer::tasks: Assignment restored; consuming from the committed offsets. partitions={3} records=120 warm=false millis=40 stopped=[]".to_owned(),
+        ];
+        assert_eq!(restores(&restore), (1, 120, 40));
+        let phased = format!("{line} phases_ms=[1, 2, 3, 4, 5]");
+        assert_eq!(commit_phases(&[phased]), vec![[1.0, 2.0, 3.0, 4.0, 5.0]]);
     }
 
     #[test]
