@@ -110,7 +110,7 @@ impl Stack {
         let topics = Topics::new(prefix.clone());
         for text in graphs {
             let graph = Graph::parse(text).expect("test graph is valid");
-            sortie_reducer::graphs::publish(&kafka, &codec, &topics, &graph, "test", now_ms())
+            sortie_catalog::publish(&kafka, &codec, &topics, &graph, "test", now_ms())
                 .await
                 .expect("publish graph");
         }
@@ -255,7 +255,7 @@ impl Stack {
                 .decode(message.payload())
                 .await
                 .expect("decode run-state");
-            let state = sortie_reducer::convert::state_from_wire(&record).expect("state json");
+            let state = sortie_model::state_from_wire(&record).expect("state json");
             out.insert(record.run_id.clone(), state);
         }
         out
@@ -276,7 +276,7 @@ impl Stack {
                 .decode(message.payload())
                 .await
                 .expect("decode run-event");
-            let event = sortie_reducer::convert::event_from_wire(record).expect("event");
+            let event = sortie_model::event_from_wire(record).expect("event");
             out.entry(event.run_id.clone()).or_default().push(event);
         }
         out
@@ -610,7 +610,7 @@ impl Stack {
     /// stack).
     pub async fn publish(&self, yaml: &str) {
         let graph = Graph::parse(yaml).expect("test graph is valid");
-        sortie_reducer::graphs::publish(
+        sortie_catalog::publish(
             &self.kafka,
             &self.codec,
             &self.topics,

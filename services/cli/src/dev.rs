@@ -262,8 +262,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     });
     let topics = Topics::default();
     let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as i64;
-    for graph in sortie_reducer::graphs::load_dir(repo_file("topology/graphs")?)? {
-        sortie_reducer::graphs::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
+    for graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
+        sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
         println!("  graph     {} published", graph.key());
     }
 

@@ -1,15 +1,15 @@
 //! `sortie graph publish|list`: publish mission graphs to the graphs topic and list the
-//! published versions (see `sortie_reducer::graphs`).
+//! published versions (see `sortie_catalog`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
+use sortie_catalog::{self as graphs, GraphTable, Published};
 use sortie_core::graph::InvalidGraph;
 use sortie_core::Graph;
 use sortie_kafka::KafkaConfig;
-use sortie_reducer::graphs::{self, GraphTable, Published};
 use sortie_wire::{Codec, CodecConfig, RecordKind, Topics};
 
 /// How long to wait for the schema registry and for the graphs topic to be read.
