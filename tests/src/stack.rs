@@ -2,6 +2,7 @@
 //! under a unique prefix, published graphs, reducer processes, and a test executor that
 //! answers intents. Each test gets its own stack, so tests run in parallel.
 
+pub use sortie_kafka::clock::now_ms;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -22,13 +23,6 @@ use crate::{Isolation, ServedRegistry};
 
 /// The run partitions of [`Stack::start`] (see [`Stack::start_with_partitions`]).
 pub const PARTITIONS: u32 = 3;
-
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
 
 /// The `sortie` binary, built once per test process.
 pub fn sortie_bin() -> PathBuf {
