@@ -2,6 +2,7 @@
 //! under a unique prefix, published graphs, reducer processes, and a test executor that
 //! answers intents. Each test gets its own stack, so tests run in parallel.
 
+pub use sortie_kafka::clock::now_ms;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -22,13 +23,6 @@ use crate::{Isolation, ServedRegistry};
 
 /// The run partitions of [`Stack::start`] (see [`Stack::start_with_partitions`]).
 pub const PARTITIONS: u32 = 3;
-
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
 
 /// The `sortie` binary, built once per test process.
 pub fn sortie_bin() -> PathBuf {
@@ -110,7 +104,7 @@ impl Stack {
         let topics = Topics::new(prefix.clone());
         for text in graphs {
             let graph = Graph::parse(text).expect("test graph is valid");
-            sortie_reducer::graphs::publish(&kafka, &codec, &topics, &graph, "test", now_ms())
+            sortie_catalog::publish(&kafka, &codec, &topics, &graph, "test", now_ms())
                 .await
                 .expect("publish graph");
         }
@@ -255,7 +249,7 @@ impl Stack {
                 .decode(message.payload())
                 .await
                 .expect("decode run-state");
-            let state = sortie_reducer::convert::state_from_wire(&record).expect("state json");
+            let state = sortie_model::state_from_wire(&record).expect("state json");
             out.insert(record.run_id.clone(), state);
         }
         out
@@ -276,7 +270,7 @@ impl Stack {
                 .decode(message.payload())
                 .await
                 .expect("decode run-event");
-            let event = sortie_reducer::convert::event_from_wire(record).expect("event");
+            let event = sortie_model::event_from_wire(record).expect("event");
             out.entry(event.run_id.clone()).or_default().push(event);
         }
         out
@@ -610,7 +604,7 @@ impl Stack {
     /// stack).
     pub async fn publish(&self, yaml: &str) {
         let graph = Graph::parse(yaml).expect("test graph is valid");
-        sortie_reducer::graphs::publish(
+        sortie_catalog::publish(
             &self.kafka,
             &self.codec,
             &self.topics,

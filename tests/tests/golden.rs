@@ -16,7 +16,7 @@ use sortie_core::{
     apply, evolve, input::Command, CommandBody, Effect, Event, Graph, Graphs, Input, RunState,
     StepOutcome, StepReport,
 };
-use sortie_reducer::convert;
+use sortie_model as convert;
 use sortie_wire::records as w;
 use sortie_wire::{from_datum, to_datum, RecordKind};
 
@@ -231,10 +231,8 @@ impl Story {
 }
 
 fn refund_graph() -> Graph {
-    sortie_reducer::graphs::load_file(
-        sortie_tests::workspace_root().join("topology/graphs/refund.yaml"),
-    )
-    .expect("refund.yaml")
+    sortie_catalog::load_file(sortie_tests::workspace_root().join("topology/graphs/refund.yaml"))
+        .expect("refund.yaml")
 }
 
 #[test]

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{ensure, Context as _};
+use sortie_catalog::{self as graphs, GraphTable, Published};
 use sortie_core::Graph;
 use sortie_kafka::KafkaConfig;
-use sortie_reducer::graphs::{self, GraphTable, Published};
 use sortie_tests::{Isolation, ServedRegistry};
 use sortie_wire::{Codec, CodecConfig, RecordKind, Topics};
 

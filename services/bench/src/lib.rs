@@ -11,9 +11,10 @@
 //! for a service (the services under test are the real `sortie` binary). Being a program
 //! that reports rather than handles failures, it uses `anyhow`.
 
+pub(crate) use sortie_kafka::clock::now_ms;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use sortie_kafka::KafkaConfig;
@@ -120,13 +121,6 @@ impl Options {
             ..Options::full(exe)
         }
     }
-}
-
-pub(crate) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 /// What the blocking phases share.

@@ -101,7 +101,7 @@ fn write_states(
     for i in 0..count {
         let run_id = format!("syn-{i:08}");
         state.run_id.clone_from(&run_id);
-        let datum = sortie_wire::to_datum(&sortie_reducer::convert::state_to_wire(&state))?;
+        let datum = sortie_wire::to_datum(&sortie_model::state_to_wire(&state))?;
         let mut value = Vec::with_capacity(5 + datum.len());
         value.push(0);
         value.extend_from_slice(&schema_id.to_be_bytes());

@@ -230,15 +230,9 @@ pub async fn publish_graph(
     // metadata already names a leader.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let published = sortie_reducer::graphs::publish(
-            kafka,
-            codec,
-            topics,
-            graph,
-            "sortie-bench",
-            crate::now_ms(),
-        )
-        .await;
+        let published =
+            sortie_catalog::publish(kafka, codec, topics, graph, "sortie-bench", crate::now_ms())
+                .await;
         match published {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() > deadline => return Err(e.into()),

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use serde_json::{json, Value};
@@ -261,9 +261,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         auto_register: true,
     });
     let topics = Topics::default();
-    let now = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as i64;
-    for graph in sortie_reducer::graphs::load_dir(repo_file("topology/graphs")?)? {
-        sortie_reducer::graphs::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
+    let now = sortie_kafka::clock::now_ms();
+    for graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
+        sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
         println!("  graph     {} published", graph.key());
     }
 

@@ -8,21 +8,9 @@ use sortie_wire::Topics;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    #[arg(
-        long,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
-    #[arg(
-        long,
-        env = "SORTIE__REGISTRY__URL",
-        default_value = "http://127.0.0.1:8081"
-    )]
-    registry_url: String,
-    /// Topic name prefix.
-    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
-    prefix: String,
+    // --bootstrap-servers, --registry-url, --prefix, --kafka-properties.
+    #[command(flatten)]
+    connection: crate::telemetry::Connection,
     /// Queues to serve (`sortie.intents.<queue>`); repeat the flag or separate by commas.
     #[arg(
         long = "queue",
@@ -79,8 +67,6 @@ pub struct Args {
     /// address is printed). Default 127.0.0.1:9465, best effort.
     #[arg(long, env = "SORTIE__EXECUTOR__METRICS_ADDR")]
     metrics_addr: Option<String>,
-    #[command(flatten)]
-    kafka: crate::telemetry::KafkaProperties,
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
@@ -94,9 +80,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .filter(|q| !q.is_empty())
         .collect();
     let mut config = ExecutorConfig::new(
-        args.kafka.config(args.bootstrap_servers)?,
-        args.registry_url,
-        Topics::new(args.prefix),
+        args.connection.kafka_config()?,
+        args.connection.registry_url,
+        Topics::new(args.connection.prefix),
         queues,
     );
     if let Some(id) = args.executor_id {

@@ -9,21 +9,9 @@ use sortie_gateway::{GatewayConfig, TokenEntry};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    #[arg(
-        long,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
-    #[arg(
-        long,
-        env = "SORTIE__REGISTRY__URL",
-        default_value = "http://127.0.0.1:8081"
-    )]
-    registry_url: String,
-    /// Topic name prefix.
-    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
-    prefix: String,
+    // --bootstrap-servers, --registry-url, --prefix, --kafka-properties.
+    #[command(flatten)]
+    connection: crate::telemetry::Connection,
     /// Address to listen on (port 0: any free port; the bound address is printed).
     #[arg(long, env = "SORTIE__GATEWAY__ADDR", default_value = "127.0.0.1:8080")]
     addr: String,
@@ -60,8 +48,6 @@ pub struct Args {
     /// Crash tests only: die on purpose at this point (gateway.after_publish).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
-    #[command(flatten)]
-    kafka: crate::telemetry::KafkaProperties,
     /// Print the effective configuration (token hashes only) and exit.
     #[arg(long)]
     print_config: bool,
@@ -69,11 +55,11 @@ pub struct Args {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = GatewayConfig::new(
-        args.kafka.config(args.bootstrap_servers)?,
-        args.registry_url,
+        args.connection.kafka_config()?,
+        args.connection.registry_url,
         args.data_dir,
     );
-    config.prefix = args.prefix;
+    config.prefix = args.connection.prefix;
     config.answer_timeout = Duration::from_millis(args.answer_timeout_ms);
     config.read_wait_timeout = Duration::from_millis(args.read_wait_timeout_ms);
     config.max_body_bytes = args.max_body_bytes;

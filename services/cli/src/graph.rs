@@ -1,15 +1,16 @@
 //! `sortie graph publish|list`: publish mission graphs to the graphs topic and list the
-//! published versions (see `sortie_reducer::graphs`).
+//! published versions (see `sortie_catalog`).
 
+use sortie_kafka::clock::now_ms;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Context as _;
+use sortie_catalog::{self as graphs, GraphTable, Published};
 use sortie_core::graph::InvalidGraph;
 use sortie_core::Graph;
 use sortie_kafka::KafkaConfig;
-use sortie_reducer::graphs::{self, GraphTable, Published};
 use sortie_wire::{Codec, CodecConfig, RecordKind, Topics};
 
 /// How long to wait for the schema registry and for the graphs topic to be read.
@@ -185,13 +186,6 @@ async fn list(kafka: &KafkaConfig, codec: Codec, topics: &Topics) -> anyhow::Res
         println!("{line}");
     }
     Ok(())
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
 }
 
 /// `2026-01-31T12:34:56.789Z` from Unix milliseconds (proleptic Gregorian, UTC).

@@ -11,21 +11,9 @@ use sortie_wire::Topics;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    #[arg(
-        long,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
-    #[arg(
-        long,
-        env = "SORTIE__REGISTRY__URL",
-        default_value = "http://127.0.0.1:8081"
-    )]
-    registry_url: String,
-    /// Topic name prefix.
-    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
-    prefix: String,
+    // --bootstrap-servers, --registry-url, --prefix, --kafka-properties.
+    #[command(flatten)]
+    connection: crate::telemetry::Connection,
     /// Where the sled cache lives (a cache: deleting it costs a cold restore, nothing else).
     #[arg(
         long,
@@ -71,8 +59,6 @@ pub struct Args {
     /// address is printed). Default 127.0.0.1:9464, best effort.
     #[arg(long, env = "SORTIE__REDUCER__METRICS_ADDR")]
     metrics_addr: Option<String>,
-    #[command(flatten)]
-    kafka: crate::telemetry::KafkaProperties,
     /// Print the effective configuration and exit.
     #[arg(long)]
     print_config: bool,
@@ -80,9 +66,9 @@ pub struct Args {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = ReducerConfig::new(
-        args.kafka.config(args.bootstrap_servers)?,
-        args.registry_url,
-        Topics::new(args.prefix),
+        args.connection.kafka_config()?,
+        args.connection.registry_url,
+        Topics::new(args.connection.prefix),
         args.data_dir,
     );
     config.instance_id = args.instance_id;

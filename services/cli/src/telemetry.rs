@@ -170,6 +170,36 @@ fn ready_response(readiness: Result<(), String>) -> Response {
     }
 }
 
+/// How a service reaches the cluster: the flags `sortie reducer`, `sortie executor` and
+/// `sortie gateway` share (same names, env vars and defaults in each).
+#[derive(Debug, clap::Args)]
+pub struct Connection {
+    #[arg(
+        long,
+        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
+    pub bootstrap_servers: String,
+    #[arg(
+        long,
+        env = "SORTIE__REGISTRY__URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    pub registry_url: String,
+    /// Topic name prefix.
+    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
+    pub prefix: String,
+    #[command(flatten)]
+    pub kafka: KafkaProperties,
+}
+
+impl Connection {
+    /// A client config for the bootstrap servers with the properties file's settings.
+    pub fn kafka_config(&self) -> anyhow::Result<KafkaConfig> {
+        self.kafka.config(self.bootstrap_servers.clone())
+    }
+}
+
 /// librdkafka properties from a file (e.g. a mounted Secret): SASL and TLS settings.
 #[derive(Debug, clap::Args)]
 pub struct KafkaProperties {

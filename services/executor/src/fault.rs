@@ -3,10 +3,13 @@
 //! Off unless set explicitly (`sortie executor --fault <point>` or `SORTIE_FAULT=<point>`).
 //! At the point, the executor logs one line and calls [`std::process::abort`]: no
 //! destructor runs, no buffered record is flushed, no offset is committed — as with
-//! SIGKILL.
+//! SIGKILL. The mechanism is [`sortie_kafka::fault`]'s; this module is the executor's list
+//! of points.
 
 use std::fmt;
 use std::str::FromStr;
+
+pub use sortie_kafka::fault::UnknownFaultPoint;
 
 /// Where to die.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,37 +40,37 @@ impl FaultPoint {
     }
 }
 
+impl sortie_kafka::fault::FaultPoint for FaultPoint {
+    const ALL: &'static [Self] = &FaultPoint::ALL;
+
+    fn as_str(self) -> &'static str {
+        FaultPoint::as_str(self)
+    }
+}
+
 impl fmt::Display for FaultPoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown fault point {0:?}; known: executor.before_call, executor.after_call, executor.after_result")]
-pub struct UnknownFaultPoint(pub String);
-
 impl FromStr for FaultPoint {
     type Err = UnknownFaultPoint;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        FaultPoint::ALL
-            .into_iter()
-            .find(|p| p.as_str() == text.trim())
-            .ok_or_else(|| UnknownFaultPoint(text.to_owned()))
+        sortie_kafka::fault::parse(text)
     }
 }
 
 /// Dies at `point` if it is the configured one.
 pub(crate) fn check(configured: Option<FaultPoint>, point: FaultPoint, operation_id: &str) {
-    if configured == Some(point) {
+    sortie_kafka::fault::check(configured, 1, point, |_| {
         tracing::error!(
             fault = %point,
             operation_id,
             "Fault injection: the executor dies here on purpose."
         );
-        std::process::abort();
-    }
+    });
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@
 //!
 //! On start the file is read back, so a restarted ledger remembers every effect.
 
+use sortie_kafka::clock::now_ms;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
@@ -31,7 +32,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path as UrlPath, State};
@@ -205,13 +206,6 @@ impl Records {
 fn content_key(name: &str, body: &Value) -> String {
     // serde_json's maps are ordered, so equal bodies print equally.
     format!("{name}\n{body}")
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 impl Ledger {

@@ -43,11 +43,12 @@
 //! committing), then hands back what waits for a commit, aborts what still runs (its
 //! offset stays uncommitted: redelivered), commits, and leaves the group.
 
+use sortie_kafka::clock::now_ms;
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
@@ -278,13 +279,6 @@ fn partition_count<C: ClientContext>(
                 "topic {topic} does not exist; run `sortie topology apply`"
             ))
         })
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 // ---------------------------------------------------------------- per-queue state

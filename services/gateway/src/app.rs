@@ -1,10 +1,11 @@
 //! The gateway's shared state: config, tokens, the view, the command producer and the graph
 //! catalog; and the write path (publish a command, wait for the reducer's answer).
 
+pub(crate) use sortie_kafka::clock::now_ms;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::http::StatusCode;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -62,13 +63,6 @@ pub(crate) struct Inner {
     stop: watch::Sender<bool>,
     stop_graphs: Arc<AtomicBool>,
     view_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-pub(crate) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 impl AppState {

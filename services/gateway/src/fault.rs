@@ -2,10 +2,13 @@
 //!
 //! Off unless set explicitly (`sortie gateway --fault <point>` or `SORTIE_FAULT=<point>`).
 //! At the point, the gateway logs one line and calls [`std::process::abort`]: the caller's
-//! connection drops without an answer — as with SIGKILL.
+//! connection drops without an answer — as with SIGKILL. The mechanism is
+//! [`sortie_kafka::fault`]'s; this module is the gateway's list of points.
 
 use std::fmt;
 use std::str::FromStr;
+
+pub use sortie_kafka::fault::UnknownFaultPoint;
 
 use serde::{Deserialize, Serialize};
 
@@ -28,37 +31,37 @@ impl FaultPoint {
     }
 }
 
+impl sortie_kafka::fault::FaultPoint for FaultPoint {
+    const ALL: &'static [Self] = &FaultPoint::ALL;
+
+    fn as_str(self) -> &'static str {
+        FaultPoint::as_str(self)
+    }
+}
+
 impl fmt::Display for FaultPoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown fault point {0:?}; known: gateway.after_publish")]
-pub struct UnknownFaultPoint(pub String);
-
 impl FromStr for FaultPoint {
     type Err = UnknownFaultPoint;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        FaultPoint::ALL
-            .into_iter()
-            .find(|p| p.as_str() == text.trim())
-            .ok_or_else(|| UnknownFaultPoint(text.to_owned()))
+        sortie_kafka::fault::parse(text)
     }
 }
 
 /// Dies at `point` if it is the configured one.
 pub(crate) fn check(configured: Option<FaultPoint>, point: FaultPoint, command_id: &str) {
-    if configured == Some(point) {
+    sortie_kafka::fault::check(configured, 1, point, |_| {
         tracing::error!(
             fault = %point,
             command_id,
             "Fault injection: the gateway dies here on purpose."
         );
-        std::process::abort();
-    }
+    });
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use sortie_catalog::GraphTable;
 use sortie_kafka::KafkaConfig;
-use sortie_reducer::graphs::GraphTable;
 use sortie_wire::{Codec, Topics};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;

@@ -23,7 +23,7 @@ use rdkafka::message::OwnedMessage;
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sortie_core::{Event, EventBody};
 use sortie_kafka::KafkaConfig;
-use sortie_reducer::convert;
+use sortie_model as convert;
 use sortie_wire::records as w;
 use sortie_wire::{Codec, Record, Topics};
 use tokio::sync::{oneshot, watch};

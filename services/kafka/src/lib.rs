@@ -8,6 +8,7 @@
 
 pub mod clock;
 mod config;
+pub mod fault;
 pub mod local;
 pub mod metrics;
 pub mod topology;

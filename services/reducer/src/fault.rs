@@ -3,11 +3,13 @@
 //! Off unless set explicitly (`sortie reducer --fault <point>` or `SORTIE_FAULT=<point>`,
 //! optionally `--fault-after N` to let N - 1 passes through first). At the point, the
 //! reducer logs one line and calls [`std::process::abort`]: no destructor runs, no
-//! transaction is finished, sled is not written — as with SIGKILL.
+//! transaction is finished, sled is not written — as with SIGKILL. The mechanism is
+//! [`sortie_kafka::fault`]'s; this module is the reducer's list of points.
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU32, Ordering};
+
+pub use sortie_kafka::fault::UnknownFaultPoint;
 
 /// Where to die.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,45 +34,38 @@ impl FaultPoint {
     }
 }
 
+impl sortie_kafka::fault::FaultPoint for FaultPoint {
+    const ALL: &'static [Self] = &FaultPoint::ALL;
+
+    fn as_str(self) -> &'static str {
+        FaultPoint::as_str(self)
+    }
+}
+
 impl fmt::Display for FaultPoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown fault point {0:?}; known: reducer.before_commit, reducer.after_commit")]
-pub struct UnknownFaultPoint(pub String);
-
 impl FromStr for FaultPoint {
     type Err = UnknownFaultPoint;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        FaultPoint::ALL
-            .into_iter()
-            .find(|p| p.as_str() == text.trim())
-            .ok_or_else(|| UnknownFaultPoint(text.to_owned()))
+        sortie_kafka::fault::parse(text)
     }
 }
-
-/// Times the configured point was reached in this process (one reducer per process).
-static REACHED: AtomicU32 = AtomicU32::new(0);
 
 /// Dies at `point` if it is the configured one and this is its `after`-th pass (1: the
 /// first).
 pub(crate) fn check(configured: Option<FaultPoint>, after: u32, point: FaultPoint) {
-    if configured != Some(point) {
-        return;
-    }
-    let pass = REACHED.fetch_add(1, Ordering::SeqCst) + 1;
-    if pass >= after.max(1) {
+    sortie_kafka::fault::check(configured, after, point, |pass| {
         tracing::error!(
             fault = %point,
             pass,
             "Fault injection: the reducer dies here on purpose."
         );
-        std::process::abort();
-    }
+    });
 }
 
 #[cfg(test)]
@@ -84,6 +79,13 @@ mod tests {
         }
         assert!("reducer.somewhere".parse::<FaultPoint>().is_err());
         assert!("executor.before_call".parse::<FaultPoint>().is_err());
+        assert_eq!(
+            "x".parse::<FaultPoint>().map_err(|e| e.to_string()),
+            Err(
+                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit"
+                    .to_owned()
+            )
+        );
     }
 
     #[test]

@@ -10,11 +10,14 @@
 pub mod audit;
 mod batch;
 mod cache;
-pub mod convert;
+/// The wire ↔ domain mapping now lives in `sortie-model`; re-exported so the reducer
+/// (and its callers) keep their paths.
+pub use sortie_model as convert;
 pub mod driver;
 mod engine;
 pub mod fault;
-pub mod graphs;
+/// The graph catalog now lives in `sortie-catalog`, shared with the gateway and bench.
+pub use sortie_catalog as graphs;
 pub mod health;
 mod input;
 pub mod metrics;

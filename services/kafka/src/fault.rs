@@ -1,0 +1,107 @@
+//! The one fault-point mechanism of the services, for crash tests: parse a point's name,
+//! count passes, and die on purpose at the configured one. Each service keeps only its
+//! list of points (an enum implementing [`FaultPoint`]) and the line it logs; what a point
+//! means is the service's business, never this crate's.
+//!
+//! Off unless set explicitly (`--fault <point>` or `SORTIE_FAULT=<point>`). At the point,
+//! the service logs one line ("Fault injection: ...") and calls [`std::process::abort`]:
+//! no destructor runs, nothing buffered is flushed — as with SIGKILL.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// A service's list of fault points.
+pub trait FaultPoint: Copy + Eq + fmt::Display + Sized + 'static {
+    /// Every point, in the order the "known" list of [`UnknownFaultPoint`] names them.
+    const ALL: &'static [Self];
+
+    /// The point's name: `<service>.<where>`, e.g. `reducer.before_commit`.
+    fn as_str(self) -> &'static str;
+}
+
+/// A name that is none of the service's points.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown fault point {text:?}; known: {known}")]
+pub struct UnknownFaultPoint {
+    pub text: String,
+    /// The service's points, comma-separated.
+    pub known: String,
+}
+
+/// Parses a point by its exact name (surrounding whitespace ignored).
+pub fn parse<P: FaultPoint>(text: &str) -> Result<P, UnknownFaultPoint> {
+    P::ALL
+        .iter()
+        .copied()
+        .find(|p| p.as_str() == text.trim())
+        .ok_or_else(|| UnknownFaultPoint {
+            text: text.to_owned(),
+            known: P::ALL
+                .iter()
+                .map(|p| p.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+/// Times the configured point was reached in this process. Only the configured point
+/// counts, and a process is configured with one point at most.
+static REACHED: AtomicU32 = AtomicU32::new(0);
+
+/// Dies at `point` if it is the `configured` one and this is its `after`-th pass (1 or 0:
+/// the first): calls `log` with the pass number, then aborts the process.
+pub fn check<P: FaultPoint>(configured: Option<P>, after: u32, point: P, log: impl FnOnce(u32)) {
+    if configured != Some(point) {
+        return;
+    }
+    let pass = REACHED.fetch_add(1, Ordering::SeqCst) + 1;
+    if pass >= after.max(1) {
+        log(pass);
+        std::process::abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Point {
+        Here,
+        There,
+    }
+
+    impl fmt::Display for Point {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.as_str())
+        }
+    }
+
+    impl FaultPoint for Point {
+        const ALL: &'static [Self] = &[Point::Here, Point::There];
+
+        fn as_str(self) -> &'static str {
+            match self {
+                Point::Here => "test.here",
+                Point::There => "test.there",
+            }
+        }
+    }
+
+    #[test]
+    fn points_parse_by_name_only() {
+        assert_eq!(parse::<Point>(" test.here "), Ok(Point::Here));
+        assert_eq!(parse::<Point>("test.there"), Ok(Point::There));
+        let error = parse::<Point>("test.elsewhere").expect_err("unknown");
+        assert_eq!(
+            error.to_string(),
+            "unknown fault point \"test.elsewhere\"; known: test.here, test.there"
+        );
+    }
+
+    #[test]
+    fn an_unconfigured_point_never_fires() {
+        check(None, 1, Point::Here, |_| panic!("fired"));
+        check(Some(Point::There), 1, Point::Here, |_| panic!("fired"));
+    }
+}
