@@ -486,9 +486,16 @@ impl ConsumerContext for QueueContext {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Assign(list) => {
+                // librdkafka keeps a partition's pause across its revocation: one paused
+                // while the queue was full and handed back (say during a broker outage)
+                // would come back paused and never deliver again. New assignments start
+                // resumed; the loop pauses them again on its next pass if still full.
+                if let Err(e) = consumer.resume(list) {
+                    tracing::warn!(topic = %self.shared.topic, error = %e, "Resuming newly assigned partitions failed.");
+                }
                 let mut state = self.shared.lock();
                 for element in list.elements() {
                     state.next_epoch += 1;
