@@ -22,9 +22,10 @@ impl Engine {
                 continue;
             };
             let partition = self.partition_of(&run_id);
-            let before = batch.before.get(&run_id).cloned().flatten();
-            let old: BTreeMap<&String, &i64> = before
-                .as_ref()
+            let old: BTreeMap<&String, &i64> = batch
+                .before
+                .get(&run_id)
+                .and_then(Option::as_ref)
                 .map(|b| b.timers.iter().collect())
                 .unwrap_or_default();
             for (key, due) in &old {
@@ -60,7 +61,7 @@ impl Engine {
         for (run_id, state) in &batch.after {
             let partition = self.partition_of(run_id);
             let before = batch.before.get(run_id).and_then(Option::as_ref);
-            self.gauges.update(partition, run_id, before, state);
+            self.gauges.update(partition, run_id, before, Some(state));
         }
         tracing::debug!(
             inputs = batch.inputs,

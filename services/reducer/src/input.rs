@@ -30,15 +30,6 @@ use crate::engine::Engine;
 /// Original values up to this size travel inside the dead letter.
 const DEAD_LETTER_VALUE_CAP: usize = 512 * 1024;
 
-/// What became of one consumed record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Handled {
-    /// Taken into the batch (applied, forwarded or dead-lettered).
-    Taken,
-    /// Its partition is not an active task: not consumed.
-    Skipped,
-}
-
 /// Decodes with the registry. A registry outage is retried without limit — the bytes may
 /// be fine, and dead-lettering them because the registry is down would lose them — while
 /// bytes that do not decode are answered at once.
@@ -93,9 +84,11 @@ pub(crate) fn headers_of(message: &OwnedMessage) -> Vec<(String, Option<Vec<u8>>
 }
 
 impl Engine {
-    pub fn handle(&mut self, message: &OwnedMessage) -> Result<Handled, Error> {
+    /// Takes one consumed record into the batch (applied, forwarded or dead-lettered), or
+    /// leaves it unconsumed when its partition is not an active task.
+    pub fn handle(&mut self, message: &OwnedMessage) -> Result<(), Error> {
         if !self.tasks.is_active(message.partition()) {
-            return Ok(Handled::Skipped);
+            return Ok(());
         }
         let topic = message.topic().to_owned();
         self.batch
@@ -111,7 +104,7 @@ impl Engine {
                 self.config.max_payload_bytes
             );
             self.dead_letter(message, "oversized", reason)?;
-            return Ok(Handled::Taken);
+            return Ok(());
         }
         let key = message
             .key()
@@ -148,7 +141,7 @@ impl Engine {
             Ok(decoded) => decoded,
             Err((code, reason)) => {
                 self.dead_letter(message, code, reason)?;
-                return Ok(Handled::Taken);
+                return Ok(());
             }
         };
         let canonical = self.partition_of(&run_id);
@@ -170,14 +163,14 @@ impl Engine {
                 headers: headers_of(message),
             });
             self.batch.counts.forwarded();
-            return Ok(Handled::Taken);
+            return Ok(());
         }
         let trace = message
             .headers()
             .and_then(|h| TraceContext::from_headers(h.iter().map(|h| (h.key, h.value))))
             .unwrap_or_else(|| TraceContext::for_run(&run_id));
         self.apply(&input, &trace)?;
-        Ok(Handled::Taken)
+        Ok(())
     }
 
     pub fn dead_letter(

@@ -467,28 +467,6 @@ impl RunGauges {
         true
     }
 
-    /// A run's state changed from `before` to `after` outside a commit (a restore).
-    pub fn restored(
-        &mut self,
-        partition: i32,
-        run_id: &str,
-        before: Option<&RunState>,
-        after: Option<&RunState>,
-    ) {
-        let tally = self.partitions.entry(partition).or_default();
-        let after = after.map(Contribution::of);
-        if let Some(before) = before {
-            let still_open = after
-                .as_ref()
-                .map(|a| a.open_interrupts.clone())
-                .unwrap_or_default();
-            tally.remove(run_id, &Contribution::of(before), &still_open);
-        }
-        if let Some(after) = &after {
-            tally.add(run_id, after);
-        }
-    }
-
     /// Rebuilds the tallies of `restored` partitions from the cache (after their restore).
     pub fn rebuild(
         &mut self,
@@ -514,20 +492,23 @@ impl RunGauges {
         }
     }
 
-    /// A committed change of one run.
+    /// A run changed from `before` to `after` (`None`: absent), by a commit or a restore.
     pub fn update(
         &mut self,
         partition: i32,
         run_id: &str,
         before: Option<&RunState>,
-        after: &RunState,
+        after: Option<&RunState>,
     ) {
         let tally = self.partitions.entry(partition).or_default();
-        let after = Contribution::of(after);
+        let after = after.map(Contribution::of);
         if let Some(before) = before {
-            tally.remove(run_id, &Contribution::of(before), &after.open_interrupts);
+            let still_open = after.as_ref().map_or(&[][..], |a| &a.open_interrupts);
+            tally.remove(run_id, &Contribution::of(before), still_open);
         }
-        tally.add(run_id, &after);
+        if let Some(after) = &after {
+            tally.add(run_id, after);
+        }
     }
 
     /// Sets the gauges for the partitions in `owned` (forgetting the others).
@@ -599,15 +580,15 @@ mod tests {
         let waiting = state(RunStatus::WaitingApproval, &["i1"], 2_000);
         let still = state(RunStatus::WaitingApproval, &["i1"], 3_000);
         let done = state(RunStatus::Succeeded, &[], 4_000);
-        gauges.update(0, "r", None, &running);
-        gauges.update(0, "r", Some(&running), &waiting);
-        gauges.update(0, "r", Some(&waiting), &still);
+        gauges.update(0, "r", None, Some(&running));
+        gauges.update(0, "r", Some(&running), Some(&waiting));
+        gauges.update(0, "r", Some(&waiting), Some(&still));
         let tally = &gauges.partitions[&0];
         assert_eq!(tally.runs[&RunStatus::WaitingApproval], 1);
         assert_eq!(tally.runs[&RunStatus::Running], 0);
         // The interrupt keeps the time it was first seen open.
         assert_eq!(tally.open.get(&("r".into(), "i1".into())), Some(&2_000));
-        gauges.update(0, "r", Some(&still), &done);
+        gauges.update(0, "r", Some(&still), Some(&done));
         let tally = &gauges.partitions[&0];
         assert!(tally.open.is_empty() && tally.by_age.is_empty());
         assert_eq!(tally.runs[&RunStatus::Succeeded], 1);

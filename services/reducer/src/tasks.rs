@@ -185,7 +185,6 @@ impl Engine {
         tpl: &TopicPartitionList,
         commands: &str,
     ) -> TopicPartitionList {
-        self.hot.clear();
         let partitions: BTreeSet<i32> = tpl
             .elements()
             .iter()
@@ -245,7 +244,7 @@ impl Engine {
             &plan,
             &tracked,
             &mut |(partition, run_id, before, after)| {
-                gauges.restored(partition, run_id, before, after)
+                gauges.update(partition, run_id, before, after)
             },
             &|topic, partition| {
                 let deadline = Instant::now() + Duration::from_secs(30);

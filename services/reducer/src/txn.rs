@@ -132,7 +132,7 @@ impl Engine {
     /// `read_committed` readers and the batch is gone from the engine (the caller seeks
     /// back). On `Ok` the caller writes the cache.
     pub fn commit_batch<C: ConsumerContext>(
-        &mut self,
+        &self,
         consumer: &BaseConsumer<C>,
     ) -> Result<Committed, Failure> {
         let started = Instant::now();
@@ -147,11 +147,9 @@ impl Engine {
             let json = serde_json::to_string(state).map_err(|e| {
                 Failure::Aborted(Error::Setup(format!("run state of {run_id}: {e}")))
             })?;
+            let record = convert::state_to_wire_json(state, json);
             let value = self
-                .encode(
-                    &run_state_topic,
-                    &convert::state_to_wire_json(state, json.clone()),
-                )
+                .encode(&run_state_topic, &record)
                 .map_err(Failure::Aborted)?;
             state_outputs.push(Output {
                 topic: run_state_topic.clone(),
@@ -160,7 +158,8 @@ impl Engine {
                 value,
                 headers: vec![],
             });
-            states.push((run_id.clone(), json.into_bytes()));
+            // The same JSON goes to sled: one serialisation per state.
+            states.push((run_id.clone(), record.state.into_bytes()));
         }
 
         let ms = |at: Instant| at.elapsed().as_millis() as u64;
@@ -169,7 +168,7 @@ impl Engine {
         let phase = Instant::now();
         let producer = &self.producer;
         producer.context().take(); // nothing of an earlier transaction is pending
-        retrying("begin", || producer.begin_transaction()).map_err(|e| self.failed(e))?;
+        retrying("begin", || producer.begin_transaction()).map_err(|e| self.abort_after(e))?;
         let outputs: Vec<&Output> = batch.outputs.iter().chain(&state_outputs).collect();
         for (index, output) in outputs.iter().enumerate() {
             let mut headers = OwnedHeaders::new();
@@ -261,15 +260,6 @@ impl Engine {
             records,
             phases,
         })
-    }
-
-    /// A call failed before anything was sent: nothing to abort unless a transaction began.
-    fn failed(&self, e: KafkaError) -> Failure {
-        if is_fatal(&e) {
-            Failure::Fatal(Error::Fenced)
-        } else {
-            self.abort_after(e)
-        }
     }
 
     /// Aborts the open transaction after `e`. A fatal error, or an abort that fails,
