@@ -704,9 +704,12 @@ async fn duplicates(stack: &Stack, run: &str) {
     let first = decision(run, "approve-a", &interrupt, true, None);
     let mut second = decision(run, "approve-b", &interrupt, true, None);
     second.issuer.principal = "user:bob".into();
-    stack.send(&first).await;
-    stack.send(&second).await;
-    stack.send(&first).await;
+    // One producer, the three back to back: the second must meet the run while its refund
+    // is still out. Produced one by one (a producer each), the reducer — which commits as
+    // soon as no input waits — could finish the refund first and answer `bad_state`.
+    stack
+        .send_many(&[first.clone(), second, first.clone()])
+        .await;
 
     accepted(stack, run, "approve-a").await;
     assert_eq!(rejected(stack, run, "approve-b").await, "already_decided");
