@@ -6,59 +6,19 @@
 //! SIGKILL. The mechanism is [`sortie_kafka::fault`]'s; this module is the executor's list
 //! of points.
 
-use std::fmt;
-use std::str::FromStr;
-
 pub use sortie_kafka::fault::UnknownFaultPoint;
 
-/// Where to die.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FaultPoint {
-    /// `executor.before_call`: the intent is decoded (and, for `unsafe` / `reconcilable`,
-    /// `STARTED` is recorded and the offset committed); the receiver was not called.
-    BeforeCall,
-    /// `executor.after_call`: the receiver answered; the result was not produced.
-    AfterCall,
-    /// `executor.after_result`: the result was delivered; the intent offset (for
-    /// `pure` / `idempotent` / `keyed`) was not committed.
-    AfterResult,
-}
-
-impl FaultPoint {
-    pub const ALL: [FaultPoint; 3] = [
-        FaultPoint::BeforeCall,
-        FaultPoint::AfterCall,
-        FaultPoint::AfterResult,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FaultPoint::BeforeCall => "executor.before_call",
-            FaultPoint::AfterCall => "executor.after_call",
-            FaultPoint::AfterResult => "executor.after_result",
-        }
-    }
-}
-
-impl sortie_kafka::fault::FaultPoint for FaultPoint {
-    const ALL: &'static [Self] = &FaultPoint::ALL;
-
-    fn as_str(self) -> &'static str {
-        FaultPoint::as_str(self)
-    }
-}
-
-impl fmt::Display for FaultPoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for FaultPoint {
-    type Err = UnknownFaultPoint;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        sortie_kafka::fault::parse(text)
+sortie_kafka::fault_points! {
+    /// Where to die.
+    pub enum FaultPoint {
+        /// `executor.before_call`: the intent is decoded (and, for `unsafe` / `reconcilable`,
+        /// `STARTED` is recorded and the offset committed); the receiver was not called.
+        BeforeCall = "executor.before_call",
+        /// `executor.after_call`: the receiver answered; the result was not produced.
+        AfterCall = "executor.after_call",
+        /// `executor.after_result`: the result was delivered; the intent offset (for
+        /// `pure` / `idempotent` / `keyed`) was not committed.
+        AfterResult = "executor.after_result",
     }
 }
 
@@ -79,7 +39,7 @@ mod tests {
 
     #[test]
     fn points_parse_by_name_only() {
-        for point in FaultPoint::ALL {
+        for &point in FaultPoint::ALL {
             assert_eq!(point.as_str().parse::<FaultPoint>(), Ok(point));
         }
         assert!("executor.somewhere".parse::<FaultPoint>().is_err());

@@ -5,51 +5,18 @@
 //! connection drops without an answer — as with SIGKILL. The mechanism is
 //! [`sortie_kafka::fault`]'s; this module is the gateway's list of points.
 
-use std::fmt;
-use std::str::FromStr;
-
 pub use sortie_kafka::fault::UnknownFaultPoint;
 
 use serde::{Deserialize, Serialize};
 
-/// Where to die.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum FaultPoint {
-    /// `gateway.after_publish`: a write's command is delivered to `sortie.commands`; the
-    /// caller has not been answered.
-    #[serde(rename = "gateway.after_publish")]
-    AfterPublish,
-}
-
-impl FaultPoint {
-    pub const ALL: [FaultPoint; 1] = [FaultPoint::AfterPublish];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FaultPoint::AfterPublish => "gateway.after_publish",
-        }
-    }
-}
-
-impl sortie_kafka::fault::FaultPoint for FaultPoint {
-    const ALL: &'static [Self] = &FaultPoint::ALL;
-
-    fn as_str(self) -> &'static str {
-        FaultPoint::as_str(self)
-    }
-}
-
-impl fmt::Display for FaultPoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for FaultPoint {
-    type Err = UnknownFaultPoint;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        sortie_kafka::fault::parse(text)
+sortie_kafka::fault_points! {
+    /// Where to die.
+    #[derive(Serialize, Deserialize)]
+    pub enum FaultPoint {
+        /// `gateway.after_publish`: a write's command is delivered to `sortie.commands`; the
+        /// caller has not been answered.
+        #[serde(rename = "gateway.after_publish")]
+        AfterPublish = "gateway.after_publish",
     }
 }
 
@@ -70,7 +37,7 @@ mod tests {
 
     #[test]
     fn points_parse_by_name_only() {
-        for point in FaultPoint::ALL {
+        for &point in FaultPoint::ALL {
             assert_eq!(point.as_str().parse::<FaultPoint>(), Ok(point));
             let json = serde_json::to_string(&point).unwrap_or_default();
             assert_eq!(json, format!("\"{point}\""));

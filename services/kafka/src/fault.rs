@@ -44,6 +44,70 @@ pub fn parse<P: FaultPoint>(text: &str) -> Result<P, UnknownFaultPoint> {
         })
 }
 
+/// Declares a service's fault points: the enum, its `ALL` list, names, `Display`,
+/// `FromStr` and [`FaultPoint`] — so a service writes only its points and what each means.
+///
+/// ```
+/// sortie_kafka::fault_points! {
+///     /// Where to die.
+///     pub enum Point {
+///         /// `demo.here`: before the write.
+///         Here = "demo.here",
+///     }
+/// }
+/// assert_eq!("demo.here".parse::<Point>(), Ok(Point::Here));
+/// assert_eq!(Point::ALL, &[Point::Here]);
+/// ```
+#[macro_export]
+macro_rules! fault_points {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $( $(#[$variant_meta:meta])* $variant:ident = $text:literal ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        $vis enum $name {
+            $( $(#[$variant_meta])* $variant ),+
+        }
+
+        impl $name {
+            /// Every point, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The point's name, as `--fault` takes it.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl $crate::fault::FaultPoint for $name {
+            const ALL: &'static [Self] = $name::ALL;
+
+            fn as_str(self) -> &'static str {
+                $name::as_str(self)
+            }
+        }
+
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl ::std::str::FromStr for $name {
+            type Err = $crate::fault::UnknownFaultPoint;
+
+            fn from_str(text: &str) -> Result<Self, Self::Err> {
+                $crate::fault::parse(text)
+            }
+        }
+    };
+}
+
 /// Times the configured point was reached in this process. Only the configured point
 /// counts, and a process is configured with one point at most.
 static REACHED: AtomicU32 = AtomicU32::new(0);
@@ -65,26 +129,10 @@ pub fn check<P: FaultPoint>(configured: Option<P>, after: u32, point: P, log: im
 mod tests {
     use super::*;
 
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    enum Point {
-        Here,
-        There,
-    }
-
-    impl fmt::Display for Point {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str(self.as_str())
-        }
-    }
-
-    impl FaultPoint for Point {
-        const ALL: &'static [Self] = &[Point::Here, Point::There];
-
-        fn as_str(self) -> &'static str {
-            match self {
-                Point::Here => "test.here",
-                Point::There => "test.there",
-            }
+    crate::fault_points! {
+        enum Point {
+            Here = "test.here",
+            There = "test.there",
         }
     }
 

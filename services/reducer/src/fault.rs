@@ -6,53 +6,18 @@
 //! transaction is finished, sled is not written — as with SIGKILL. The mechanism is
 //! [`sortie_kafka::fault`]'s; this module is the reducer's list of points.
 
-use std::fmt;
-use std::str::FromStr;
-
 pub use sortie_kafka::fault::UnknownFaultPoint;
 
-/// Where to die.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FaultPoint {
-    /// `reducer.before_commit`: the batch's records are delivered to the broker and its
-    /// offsets sent to the transaction; `commit_transaction` was not called. The open
-    /// transaction is aborted when the restarted instance fences its predecessor.
-    BeforeCommit,
-    /// `reducer.after_commit`: the transaction is committed; sled was not written, so the
-    /// cache is one batch behind the changelog.
-    AfterCommit,
-}
-
-impl FaultPoint {
-    pub const ALL: [FaultPoint; 2] = [FaultPoint::BeforeCommit, FaultPoint::AfterCommit];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FaultPoint::BeforeCommit => "reducer.before_commit",
-            FaultPoint::AfterCommit => "reducer.after_commit",
-        }
-    }
-}
-
-impl sortie_kafka::fault::FaultPoint for FaultPoint {
-    const ALL: &'static [Self] = &FaultPoint::ALL;
-
-    fn as_str(self) -> &'static str {
-        FaultPoint::as_str(self)
-    }
-}
-
-impl fmt::Display for FaultPoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for FaultPoint {
-    type Err = UnknownFaultPoint;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        sortie_kafka::fault::parse(text)
+sortie_kafka::fault_points! {
+    /// Where to die.
+    pub enum FaultPoint {
+        /// `reducer.before_commit`: the batch's records are delivered to the broker and its
+        /// offsets sent to the transaction; `commit_transaction` was not called. The open
+        /// transaction is aborted when the restarted instance fences its predecessor.
+        BeforeCommit = "reducer.before_commit",
+        /// `reducer.after_commit`: the transaction is committed; sled was not written, so the
+        /// cache is one batch behind the changelog.
+        AfterCommit = "reducer.after_commit",
     }
 }
 
@@ -74,7 +39,7 @@ mod tests {
 
     #[test]
     fn points_parse_by_name_only() {
-        for point in FaultPoint::ALL {
+        for &point in FaultPoint::ALL {
             assert_eq!(point.as_str().parse::<FaultPoint>(), Ok(point));
         }
         assert!("reducer.somewhere".parse::<FaultPoint>().is_err());
