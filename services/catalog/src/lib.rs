@@ -25,7 +25,7 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 use sha2::{Digest, Sha256};
 use sortie_core::graph::InvalidGraph;
 use sortie_core::{Graph, Graphs};
-use sortie_kafka::KafkaConfig;
+use sortie_kafka::{read, KafkaConfig};
 use sortie_wire::records::GraphDefinition;
 use sortie_wire::{Codec, DecodeError, EncodeError, Topics};
 use tokio::runtime::Handle;
@@ -34,9 +34,6 @@ use tokio::runtime::Handle;
 const PUBLISH_PATIENCE: Duration = Duration::from_secs(30);
 /// How long opening the table may wait for the topic's metadata.
 const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
-/// Pauses between decode attempts while the schema registry is unreachable.
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// librdkafka needs a `group.id` for `assign()`; the table never joins it or commits.
 const THROWAWAY_GROUP: &str = "sortie-graph-table";
 
@@ -160,7 +157,10 @@ pub async fn publish(
         let read = tokio::task::spawn_blocking(move || {
             let mut reader = Reader::open(&kafka, &reading)?;
             let mut messages = Vec::new();
-            reader.read_to_end(deadline, PUBLISH_PATIENCE, |m| messages.push(m))?;
+            reader.read_to_end(deadline, PUBLISH_PATIENCE, |m| {
+                messages.push(m);
+                Ok(())
+            })?;
             Ok::<_, Error>(messages)
         });
         match read.await {
@@ -171,7 +171,18 @@ pub async fn publish(
     };
     let mut table = Table::default();
     for message in &messages {
-        let decoded = decode_patiently(codec, &topic, message.payload(), deadline).await?;
+        let decoded = match codec
+            .decode_patiently::<GraphDefinition>(message.payload(), Some(deadline))
+            .await
+        {
+            Err(source) if source.is_retryable() => {
+                return Err(Error::RegistryUnavailable {
+                    topic: topic.clone(),
+                    source,
+                })
+            }
+            decoded => decoded,
+        };
         table.admit(&topic, message, decoded);
     }
     if let Some(existing) = table.publications.get(&key) {
@@ -203,32 +214,6 @@ pub async fn publish(
     Ok(Published::Published {
         version: graph.version,
     })
-}
-
-/// Decodes, retrying while the registry is unreachable and `deadline` allows.
-async fn decode_patiently(
-    codec: &Codec,
-    topic: &str,
-    payload: Option<&[u8]>,
-    deadline: Instant,
-) -> Result<Result<GraphDefinition, DecodeError>, Error> {
-    let mut backoff = FIRST_BACKOFF;
-    loop {
-        match codec.decode::<GraphDefinition>(payload).await {
-            Err(error) if error.is_retryable() => {
-                if Instant::now() + backoff > deadline {
-                    return Err(Error::RegistryUnavailable {
-                        topic: topic.to_owned(),
-                        source: error,
-                    });
-                }
-                tracing::warn!(topic, %error, "The schema registry is unreachable; decoding the graph definition again.");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-            }
-            decoded => return Ok(decoded),
-        }
-    }
 }
 
 /// Parses and validates one graph file (YAML or JSON).
@@ -368,6 +353,12 @@ impl Table {
 /// `read_committed`. Blocking; meant for a plain std thread (decoding runs on `runtime`).
 pub struct GraphTable {
     reader: Reader,
+    fold: Fold,
+}
+
+/// What the records read so far add up to.
+struct Fold {
+    topic: String,
     codec: Arc<Codec>,
     runtime: Handle,
     table: Table,
@@ -381,9 +372,9 @@ impl std::fmt::Debug for GraphTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GraphTable")
             .field("topic", &self.reader.topic)
-            .field("graphs", &self.table.publications.len())
-            .field("skipped", &self.table.skipped)
-            .field("pending", &self.pending.is_some())
+            .field("graphs", &self.fold.table.publications.len())
+            .field("skipped", &self.fold.table.skipped)
+            .field("pending", &self.fold.pending.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -399,11 +390,14 @@ impl GraphTable {
     ) -> Result<Self, Error> {
         Ok(Self {
             reader: Reader::open(kafka, &topics.graphs())?,
-            codec,
-            runtime,
-            table: Table::default(),
-            pending: None,
-            registry_down: false,
+            fold: Fold {
+                topic: topics.graphs(),
+                codec,
+                runtime,
+                table: Table::default(),
+                pending: None,
+                registry_down: false,
+            },
         })
     }
 
@@ -412,34 +406,22 @@ impl GraphTable {
     pub fn catch_up(&mut self, timeout: Duration) -> Result<usize, Error> {
         let deadline = Instant::now() + timeout;
         let mut added = 0;
-        let mut take = |this: &mut Self, message| -> Result<(), Error> {
-            added += usize::from(this.take(message, Some(deadline))?);
+        if let Some(message) = self.fold.pending.take() {
+            added += usize::from(self.fold.take(message, Some(deadline))?);
+        }
+        let Self { reader, fold } = self;
+        reader.read_to_end(deadline, timeout, |message| {
+            added += usize::from(fold.take(message, Some(deadline))?);
             Ok(())
-        };
-        let targets = self.reader.targets(deadline)?;
-        if let Some(message) = self.pending.take() {
-            take(self, message)?;
-        }
-        while !self.reader.reached(&targets) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout {
-                    topic: self.reader.topic.clone(),
-                    timeout,
-                });
-            }
-            if let Polled::Message(message) = self.reader.poll(left.min(FIRST_BACKOFF)) {
-                take(self, message)?;
-            }
-        }
+        })?;
         Ok(added)
     }
 
     /// Takes whatever has arrived, without waiting; returns how many versions were added.
     pub fn poll(&mut self) -> usize {
         let mut added = 0;
-        if let Some(message) = self.pending.take() {
-            match self.take(message, None) {
+        if let Some(message) = self.fold.pending.take() {
+            match self.fold.take(message, None) {
                 Ok(new) => added += usize::from(new),
                 Err(_) => return added,
             }
@@ -448,7 +430,7 @@ impl GraphTable {
             match self.reader.poll(Duration::ZERO) {
                 Polled::Nothing => return added,
                 Polled::Other => {}
-                Polled::Message(message) => match self.take(message, None) {
+                Polled::Message(message) => match self.fold.take(message, None) {
                     Ok(new) => added += usize::from(new),
                     Err(_) => return added,
                 },
@@ -458,52 +440,49 @@ impl GraphTable {
 
     /// The published graphs read so far.
     pub fn graphs(&self) -> &Graphs {
-        &self.table.graphs
+        &self.fold.table.graphs
     }
 
     /// Who published `graph_id@version`, and when.
     pub fn publication(&self, key: &str) -> Option<&Publication> {
-        self.table.publications.get(key)
+        self.fold.table.publications.get(key)
     }
 
     /// How many records were skipped (undecodable, invalid, hash mismatch, redefinition).
     pub fn skipped(&self) -> usize {
-        self.table.skipped
+        self.fold.table.skipped
     }
+}
 
+impl Fold {
     /// Decodes and folds one record. A registry outage keeps the record pending (retried
     /// until `deadline` when given, once otherwise) and is returned as the error.
     fn take(&mut self, message: OwnedMessage, deadline: Option<Instant>) -> Result<bool, Error> {
-        let mut backoff = FIRST_BACKOFF;
-        let decoded = loop {
-            let decoded = self
-                .runtime
-                .block_on(self.codec.decode::<GraphDefinition>(message.payload()));
-            match decoded {
-                Err(error) if error.is_retryable() => {
-                    let retry = deadline.is_some_and(|d| Instant::now() + backoff <= d);
-                    if !self.registry_down {
-                        self.registry_down = true;
-                        tracing::warn!(topic = %self.reader.topic, %error, "The schema registry is unreachable; graph definitions will be decoded again.");
-                    }
-                    if !retry {
-                        self.pending = Some(message);
-                        return Err(Error::RegistryUnavailable {
-                            topic: self.reader.topic.clone(),
-                            source: error,
-                        });
-                    }
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
+        // Without a deadline, one try: the reducer's loop calls this between polls.
+        let until = deadline.unwrap_or_else(Instant::now);
+        let decoded = self.runtime.block_on(
+            self.codec
+                .decode_patiently::<GraphDefinition>(message.payload(), Some(until)),
+        );
+        let decoded = match decoded {
+            Err(error) if error.is_retryable() => {
+                if !self.registry_down {
+                    self.registry_down = true;
+                    tracing::warn!(topic = %self.topic, %error, "The schema registry is unreachable; graph definitions will be decoded again.");
                 }
-                decoded => break decoded,
+                self.pending = Some(message);
+                return Err(Error::RegistryUnavailable {
+                    topic: self.topic.clone(),
+                    source: error,
+                });
             }
+            decoded => decoded,
         };
         if self.registry_down {
             self.registry_down = false;
-            tracing::info!(topic = %self.reader.topic, "The schema registry is reachable again.");
+            tracing::info!(topic = %self.topic, "The schema registry is reachable again.");
         }
-        Ok(self.table.admit(&self.reader.topic, &message, decoded))
+        Ok(self.table.admit(&self.topic, &message, decoded))
     }
 }
 
@@ -537,15 +516,8 @@ impl Reader {
             .set("auto.offset.reset", "earliest")
             .create()
             .map_err(kafka_error("creating a consumer"))?;
-        let metadata = consumer
-            .fetch_metadata(Some(topic), METADATA_TIMEOUT)
+        let partitions = read::partition_ids(consumer.client(), topic, METADATA_TIMEOUT)
             .map_err(kafka_error(format!("fetching the metadata of {topic}")))?;
-        let partitions: Vec<i32> = metadata
-            .topics()
-            .iter()
-            .find(|t| t.name() == topic && t.error().is_none())
-            .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-            .unwrap_or_default();
         if partitions.is_empty() {
             return Err(Error::MissingTopic(topic.to_owned()));
         }
@@ -563,29 +535,6 @@ impl Reader {
             topic: topic.to_owned(),
             next: partitions.into_iter().map(|p| (p, 0)).collect(),
         })
-    }
-
-    /// The current high watermark of every partition.
-    fn targets(&mut self, deadline: Instant) -> Result<BTreeMap<i32, i64>, Error> {
-        let mut targets = BTreeMap::new();
-        for (&partition, next) in &mut self.next {
-            let (low, high) =
-                sortie_kafka::fetch_watermarks(&self.consumer, &self.topic, partition, deadline)
-                    .map_err(kafka_error(format!(
-                        "fetching the offsets of {}/{partition}",
-                        self.topic
-                    )))?;
-            // Nothing below the log start offset exists any more.
-            *next = (*next).max(low);
-            targets.insert(partition, high);
-        }
-        Ok(targets)
-    }
-
-    fn reached(&self, targets: &BTreeMap<i32, i64>) -> bool {
-        targets
-            .iter()
-            .all(|(p, high)| self.next.get(p).is_some_and(|next| next >= high))
     }
 
     fn poll(&mut self, timeout: Duration) -> Polled {
@@ -623,20 +572,40 @@ impl Reader {
         &mut self,
         deadline: Instant,
         timeout: Duration,
-        mut f: impl FnMut(OwnedMessage),
+        mut f: impl FnMut(OwnedMessage) -> Result<(), Error>,
     ) -> Result<(), Error> {
-        let targets = self.targets(deadline)?;
-        while !self.reached(&targets) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout {
-                    topic: self.topic.clone(),
-                    timeout,
-                });
-            }
-            if let Polled::Message(message) = self.poll(left.min(FIRST_BACKOFF)) {
-                f(message);
-            }
+        let marks = read::watermarks(
+            &self.consumer,
+            &self.topic,
+            self.next.keys().copied(),
+            deadline,
+        )
+        .map_err(kafka_error(format!(
+            "fetching the offsets of {}",
+            self.topic
+        )))?;
+        // Nothing below the log start offset exists any more.
+        let spans = marks
+            .iter()
+            .map(|(&p, &(low, high))| (p, (self.next.get(&p).copied().unwrap_or(0).max(low), high)))
+            .collect();
+        let reached = read::to_end(&self.consumer, &self.topic, &spans, deadline, |message| {
+            f(message.detach()).map(|()| read::Next::More)
+        })
+        .map_err(|e| match e {
+            read::ReadError::Handler(e) => e,
+            read::ReadError::Kafka(source) => Error::Kafka {
+                doing: format!("reading {}", self.topic),
+                source,
+            },
+            read::ReadError::Timeout { .. } => Error::Timeout {
+                topic: self.topic.clone(),
+                timeout,
+            },
+        })?;
+        for (partition, next) in reached {
+            let at = self.next.entry(partition).or_insert(0);
+            *at = (*at).max(next);
         }
         Ok(())
     }

@@ -399,32 +399,19 @@ fn layout(kafka: &KafkaConfig, group: &str, topic: &str) -> Result<BTreeMap<i32,
         .set("isolation.level", "read_committed")
         .create()
         .map_err(kafka_error("creating a metadata client"))?;
-    let metadata = consumer
-        .fetch_metadata(Some(topic), METADATA_TIMEOUT)
+    let partitions = sortie_kafka::read::partition_ids(consumer.client(), topic, METADATA_TIMEOUT)
         .map_err(kafka_error(format!("fetching the metadata of {topic}")))?;
-    let partitions: Vec<i32> = metadata
-        .topics()
-        .iter()
-        .find(|t| t.name() == topic && t.error().is_none())
-        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-        .unwrap_or_default();
     if partitions.is_empty() {
         return Err(Error::MissingTopic(topic.to_owned()));
     }
-    let mut ends = BTreeMap::new();
-    for partition in partitions {
-        let (_, high) = sortie_kafka::fetch_watermarks(
-            &consumer,
-            topic,
-            partition,
-            std::time::Instant::now() + METADATA_TIMEOUT,
-        )
-        .map_err(kafka_error(format!(
-            "fetching the offsets of {topic}/{partition}"
-        )))?;
-        ends.insert(partition, high);
-    }
-    Ok(ends)
+    let marks = sortie_kafka::read::watermarks(
+        &consumer,
+        topic,
+        partitions,
+        std::time::Instant::now() + METADATA_TIMEOUT,
+    )
+    .map_err(kafka_error(format!("fetching the offsets of {topic}")))?;
+    Ok(marks.into_iter().map(|(p, (_, high))| (p, high)).collect())
 }
 
 /// The partition count of a topic.
@@ -630,28 +617,21 @@ impl Follower {
     }
 
     async fn decode<R: Record>(&mut self, message: &OwnedMessage) -> Decoded<R> {
-        let mut backoff = Duration::from_millis(100);
-        loop {
-            match self.codec.decode::<R>(message.payload()).await {
-                Ok(record) => return Decoded::Record(record),
-                Err(error) if error.is_retryable() => {
-                    tracing::warn!(topic = message.topic(), %error, "The schema registry is unreachable; decoding again.");
-                    tokio::select! {
-                        _ = self.shutdown.wait_for(|stop| *stop) => return Decoded::Stop,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
-                Err(error) => {
-                    tracing::warn!(
-                        topic = message.topic(),
-                        partition = message.partition(),
-                        offset = message.offset(),
-                        %error,
-                        "Skipped a record the view cannot decode."
-                    );
-                    return Decoded::Skip;
-                }
+        let decoded = tokio::select! {
+            _ = self.shutdown.wait_for(|stop| *stop) => return Decoded::Stop,
+            decoded = self.codec.decode_patiently::<R>(message.payload(), None) => decoded,
+        };
+        match decoded {
+            Ok(record) => Decoded::Record(record),
+            Err(error) => {
+                tracing::warn!(
+                    topic = message.topic(),
+                    partition = message.partition(),
+                    offset = message.offset(),
+                    %error,
+                    "Skipped a record the view cannot decode."
+                );
+                Decoded::Skip
             }
         }
     }

@@ -11,6 +11,7 @@ mod config;
 pub mod fault;
 pub mod local;
 pub mod metrics;
+pub mod read;
 pub mod topology;
 mod watermarks;
 

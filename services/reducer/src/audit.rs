@@ -10,7 +10,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
 use sortie_core::{evolve, Event, RunState};
-use sortie_kafka::KafkaConfig;
+use sortie_kafka::{read, KafkaConfig};
 use sortie_wire::records as w;
 use sortie_wire::{Codec, Record, Topics};
 use tokio::runtime::Handle;
@@ -55,69 +55,58 @@ pub fn read_topic<R: Record>(
         .set("isolation.level", "read_committed")
         .set("allow.auto.create.topics", "false");
     let consumer: BaseConsumer = config.create()?;
-    let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
-    let partitions: Vec<i32> = metadata
-        .topics()
-        .first()
-        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-        .unwrap_or_default();
-    let mut out = Vec::new();
-    for partition in partitions {
-        let (low, high) = sortie_kafka::fetch_watermarks(
-            &consumer,
-            topic,
-            partition,
-            Instant::now() + Duration::from_secs(30),
-        )?;
-        if high <= low {
-            continue;
-        }
-        let mut list = TopicPartitionList::new();
-        list.add_partition_offset(topic, partition, Offset::Beginning)?;
-        consumer.assign(&list)?;
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let mut next = low;
-        while next < high {
-            if Instant::now() > deadline {
-                return Err(Error::Setup(format!(
-                    "reading {topic}[{partition}] timed out at offset {next} of {high}"
-                )));
-            }
-            match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(message)) => {
-                    next = message.offset() + 1;
-                    let key = message
-                        .key()
-                        .map(|k| String::from_utf8_lossy(k).into_owned());
-                    let value = match message.payload() {
-                        None => None,
-                        Some(_) => Some(
-                            runtime
-                                .block_on(codec.decode::<R>(message.payload()))
-                                .map_err(|e| {
-                                    Error::Registry(format!(
-                                        "{topic}[{partition}]@{}: {e}",
-                                        message.offset()
-                                    ))
-                                })?,
-                        ),
-                    };
-                    out.push((key, value));
-                }
-                Some(Err(e)) => return Err(Error::Kafka(e)),
-                None => {
-                    if let Ok(position) = consumer.position() {
-                        if let Some(Offset::Offset(o)) = position
-                            .find_partition(topic, partition)
-                            .map(|e| e.offset())
-                        {
-                            next = next.max(o);
-                        }
-                    }
-                }
-            }
-        }
+    let partitions = read::partition_ids(consumer.client(), topic, Duration::from_secs(10))?;
+    let marks = read::watermarks(
+        &consumer,
+        topic,
+        partitions,
+        Instant::now() + Duration::from_secs(30),
+    )?;
+    let mut assignment = TopicPartitionList::new();
+    for &partition in marks.keys() {
+        assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
     }
+    consumer.assign(&assignment)?;
+    let spans = marks
+        .iter()
+        .map(|(&p, &(low, high))| (p, (low, high)))
+        .collect();
+    let mut records: Vec<(i32, i64, Option<String>, Option<R>)> = Vec::new();
+    read::to_end(
+        &consumer,
+        topic,
+        &spans,
+        Instant::now() + Duration::from_secs(120),
+        |message| {
+            let key = message
+                .key()
+                .map(|k| String::from_utf8_lossy(k).into_owned());
+            let value = match message.payload() {
+                None => None,
+                Some(_) => Some(
+                    runtime
+                        .block_on(codec.decode::<R>(message.payload()))
+                        .map_err(|e| {
+                            Error::Registry(format!(
+                                "{topic}[{}]@{}: {e}",
+                                message.partition(),
+                                message.offset()
+                            ))
+                        })?,
+                ),
+            };
+            records.push((message.partition(), message.offset(), key, value));
+            Ok(read::Next::More)
+        },
+    )
+    .map_err(|e| match e {
+        read::ReadError::Handler(e) => e,
+        read::ReadError::Kafka(e) => Error::Kafka(e),
+        timeout => Error::Setup(timeout.to_string()),
+    })?;
+    // In partition order, as an auditor reads the topic partition by partition.
+    records.sort_by_key(|(partition, offset, _, _)| (*partition, *offset));
+    let out = records.into_iter().map(|(_, _, k, v)| (k, v)).collect();
     Ok(out)
 }
 

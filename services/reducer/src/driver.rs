@@ -263,19 +263,18 @@ impl Reducer {
         let consumer: BaseConsumer<ReducerContext> =
             consumer_config.create_with_context(context)?;
 
-        let metadata =
-            consumer.fetch_metadata(Some(&topics.commands()), Duration::from_secs(10))?;
-        let partitions = metadata
-            .topics()
-            .first()
-            .map(|t| t.partitions().len() as u32)
-            .filter(|n| *n > 0)
-            .ok_or_else(|| {
-                Error::Setup(format!(
-                    "topic {} does not exist; run `sortie topology apply`",
-                    topics.commands()
-                ))
-            })?;
+        let partitions = sortie_kafka::read::partition_ids(
+            consumer.client(),
+            &topics.commands(),
+            Duration::from_secs(10),
+        )?
+        .len() as u32;
+        if partitions == 0 {
+            return Err(Error::Setup(format!(
+                "topic {} does not exist; run `sortie topology apply`",
+                topics.commands()
+            )));
+        }
         let engine = Arc::new(Mutex::new(Engine {
             config: config.clone(),
             runtime,

@@ -19,37 +19,13 @@ use rdkafka::message::{Headers, OwnedMessage};
 use rdkafka::Message;
 use sortie_core::Input;
 use sortie_wire::records as w;
-use sortie_wire::{Codec, DecodeError, Record, TraceContext};
+use sortie_wire::{Codec, Record, TraceContext};
 use tokio::runtime::Handle;
 
 use crate::batch::Output;
 use crate::convert;
 use crate::driver::Error;
 use crate::engine::Engine;
-
-/// Original values up to this size travel inside the dead letter.
-const DEAD_LETTER_VALUE_CAP: usize = 512 * 1024;
-
-/// Decodes with the registry. A registry outage is retried without limit — the bytes may
-/// be fine, and dead-lettering them because the registry is down would lose them — while
-/// bytes that do not decode are answered at once.
-pub(crate) fn decode_patiently<R: Record>(
-    runtime: &Handle,
-    codec: &Codec,
-    payload: Option<&[u8]>,
-) -> Result<R, DecodeError> {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        match runtime.block_on(codec.decode::<R>(payload)) {
-            Err(e) if e.is_retryable() => {
-                tracing::warn!(error = %e, ?backoff, "Schema registry unavailable while decoding; retrying.");
-                std::thread::sleep(backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-            other => return other,
-        }
-    }
-}
 
 /// Encodes with the registry, waiting out a short registry outage.
 pub(crate) fn encode_patiently<R: Record>(
@@ -111,7 +87,11 @@ impl Engine {
             .map(String::from_utf8_lossy)
             .unwrap_or_default();
         let decoded = if topic == self.config.topics.commands() {
-            decode_patiently::<w::RunCommand>(&self.runtime, &self.codec, message.payload())
+            self.runtime
+                .block_on(
+                    self.codec
+                        .decode_patiently::<w::RunCommand>(message.payload(), None),
+                )
                 .map_err(|e| (e.reason_code(), e.to_string()))
                 .and_then(|command| {
                     let run_id = command.run_id.clone();
@@ -128,7 +108,11 @@ impl Engine {
                         .map_err(|e| ("invalid", e.0))
                 })
         } else {
-            decode_patiently::<w::StepResult>(&self.runtime, &self.codec, message.payload())
+            self.runtime
+                .block_on(
+                    self.codec
+                        .decode_patiently::<w::StepResult>(message.payload(), None),
+                )
                 .map_err(|e| (e.reason_code(), e.to_string()))
                 .and_then(|result| {
                     let run_id = result.run_id.clone();
@@ -187,27 +171,13 @@ impl Engine {
             reason,
             "Dead-lettering a record."
         );
-        let letter = w::DeadLetter {
-            reason_code: code.to_owned(),
+        let letter = sortie_wire::dead_letter::letter(
+            message,
+            format!("reducer/{}", self.config.instance_id),
+            code,
             reason,
-            service: format!("reducer/{}", self.config.instance_id),
-            original_topic: message.topic().to_owned(),
-            original_partition: message.partition(),
-            original_offset: message.offset(),
-            original_timestamp: message.timestamp().to_millis(),
-            original_key: message.key().map(<[u8]>::to_vec),
-            // The letter must itself fit in a record: a value too big for that stays where
-            // it is (the reason names its topic, partition and offset).
-            original_value: message
-                .payload()
-                .filter(|v| v.len() <= DEAD_LETTER_VALUE_CAP)
-                .map(<[u8]>::to_vec),
-            original_headers: headers_of(message)
-                .into_iter()
-                .map(|(key, value)| w::Header { key, value })
-                .collect(),
-            failed_at: sortie_kafka::clock::now_ms(),
-        };
+            sortie_kafka::clock::now_ms(),
+        );
         let topic = self.config.topics.dead_letters();
         let value = self.encode(&topic, &letter)?;
         self.batch.outputs.push(Output {

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use sortie_core::RunState;
+use sortie_kafka::read::{Next, ReadError};
 use sortie_kafka::KafkaConfig;
 use sortie_wire::records as w;
 use sortie_wire::{Codec, Topics};
@@ -26,7 +27,6 @@ use tokio::runtime::Handle;
 
 use crate::convert;
 use crate::driver::Error;
-use crate::input::decode_patiently;
 use crate::store::{Batch, Store};
 
 /// Records written to sled per atomic batch during a restore.
@@ -140,138 +140,123 @@ pub fn partitions(
     let consumer: BaseConsumer = config.create()?;
     consumer.assign(&assignment)?;
 
-    while progress.values().any(|p| p.next < p.high) {
-        if Instant::now() > deadline {
-            return Err(Error::Setup(format!(
-                "restoring {topic} did not reach the end of partitions {:?} in time",
-                progress
-                    .iter()
-                    .filter(|(_, p)| p.next < p.high)
-                    .map(|(k, _)| *k)
-                    .collect::<Vec<_>>()
-            )));
+    let spans = progress
+        .iter()
+        .map(|(&k, p)| (k, (p.next, p.high)))
+        .collect();
+    let reached = sortie_kafka::read::to_end(&consumer, &topic, &spans, deadline, |message| {
+        let partition = message.partition();
+        let Some(p) = progress.get_mut(&partition) else {
+            return Ok(Next::More);
+        };
+        p.next = message.offset() + 1;
+        *restored.records.entry(partition).or_default() += 1;
+        let Some(key) = message
+            .key()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+        else {
+            return Ok(Next::More);
+        };
+        if let Some(armed) = p.armed.remove(&key) {
+            // An earlier record of this restore armed these.
+            for (timer, due) in &armed {
+                p.batch.disarm_timer(partition, &key, timer, *due);
+            }
         }
-        match consumer.poll(Duration::from_millis(200)) {
-            Some(Ok(message)) => {
-                let partition = message.partition();
-                let Some(p) = progress.get_mut(&partition) else {
-                    continue;
-                };
-                if p.next >= p.high || message.offset() < p.next {
-                    continue; // done (or stopped) already
+        let tracked = track.contains(&partition);
+        let mut before = if tracked { p.prior.remove(&key) } else { None };
+        if p.warm {
+            // The cache holds an older state of this run: its timers go.
+            if let Some(old) = store.get_run(&key)? {
+                let old: RunState = serde_json::from_slice(&old).map_err(|e| {
+                    crate::store::Error::Corrupt(format!("cached state of run {key}: {e}"))
+                })?;
+                for (timer, due) in &old.timers {
+                    p.batch.disarm_timer(partition, &key, timer, *due);
                 }
-                p.next = message.offset() + 1;
-                *restored.records.entry(partition).or_default() += 1;
-                let Some(key) = message
-                    .key()
-                    .map(|k| String::from_utf8_lossy(k).into_owned())
-                else {
-                    continue;
-                };
-                if let Some(armed) = p.armed.remove(&key) {
-                    // An earlier record of this restore armed these.
-                    for (timer, due) in &armed {
-                        p.batch.disarm_timer(partition, &key, timer, *due);
-                    }
-                }
-                let tracked = track.contains(&partition);
-                let mut before = if tracked { p.prior.remove(&key) } else { None };
-                if p.warm {
-                    // The cache holds an older state of this run: its timers go.
-                    if let Some(old) = store.get_run(&key)? {
-                        let old: RunState = serde_json::from_slice(&old).map_err(|e| {
-                            crate::store::Error::Corrupt(format!("cached state of run {key}: {e}"))
-                        })?;
-                        for (timer, due) in &old.timers {
-                            p.batch.disarm_timer(partition, &key, timer, *due);
-                        }
-                        if tracked && before.is_none() {
-                            before = Some(old);
-                        }
-                    }
-                }
-                match message.payload() {
-                    None => {
-                        p.batch.remove_run(&key);
-                        if tracked {
-                            observe((partition, &key, before.as_ref(), None));
-                        }
-                    }
-                    Some(payload) => {
-                        let state = decode_patiently::<w::RunState>(runtime, codec, Some(payload))
-                            .map_err(|e| e.to_string())
-                            .and_then(|r| {
-                                let state = convert::state_from_wire(&r).map_err(|e| e.0)?;
-                                Ok((r.state, state))
-                            });
-                        match state {
-                            Ok((json, state)) => {
-                                for (timer, due) in &state.timers {
-                                    p.batch.arm_timer(partition, &key, timer, *due);
-                                }
-                                if !state.timers.is_empty() {
-                                    p.armed.insert(key.clone(), state.timers.clone());
-                                }
-                                // The changelog's JSON is exactly what sled stores.
-                                p.batch.put_run(&key, json.into_bytes());
-                                if tracked {
-                                    observe((partition, &key, before.as_ref(), Some(&state)));
-                                    p.prior.insert(key.clone(), state);
-                                }
-                            }
-                            Err(e) => {
-                                let reason = format!(
-                                    "{topic}[{partition}] offset {}: the record of run {key} does not decode: {e}",
-                                    message.offset()
-                                );
-                                tracing::error!(
-                                    topic,
-                                    partition,
-                                    offset = message.offset(),
-                                    run_id = key,
-                                    error = %e,
-                                    "A changelog record does not decode: the partition stops here and is not consumed until this is fixed."
-                                );
-                                // Keep what came before it; the marker stops at the record.
-                                let mut batch = std::mem::take(&mut p.batch);
-                                batch.set_changelog_offset(partition, message.offset() as u64);
-                                store.apply(batch)?;
-                                restored.stopped.insert(partition, reason);
-                                progress.remove(&partition);
-                                continue;
-                            }
-                        }
-                    }
-                }
-                p.pending += 1;
-                if p.pending >= CHUNK {
-                    let mut batch = std::mem::take(&mut p.batch);
-                    batch.set_changelog_offset(partition, p.next as u64);
-                    store.apply(batch)?;
-                    p.pending = 0;
-                    p.armed.clear();
-                    p.prior.clear();
+                if tracked && before.is_none() {
+                    before = Some(old);
                 }
             }
-            Some(Err(e)) => tracing::warn!(error = %e, "Changelog read error."),
+        }
+        match message.payload() {
             None => {
-                // Control records (transaction markers) advance the position without a
-                // message, so the position, not the last message, says how far we are.
-                if let Ok(position) = consumer.position() {
-                    for element in position.elements() {
-                        if let (Some(p), Offset::Offset(o)) =
-                            (progress.get_mut(&element.partition()), element.offset())
-                        {
-                            p.next = p.next.max(o);
+                p.batch.remove_run(&key);
+                if tracked {
+                    observe((partition, &key, before.as_ref(), None));
+                }
+            }
+            Some(payload) => {
+                let state = runtime.block_on(codec.decode_patiently::<w::RunState>(Some(payload), None))
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| {
+                        let state = convert::state_from_wire(&r).map_err(|e| e.0)?;
+                        Ok((r.state, state))
+                    });
+                match state {
+                    Ok((json, state)) => {
+                        for (timer, due) in &state.timers {
+                            p.batch.arm_timer(partition, &key, timer, *due);
                         }
+                        if !state.timers.is_empty() {
+                            p.armed.insert(key.clone(), state.timers.clone());
+                        }
+                        // The changelog's JSON is exactly what sled stores.
+                        p.batch.put_run(&key, json.into_bytes());
+                        if tracked {
+                            observe((partition, &key, before.as_ref(), Some(&state)));
+                            p.prior.insert(key.clone(), state);
+                        }
+                    }
+                    Err(e) => {
+                        let reason = format!(
+                            "{topic}[{partition}] offset {}: the record of run {key} does not decode: {e}",
+                            message.offset()
+                        );
+                        tracing::error!(
+                            topic,
+                            partition,
+                            offset = message.offset(),
+                            run_id = key,
+                            error = %e,
+                            "A changelog record does not decode: the partition stops here and is not consumed until this is fixed."
+                        );
+                        // Keep what came before it; the marker stops at the record.
+                        let mut batch = std::mem::take(&mut p.batch);
+                        batch.set_changelog_offset(partition, message.offset() as u64);
+                        store.apply(batch)?;
+                        restored.stopped.insert(partition, reason);
+                        progress.remove(&partition);
+                        return Ok(Next::StopPartition);
                     }
                 }
             }
         }
-    }
+        p.pending += 1;
+        if p.pending >= CHUNK {
+            let mut batch = std::mem::take(&mut p.batch);
+            batch.set_changelog_offset(partition, p.next as u64);
+            store.apply(batch)?;
+            p.pending = 0;
+            p.armed.clear();
+            p.prior.clear();
+        }
+        Ok::<_, Error>(Next::More)
+    })
+    .map_err(|e| match e {
+        ReadError::Handler(e) => e,
+        ReadError::Kafka(e) => Error::from(e),
+        timeout @ ReadError::Timeout { .. } => Error::Setup(format!("restoring: {timeout}")),
+    })?;
     for (partition, p) in progress {
+        // Transaction markers past the last record count as read.
+        let next = reached
+            .get(&partition)
+            .copied()
+            .unwrap_or(p.next)
+            .max(p.next);
         let mut batch = p.batch;
-        batch.set_changelog_offset(partition, p.next.max(0) as u64);
+        batch.set_changelog_offset(partition, next.max(0) as u64);
         store.apply(batch)?;
     }
     // Closing a consumer takes librdkafka ~100 ms; nothing waits for it.

@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sortie_kafka::KafkaConfig;
+use sortie_kafka::{read, KafkaConfig};
 
 use crate::error::Error;
 use crate::record::Record;
@@ -68,40 +68,38 @@ pub fn replay(kafka: &KafkaConfig, topic: &str) -> Result<State, Error> {
     assignment.add_partition_offset(topic, PARTITION, Offset::Beginning)?;
     consumer.assign(&assignment)?;
     let mut records = 0u64;
-    loop {
-        if started.elapsed() > REPLAY_DEADLINE {
-            return Err(Error::Timeout {
-                waited: REPLAY_DEADLINE,
-                doing: format!("reading {topic} up to offset {high}"),
-            });
-        }
-        match consumer.poll(Duration::from_millis(500)) {
-            None => continue,
-            // The end of the partition: at or past the high watermark read above.
-            Some(Err(KafkaError::PartitionEOF(_))) => break,
-            Some(Err(error)) => return Err(error.into()),
-            Some(Ok(message)) => {
-                let offset = message.offset();
-                match Record::decode(message.key(), message.payload()) {
-                    Ok(Some(record)) => {
-                        state.apply(record);
-                        records += 1;
-                    }
-                    Ok(None) => {}
-                    Err(reason) => {
-                        return Err(Error::Corrupt {
-                            topic: topic.to_owned(),
-                            offset,
-                            reason,
-                        })
-                    }
+    let spans = [(PARTITION, (low, high))].into_iter().collect();
+    read::to_end(
+        &consumer,
+        topic,
+        &spans,
+        started + REPLAY_DEADLINE,
+        |message| {
+            match Record::decode(message.key(), message.payload()) {
+                Ok(Some(record)) => {
+                    state.apply(record);
+                    records += 1;
                 }
-                if offset + 1 >= high {
-                    break;
+                Ok(None) => {}
+                Err(reason) => {
+                    return Err(Error::Corrupt {
+                        topic: topic.to_owned(),
+                        offset: message.offset(),
+                        reason,
+                    })
                 }
             }
-        }
-    }
+            Ok(read::Next::More)
+        },
+    )
+    .map_err(|e| match e {
+        read::ReadError::Handler(e) => e,
+        read::ReadError::Kafka(e) => Error::Kafka(e),
+        read::ReadError::Timeout { .. } => Error::Timeout {
+            waited: REPLAY_DEADLINE,
+            doing: format!("reading {topic} up to offset {high}"),
+        },
+    })?;
     tracing::info!(
         topic,
         records,

@@ -186,6 +186,32 @@ impl Codec {
         })
     }
 
+    /// [`Codec::decode`], waiting out a registry outage: the bytes may be fine, and
+    /// dead-lettering them because the registry is down would lose them. Retries with a
+    /// backoff from 100 ms doubling to 5 s, until `until` (for ever when `None`); bytes
+    /// that do not decode are answered at once. Past `until` the outage is returned
+    /// ([`DecodeError::is_retryable`]) for the caller to keep the record pending.
+    pub async fn decode_patiently<R: Record>(
+        &self,
+        bytes: Option<&[u8]>,
+        until: Option<std::time::Instant>,
+    ) -> Result<R, DecodeError> {
+        let mut backoff = std::time::Duration::from_millis(100);
+        loop {
+            match self.decode::<R>(bytes).await {
+                Err(error)
+                    if error.is_retryable()
+                        && until.is_none_or(|u| std::time::Instant::now() + backoff <= u) =>
+                {
+                    tracing::warn!(%error, ?backoff, kind = ?R::KIND, "The schema registry is unreachable; decoding again.");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+                }
+                decoded => return decoded,
+            }
+        }
+    }
+
     /// Decodes a Confluent wire-format value into `R`, resolving the writer's schema against
     /// this build's (so records written with an older compatible schema read fine).
     pub async fn decode<R: Record>(&self, bytes: Option<&[u8]>) -> Result<R, DecodeError> {

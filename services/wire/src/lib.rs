@@ -4,11 +4,12 @@
 //! (`murmur2(key) % n`, identical to the Java client's default), and topic names.
 //!
 //! This crate converts bytes to types and back, once, at the edge. It performs no Kafka
-//! I/O and holds no run semantics: whether a decoded record makes sense is the caller's
+//! I/O (it reads rdkafka's message type only to build dead letters) and holds no run semantics: whether a decoded record makes sense is the caller's
 //! business; whether it decodes at all is this crate's, and the answer is a typed
 //! [`DecodeError`] the caller can dead-letter.
 
 mod codec;
+pub mod dead_letter;
 mod partitioner;
 pub mod records;
 mod resolve;

@@ -1,0 +1,168 @@
+//! Reading partitions to an end fixed when the read starts — the one loop behind every
+//! "read it all, then go on" in Sortie: the reducer's restore, the graph catalog, the
+//! gateway view's starting point, audit replay and the registry's schemas log.
+//!
+//! The end of a partition is its high watermark when the read starts. With
+//! `read_committed`, records of an open transaction sit above the last stable offset,
+//! so a read to the high watermark of the moment ends only once that transaction is
+//! decided. Transaction markers and compacted gaps advance a consumer's position without
+//! handing out a message: how far a partition has been read is the larger of the last
+//! record's offset + 1 and the consumer's position, never the last record alone.
+//!
+//! Blocking: run it on a blocking thread.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::client::{Client, ClientContext};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::Offset;
+
+use crate::fetch_watermarks;
+
+/// Why a read ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError<E> {
+    #[error("reading {topic} did not reach the end of partitions {behind:?} within {waited:?}")]
+    Timeout {
+        topic: String,
+        behind: Vec<i32>,
+        waited: Duration,
+    },
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    /// The caller's handler failed.
+    #[error("{0}")]
+    Handler(E),
+}
+
+/// What the handler says after a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Read on.
+    More,
+    /// This partition is finished here (e.g. a record that must not be skipped does not
+    /// decode): its later records are passed over and it counts as done.
+    StopPartition,
+}
+
+/// The partition ids of `topic`; empty when the topic does not exist.
+/// Asked through any client: a consumer's (`consumer.client()`) or a producer's.
+pub fn partition_ids<C: ClientContext>(
+    client: &Client<C>,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<i32>, KafkaError> {
+    let metadata = client.fetch_metadata(Some(topic), timeout)?;
+    Ok(metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default())
+}
+
+/// The (low, high) watermarks of `partitions` of `topic`, each retried on transient
+/// errors until `deadline`.
+pub fn watermarks<C, X>(
+    consumer: &C,
+    topic: &str,
+    partitions: impl IntoIterator<Item = i32>,
+    deadline: Instant,
+) -> Result<BTreeMap<i32, (i64, i64)>, KafkaError>
+where
+    C: Consumer<X>,
+    X: ConsumerContext,
+{
+    partitions
+        .into_iter()
+        .map(|p| Ok((p, fetch_watermarks(consumer, topic, p, deadline)?)))
+        .collect()
+}
+
+/// Reads `topic` with `consumer` — already assigned to every partition of `spans` at its
+/// start offset — until each partition's `next` reaches its end. `spans` maps a partition
+/// to `(next, end)`: the first offset not read yet and the offset to read up to.
+/// `handle` sees each record once, in offset order per partition; records of partitions
+/// outside `spans` or below `next` are passed over. A record at or past `end` (written
+/// after the read began) is still handed over when it comes in the same fetch: skipping it
+/// while the position moves past it would count it as read.
+///
+/// Returns how far each partition was read (`next` per partition; a stopped partition
+/// keeps the offset of the record that stopped it).
+pub fn to_end<X, E>(
+    consumer: &BaseConsumer<X>,
+    topic: &str,
+    spans: &BTreeMap<i32, (i64, i64)>,
+    deadline: Instant,
+    mut handle: impl FnMut(&BorrowedMessage<'_>) -> Result<Next, E>,
+) -> Result<BTreeMap<i32, i64>, ReadError<E>>
+where
+    X: ConsumerContext,
+{
+    let started = Instant::now();
+    let mut next: BTreeMap<i32, i64> = spans.iter().map(|(&p, &(from, _))| (p, from)).collect();
+    let mut open: BTreeMap<i32, i64> = spans
+        .iter()
+        .filter(|(_, &(from, end))| from < end)
+        .map(|(&p, &(_, end))| (p, end))
+        .collect();
+    while !open.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ReadError::Timeout {
+                topic: topic.to_owned(),
+                behind: open.keys().copied().collect(),
+                waited: started.elapsed(),
+            });
+        }
+        match consumer.poll(left.min(Duration::from_millis(200))) {
+            Some(Ok(message)) => {
+                let partition = message.partition();
+                let Some(&end) = open.get(&partition) else {
+                    continue; // done, stopped, or not ours
+                };
+                let at = next.entry(partition).or_insert(0);
+                if message.offset() < *at {
+                    continue;
+                }
+                match handle(&message).map_err(ReadError::Handler)? {
+                    Next::More => {
+                        *at = message.offset() + 1;
+                        if *at >= end {
+                            open.remove(&partition);
+                        }
+                    }
+                    Next::StopPartition => {
+                        *at = message.offset();
+                        open.remove(&partition);
+                    }
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(_))) | None => {
+                // Control records (transaction markers) advance the position without a
+                // message: the position, not the last message, says how far we are.
+                if let Ok(position) = consumer.position() {
+                    for element in position.elements_for_topic(topic) {
+                        let partition = element.partition();
+                        if let (Some(&end), Offset::Offset(o)) =
+                            (open.get(&partition), element.offset())
+                        {
+                            let at = next.entry(partition).or_insert(0);
+                            *at = (*at).max(o);
+                            if *at >= end {
+                                open.remove(&partition);
+                            }
+                        }
+                    }
+                }
+            }
+            Some(Err(error)) => {
+                tracing::warn!(topic, %error, "Reading to the end of a topic: a read failed; reading on.");
+            }
+        }
+    }
+    Ok(next)
+}
