@@ -1,0 +1,452 @@
+//! Consumption and offset gating: one consumer thread per queue, its rebalance callbacks,
+//! pausing a full queue, and the per-partition tracker that decides what may be committed.
+
+use super::*;
+
+/// "A commit covers your offset: call" (true) or "hand the intent back" (false).
+type Waiter = oneshot::Sender<bool>;
+
+pub(super) struct Assigned {
+    /// Distinguishes this assignment from an earlier one of the same partition, so a task
+    /// of a revoked assignment cannot mark offsets of a new one.
+    pub(super) epoch: u64,
+    pub(super) tracker: PartitionTracker<Waiter>,
+}
+
+#[derive(Default)]
+pub(super) struct QueueState {
+    pub(super) partitions: HashMap<i32, Assigned>,
+    pub(super) in_flight: usize,
+    /// A task waits for a commit: commit now, not at the next interval.
+    pub(super) urgent: bool,
+    /// Shutting down: revocation does not wait for in-flight intents.
+    pub(super) closing: bool,
+    pub(super) next_epoch: u64,
+    pub(super) tasks: HashMap<u64, AbortHandle>,
+}
+
+/// The state of one queue's consumer, shared with its tasks and rebalance callbacks.
+pub(super) struct Shared {
+    pub(super) topic: String,
+    pub(super) queue: String,
+    pub(super) health: Health,
+    pub(super) state: Mutex<QueueState>,
+    pub(super) changed: Condvar,
+    pub(super) drain_timeout: Duration,
+}
+
+impl Shared {
+    pub(super) fn lock(&self) -> MutexGuard<'_, QueueState> {
+        // A poisoned lock means a panic while holding it; the state is still consistent
+        // (every update is a single step), so carry on.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Commits every partition's committable position (or only those in `only`) and
+    /// releases the waiters it covers. Runs on the consumer thread only, so no revocation
+    /// can happen between choosing the positions and recording the commit.
+    pub(super) fn commit<C: ConsumerContext>(
+        &self,
+        consumer: &BaseConsumer<C>,
+        only: Option<&BTreeSet<i32>>,
+    ) -> bool {
+        let positions: Vec<(i32, i64)> = {
+            let mut state = self.lock();
+            state.urgent = false;
+            state
+                .partitions
+                .iter()
+                .filter(|(p, _)| only.is_none_or(|only| only.contains(p)))
+                .filter_map(|(p, a)| a.tracker.to_commit().map(|pos| (*p, pos)))
+                .collect()
+        };
+        if positions.is_empty() {
+            return true;
+        }
+        let mut list = TopicPartitionList::new();
+        for (partition, position) in &positions {
+            if let Err(e) =
+                list.add_partition_offset(&self.topic, *partition, Offset::Offset(*position))
+            {
+                tracing::warn!(error = %e, "Could not build the offset list.");
+                return false;
+            }
+        }
+        match consumer.commit(&list, CommitMode::Sync) {
+            Ok(()) => {
+                let mut state = self.lock();
+                for (partition, position) in positions {
+                    if let Some(assigned) = state.partitions.get_mut(&partition) {
+                        for waiter in assigned.tracker.committed(position) {
+                            let _ = waiter.send(true);
+                        }
+                    }
+                }
+                tracing::debug!(topic = %self.topic, ?list, "Offsets committed.");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(topic = %self.topic, error = %e, "Committing offsets failed; will retry.");
+                let mut state = self.lock();
+                state.urgent = state.partitions.values().any(|a| a.tracker.has_waiters());
+                false
+            }
+        }
+    }
+
+    /// Revocation: let the partitions' in-flight intents finish (committing as they do)
+    /// for up to the drain timeout, commit, then drop the partitions and hand back
+    /// whatever still waits for a pre-call commit.
+    pub(super) fn revoke<C: ConsumerContext>(
+        &self,
+        consumer: &BaseConsumer<C>,
+        revoked: &BTreeSet<i32>,
+    ) {
+        let deadline = Instant::now() + self.drain_timeout;
+        loop {
+            self.commit(consumer, Some(revoked));
+            let state = self.lock();
+            let pending: usize = revoked
+                .iter()
+                .filter_map(|p| state.partitions.get(p))
+                .map(|a| a.tracker.pending())
+                .sum();
+            if pending == 0 || state.closing || Instant::now() >= deadline {
+                if pending > 0 {
+                    tracing::warn!(
+                        pending,
+                        "Giving up partitions with intents still running: their new owner will run them again."
+                    );
+                }
+                break;
+            }
+            let _ = self.changed.wait_timeout(state, Duration::from_millis(20));
+        }
+        self.commit(consumer, Some(revoked));
+        let mut state = self.lock();
+        for partition in revoked {
+            if let Some(mut assigned) = state.partitions.remove(partition) {
+                for waiter in assigned.tracker.hand_back() {
+                    let _ = waiter.send(false);
+                }
+            }
+        }
+    }
+}
+
+/// A task's claim on one offset. Dropping it (the task ended, or was aborted) frees its
+/// slot; it does not mark the offset done.
+pub(super) struct Ticket {
+    pub(super) shared: Arc<Shared>,
+    pub(super) partition: i32,
+    pub(super) offset: i64,
+    pub(super) epoch: u64,
+    pub(super) task: u64,
+}
+
+impl Ticket {
+    /// The intent's work is done: its offset may be committed.
+    pub(super) fn done(&self) {
+        let mut state = self.shared.lock();
+        if let Some(assigned) = state
+            .partitions
+            .get_mut(&self.partition)
+            .filter(|a| a.epoch == self.epoch)
+        {
+            assigned.tracker.done(self.offset);
+        }
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+
+    /// Marks the offset committable before the call and waits for a commit to cover it.
+    /// False: the partition was revoked (or the executor is stopping) first; do not call.
+    pub(super) async fn commit_first(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut state = self.shared.lock();
+            let closing = state.closing;
+            match state
+                .partitions
+                .get_mut(&self.partition)
+                .filter(|a| a.epoch == self.epoch)
+            {
+                Some(assigned) if !closing => assigned.tracker.done_and_wait(self.offset, tx),
+                _ => return false,
+            }
+            state.urgent = true;
+        }
+        self.shared.changed.notify_all();
+        rx.await.unwrap_or(false)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        state.tasks.remove(&self.task);
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+}
+
+pub(super) struct QueueContext {
+    pub(super) shared: Arc<Shared>,
+}
+
+impl ClientContext for QueueContext {
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        sortie_kafka::metrics::consumer_lag(&statistics);
+    }
+}
+
+impl ConsumerContext for QueueContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(list) = rebalance {
+            let revoked: BTreeSet<i32> = list.elements().iter().map(|e| e.partition()).collect();
+            tracing::info!(topic = %self.shared.topic, ?revoked, "Partitions revoked; draining them.");
+            self.shared.revoke(consumer, &revoked);
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(list) => {
+                // librdkafka keeps a partition's pause across its revocation: one paused
+                // while the queue was full and handed back (say during a broker outage)
+                // would come back paused and never deliver again. New assignments start
+                // resumed; the loop pauses them again on its next pass if still full.
+                if let Err(e) = consumer.resume(list) {
+                    tracing::warn!(topic = %self.shared.topic, error = %e, "Resuming newly assigned partitions failed.");
+                }
+                let mut state = self.shared.lock();
+                for element in list.elements() {
+                    state.next_epoch += 1;
+                    let epoch = state.next_epoch;
+                    state.partitions.insert(
+                        element.partition(),
+                        Assigned {
+                            epoch,
+                            tracker: PartitionTracker::default(),
+                        },
+                    );
+                }
+                let mut owned: Vec<i32> = state.partitions.keys().copied().collect();
+                owned.sort_unstable();
+                tracing::info!(topic = %self.shared.topic, ?owned, "Partitions assigned.");
+                self.shared.health.consuming(&self.shared.queue, true);
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(e) => tracing::warn!(error = %e, "Rebalance failed."),
+        }
+    }
+}
+
+/// One queue's consumer and its loop.
+pub(super) struct QueueConsumer {
+    pub(super) worker: Arc<Worker>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) consumer: BaseConsumer<QueueContext>,
+}
+
+impl QueueConsumer {
+    pub(super) fn new(worker: Arc<Worker>, queue: &str) -> Result<Self, Error> {
+        let config = &worker.config;
+        let topic = config.topics.intents(queue);
+        let shared = Arc::new(Shared {
+            topic: topic.clone(),
+            queue: queue.to_owned(),
+            health: worker.health.clone(),
+            state: Mutex::new(QueueState::default()),
+            changed: Condvar::new(),
+            drain_timeout: config.drain_timeout,
+        });
+        let mut consumer_config = config.kafka.client();
+        consumer_config
+            .set("group.id", config.group_id(queue))
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("isolation.level", "read_committed")
+            .set("auto.offset.reset", "earliest")
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .set(
+                "session.timeout.ms",
+                config.session_timeout.as_millis().to_string(),
+            )
+            .set(
+                "heartbeat.interval.ms",
+                (config.session_timeout.as_millis() / 4)
+                    .max(500)
+                    .to_string(),
+            )
+            .set("allow.auto.create.topics", "false")
+            // Feeds QueueContext::stats: consumer lag per partition.
+            .set(
+                "statistics.interval.ms",
+                sortie_kafka::metrics::STATISTICS_INTERVAL_MS,
+            );
+        if config.static_membership {
+            consumer_config.set("group.instance.id", &config.executor_id);
+        }
+        let consumer: BaseConsumer<QueueContext> =
+            consumer_config.create_with_context(QueueContext {
+                shared: shared.clone(),
+            })?;
+        partition_count(consumer.client(), &topic)?;
+        consumer.subscribe(&[&topic])?;
+        tracing::info!(%topic, group = %config.group_id(queue), "Subscribed.");
+        Ok(Self {
+            worker,
+            shared,
+            consumer,
+        })
+    }
+
+    pub(super) fn run(self, runtime: &Handle, stop: &AtomicBool) {
+        let max = self.worker.config.max_in_flight;
+        let interval = self.worker.config.commit_interval;
+        let mut last_commit = Instant::now();
+        let mut next_task = 0u64;
+        let mut paused = false;
+        let mut full_since: Option<Instant> = None;
+        while !stop.load(Ordering::Relaxed) {
+            let (urgent, in_flight) = {
+                let state = self.shared.lock();
+                (state.urgent, state.in_flight)
+            };
+            meter::in_flight(&self.shared.queue, in_flight);
+            if urgent || last_commit.elapsed() >= interval {
+                self.shared.commit(&self.consumer, None);
+                last_commit = Instant::now();
+            }
+            // Full: wait for a slot without polling — briefly. A queue that stays full
+            // (slow tools) pauses its assignment and polls on: not polling at all would
+            // exceed max.poll.interval.ms (the member would be kicked out with work in
+            // flight), while paused partitions deliver nothing and rebalances are served.
+            // Not paused at once: a resumed partition waits for the broker's next fetch
+            // (up to fetch.wait.max.ms), which would throttle fast tools to a batch per
+            // fetch. Paused again on every pass, so partitions assigned meanwhile are too.
+            let full = in_flight >= max;
+            if !full {
+                full_since = None;
+                if paused {
+                    self.set_paused(false);
+                    paused = false;
+                }
+            } else if full_since.get_or_insert_with(Instant::now).elapsed() < PAUSE_WHEN_FULL_FOR {
+                let state = self.shared.lock();
+                if state.in_flight >= max && !state.urgent {
+                    let _ = self
+                        .shared
+                        .changed
+                        .wait_timeout(state, Duration::from_millis(50));
+                }
+                continue;
+            } else {
+                self.set_paused(true);
+                paused = true;
+            }
+            let timeout = if full {
+                Duration::from_millis(20)
+            } else if in_flight > 0 {
+                Duration::from_millis(10)
+            } else {
+                Duration::from_millis(100)
+            };
+            match self.consumer.poll(timeout) {
+                None => {}
+                Some(Err(e)) => {
+                    tracing::warn!(topic = %self.shared.topic, error = %e, "Consumer error.")
+                }
+                Some(Ok(message)) => {
+                    let message = message.detach();
+                    next_task += 1;
+                    self.dispatch(runtime, message, next_task);
+                }
+            }
+        }
+        self.drain();
+    }
+
+    /// Pauses (or resumes) every partition assigned now. A record fetched before a pause
+    /// may still arrive: it is dispatched (one over the limit) rather than skipped.
+    pub(super) fn set_paused(&self, pause: bool) {
+        let Ok(assignment) = self.consumer.assignment() else {
+            return;
+        };
+        if assignment.count() == 0 {
+            return;
+        }
+        let result = if pause {
+            self.consumer.pause(&assignment)
+        } else {
+            self.consumer.resume(&assignment)
+        };
+        if let Err(e) = result {
+            tracing::warn!(topic = %self.shared.topic, pause, error = %e, "Pausing or resuming the queue's partitions failed.");
+        }
+    }
+
+    /// Hands one intent to a task. A record of a partition this consumer does not own
+    /// (it can only be a leftover of a revoked assignment) is left alone: not tracked,
+    /// never committed, delivered again to the owner.
+    pub(super) fn dispatch(&self, runtime: &Handle, message: OwnedMessage, task: u64) {
+        let mut state = self.shared.lock();
+        let Some(assigned) = state.partitions.get_mut(&message.partition()) else {
+            return;
+        };
+        assigned.tracker.track(message.offset());
+        meter::intent(&self.shared.queue);
+        let ticket = Ticket {
+            shared: self.shared.clone(),
+            partition: message.partition(),
+            offset: message.offset(),
+            epoch: assigned.epoch,
+            task,
+        };
+        state.in_flight += 1;
+        let handle = runtime.spawn(self.worker.clone().process(ticket, message));
+        state.tasks.insert(task, handle.abort_handle());
+    }
+
+    /// Shutdown: finish in-flight intents (committing as they complete) for up to the
+    /// drain timeout; hand back or abort the rest; commit; leave the group.
+    pub(super) fn drain(self) {
+        let deadline = Instant::now() + self.worker.config.drain_timeout;
+        loop {
+            self.shared.commit(&self.consumer, None);
+            let state = self.shared.lock();
+            if state.in_flight == 0 || Instant::now() >= deadline {
+                break;
+            }
+            let _ = self
+                .shared
+                .changed
+                .wait_timeout(state, Duration::from_millis(20));
+        }
+        let aborted: Vec<AbortHandle> = {
+            let mut state = self.shared.lock();
+            state.closing = true;
+            for assigned in state.partitions.values_mut() {
+                for waiter in assigned.tracker.hand_back() {
+                    let _ = waiter.send(false);
+                }
+            }
+            state.tasks.drain().map(|(_, handle)| handle).collect()
+        };
+        if !aborted.is_empty() {
+            tracing::warn!(
+                intents = aborted.len(),
+                topic = %self.shared.topic,
+                "Handing back intents still running at shutdown: they will be delivered again."
+            );
+        }
+        for handle in aborted {
+            handle.abort();
+        }
+        self.shared.commit(&self.consumer, None);
+        self.consumer.unsubscribe();
+        // Dropping the consumer closes it: it leaves the group (unless static).
+    }
+}

@@ -1,0 +1,153 @@
+//! Result production: step results keyed by operation id on the run's partition of
+//! `step-results`, and dead letters for intents that do not decode.
+
+use super::*;
+
+impl Worker {
+    pub(super) fn result(
+        &self,
+        intent: &StepIntent,
+        status: w::StepStatus,
+        started_at: i64,
+    ) -> w::StepResult {
+        w::StepResult {
+            operation_id: intent.operation_id.clone(),
+            attempt: intent.attempt,
+            tenant: intent.tenant.clone(),
+            run_id: intent.run_id.clone(),
+            step_id: intent.step_id.clone(),
+            status,
+            retryable: false,
+            output: None,
+            error: None,
+            executor: self.config.executor_id.clone(),
+            started_at,
+            finished_at: None,
+        }
+    }
+
+    pub(super) async fn report(
+        &self,
+        intent: &StepIntent,
+        outcome: Result<Value, HandlerError>,
+        started_at: i64,
+    ) {
+        let mut result = match &outcome {
+            Ok(_) => self.result(intent, w::StepStatus::Succeeded, started_at),
+            Err(HandlerError::Unknown { .. }) => {
+                self.result(intent, w::StepStatus::Unknown, started_at)
+            }
+            Err(_) => self.result(intent, w::StepStatus::Failed, started_at),
+        };
+        result.finished_at = Some(now_ms());
+        match outcome {
+            Ok(output) => result.output = Some(output.to_string()),
+            Err(error) => {
+                result.retryable = error.is_retryable();
+                result.error = Some(w::StepError {
+                    code: error.code().to_owned(),
+                    message: error.message().to_owned(),
+                    retry_after_ms: error.retry_after().map(|d| d.as_millis() as i64),
+                });
+            }
+        }
+        self.send_result(&result).await;
+        let status = match result.status {
+            w::StepStatus::Succeeded => "succeeded",
+            w::StepStatus::Unknown => "unknown",
+            w::StepStatus::Started => "started",
+            _ => "failed",
+        };
+        meter::result(&intent.tool, status);
+        match &result.error {
+            None => tracing::info!(status = ?result.status, "Reported the attempt's outcome."),
+            Some(error) => tracing::info!(
+                status = ?result.status,
+                retryable = result.retryable,
+                code = %error.code,
+                message = %error.message,
+                "Reported the attempt's outcome."
+            ),
+        }
+    }
+
+    /// Produces a result to the run's canonical partition and waits for its delivery,
+    /// retrying until it is delivered (at shutdown the task is aborted instead; its
+    /// offset then stays uncommitted).
+    pub(super) async fn send_result(&self, result: &w::StepResult) {
+        let topic = self.config.topics.step_results();
+        let partition = partition_for(result.run_id.as_bytes(), self.result_partitions);
+        let trace = TRACE
+            .try_with(Clone::clone)
+            .unwrap_or_else(|_| TraceContext::for_run(&result.run_id))
+            .child(&format!(
+                "{}/{}/{:?}",
+                result.operation_id, result.attempt, result.status
+            ));
+        let trace_value = trace.header_value();
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let error = match self.codec.encode(&topic, result).await {
+                Ok(bytes) => {
+                    let headers =
+                        rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+                            key: sortie_wire::trace::TRACEPARENT,
+                            value: Some(trace_value.as_bytes()),
+                        });
+                    let record = FutureRecord::to(&topic)
+                        .key(&result.operation_id)
+                        .payload(&bytes)
+                        .partition(partition)
+                        .headers(headers);
+                    match self.producer.send(record, Duration::from_secs(30)).await {
+                        Ok(_) => return,
+                        Err((error, _)) => error.to_string(),
+                    }
+                }
+                Err(error) => error.to_string(),
+            };
+            tracing::warn!(%error, ?backoff, "Producing a result failed; retrying.");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    pub(super) async fn dead_letter(&self, message: &OwnedMessage, error: &DecodeError) {
+        tracing::warn!(
+            topic = message.topic(),
+            partition = message.partition(),
+            offset = message.offset(),
+            code = error.reason_code(),
+            %error,
+            "Dead-lettering an undecodable intent."
+        );
+        let letter = sortie_wire::dead_letter::letter(
+            message,
+            format!("executor/{}", self.config.executor_id),
+            error.reason_code(),
+            error.to_string(),
+            now_ms(),
+        );
+        let topic = self.config.topics.dead_letters();
+        let key = message.key().unwrap_or_default();
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let error = match self.codec.encode(&topic, &letter).await {
+                Ok(bytes) => {
+                    let record = FutureRecord::to(&topic).key(key).payload(&bytes);
+                    match self.producer.send(record, Duration::from_secs(30)).await {
+                        Ok(_) => {
+                            meter::dead_letter(error.reason_code());
+                            return;
+                        }
+                        Err((error, _)) => error.to_string(),
+                    }
+                }
+                Err(error) => error.to_string(),
+            };
+            tracing::warn!(%error, ?backoff, "Producing a dead letter failed; retrying.");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
