@@ -2,7 +2,6 @@
 //! state table; print a run's state at any version.
 
 use anyhow::{bail, Context as _};
-use sortie_kafka::KafkaConfig;
 use sortie_reducer::audit;
 use sortie_wire::{Codec, CodecConfig, Topics};
 
@@ -30,28 +29,16 @@ struct Replay {
     /// Print the run's state after this version (needs --run) instead of a report.
     #[arg(long, requires = "run")]
     at_version: Option<i64>,
-    #[arg(
-        long,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
-    #[arg(
-        long,
-        env = "SORTIE__REGISTRY__URL",
-        default_value = "http://127.0.0.1:8081"
-    )]
-    registry_url: String,
-    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
-    prefix: String,
+    #[command(flatten)]
+    connection: crate::telemetry::Connection,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let Sub::Replay(replay) = args.command;
-    let kafka = KafkaConfig::new(replay.bootstrap_servers.clone());
-    let topics = Topics::new(replay.prefix.clone());
+    let kafka = replay.connection.kafka_config()?;
+    let topics = Topics::new(replay.connection.prefix.clone());
     let codec = Codec::new(&CodecConfig {
-        registry_url: replay.registry_url.clone(),
+        registry_url: replay.connection.registry_url.clone(),
         auto_register: false,
     });
     let runtime = tokio::runtime::Handle::current();

@@ -21,7 +21,7 @@ pub struct Args {
     #[command(subcommand)]
     action: Action,
     #[command(flatten)]
-    options: Options,
+    options: crate::telemetry::Connection,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -39,34 +39,9 @@ enum Action {
     List,
 }
 
-#[derive(Debug, clap::Args)]
-struct Options {
-    /// Kafka bootstrap servers.
-    #[arg(
-        long,
-        global = true,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
-    /// Topic name prefix.
-    #[arg(long, global = true, default_value = Topics::DEFAULT_PREFIX)]
-    prefix: String,
-    /// Schema registry URL.
-    #[arg(
-        long,
-        global = true,
-        env = "SORTIE__REGISTRY__URL",
-        default_value = "http://127.0.0.1:8081"
-    )]
-    registry_url: String,
-    #[command(flatten)]
-    kafka: crate::telemetry::KafkaProperties,
-}
-
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let options = args.options;
-    let kafka = options.kafka.config(&options.bootstrap_servers)?;
+    let kafka = options.kafka_config()?;
     let topics = Topics::new(options.prefix);
     match args.action {
         Action::Publish { files, by } => {

@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context;
-use sortie_kafka::KafkaConfig;
 use sortie_registry::Registry;
 
 #[derive(Debug, clap::Args)]
@@ -22,13 +21,8 @@ enum Command {
 
 #[derive(Debug, clap::Args)]
 struct ServeArgs {
-    /// Kafka bootstrap servers.
-    #[arg(
-        long,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
+    #[command(flatten)]
+    brokers: crate::telemetry::Brokers,
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8081")]
     addr: SocketAddr,
@@ -44,11 +38,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let kafka = KafkaConfig::new(&args.bootstrap_servers);
+    let kafka = args.brokers.kafka_config()?;
     let registry = Registry::open(&kafka, &args.topic).await.with_context(|| {
         format!(
             "opening the registry on topic {} at {}",
-            args.topic, args.bootstrap_servers
+            args.topic, args.brokers.bootstrap_servers
         )
     })?;
     let listener = tokio::net::TcpListener::bind(args.addr)
@@ -58,7 +52,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         url = %format!("http://{addr}"),
         topic = %args.topic,
-        bootstrap_servers = %args.bootstrap_servers,
+        bootstrap_servers = %args.brokers.bootstrap_servers,
         "The schema registry is serving."
     );
     sortie_registry::serve(listener, Arc::new(registry), shutdown_signal()).await?;

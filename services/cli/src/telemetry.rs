@@ -170,30 +170,53 @@ fn ready_response(readiness: Result<(), String>) -> Response {
     }
 }
 
-/// How a service reaches the cluster: the flags `sortie reducer`, `sortie executor` and
-/// `sortie gateway` share (same names, env vars and defaults in each).
+/// How a command reaches the cluster and its registry: the flags every Kafka-facing
+/// command shares (same names, env vars and defaults in each; global, so they may follow
+/// a subcommand).
 #[derive(Debug, clap::Args)]
 pub struct Connection {
+    #[command(flatten)]
+    pub brokers: Brokers,
     #[arg(
         long,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    pub bootstrap_servers: String,
-    #[arg(
-        long,
+        global = true,
         env = "SORTIE__REGISTRY__URL",
         default_value = "http://127.0.0.1:8081"
     )]
     pub registry_url: String,
     /// Topic name prefix.
-    #[arg(long, env = "SORTIE__TOPICS__PREFIX", default_value = "sortie.")]
+    #[arg(
+        long,
+        global = true,
+        env = "SORTIE__TOPICS__PREFIX",
+        default_value = "sortie."
+    )]
     pub prefix: String,
+}
+
+impl Connection {
+    /// A client config for the bootstrap servers with the properties file's settings.
+    pub fn kafka_config(&self) -> anyhow::Result<KafkaConfig> {
+        self.brokers.kafka_config()
+    }
+}
+
+/// Where the Kafka cluster is and how to sign in to it: the part of [`Connection`] for
+/// commands that need no registry or topic prefix (`topology`, `registry serve`).
+#[derive(Debug, clap::Args)]
+pub struct Brokers {
+    #[arg(
+        long,
+        global = true,
+        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
+        default_value = "127.0.0.1:9092"
+    )]
+    pub bootstrap_servers: String,
     #[command(flatten)]
     pub kafka: KafkaProperties,
 }
 
-impl Connection {
+impl Brokers {
     /// A client config for the bootstrap servers with the properties file's settings.
     pub fn kafka_config(&self) -> anyhow::Result<KafkaConfig> {
         self.kafka.config(self.bootstrap_servers.clone())

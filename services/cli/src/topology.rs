@@ -40,16 +40,8 @@ struct Options {
     /// min.insync.replicas (overrides the file's; `auto` there is replication factor - 1).
     #[arg(long, global = true)]
     min_insync_replicas: Option<u16>,
-    /// Kafka bootstrap servers.
-    #[arg(
-        long,
-        global = true,
-        env = "SORTIE__KAFKA__BOOTSTRAP_SERVERS",
-        default_value = "127.0.0.1:9092"
-    )]
-    bootstrap_servers: String,
     #[command(flatten)]
-    kafka: crate::telemetry::KafkaProperties,
+    brokers: crate::telemetry::Brokers,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -64,7 +56,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             })
         })
         .with_context(|| format!("cannot use the topology in {}", options.file.display()))?;
-    let kafka = options.kafka.config(options.bootstrap_servers)?;
+    let kafka = options.brokers.kafka_config()?;
     match args.action {
         Action::Check => check(&topology, &kafka).await,
         Action::Apply => apply(&topology, &kafka).await,
