@@ -84,4 +84,43 @@ impl KafkaConfig {
         }
         config
     }
+
+    /// Configuration for a member of consumer group `group` that commits its own offsets
+    /// (no auto-commit, no auto offset store), reads `read_committed` (which also makes
+    /// OffsetFetch require stable offsets, KIP-447) from the earliest offset, never creates
+    /// topics, reports statistics for the lag gauges, heartbeats at a quarter of
+    /// `session_timeout`, and — when `instance_id` is given — is a static member.
+    pub fn group_member(
+        &self,
+        group: &str,
+        assignment_strategy: &str,
+        session_timeout: std::time::Duration,
+        instance_id: Option<&str>,
+    ) -> ClientConfig {
+        let mut config = self.client();
+        let session_ms = session_timeout.as_millis();
+        config
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("isolation.level", "read_committed")
+            .set("auto.offset.reset", "earliest")
+            .set("partition.assignment.strategy", assignment_strategy)
+            .set("session.timeout.ms", session_ms.to_string())
+            .set(
+                "heartbeat.interval.ms",
+                (session_ms / 4).max(500).to_string(),
+            )
+            .set("allow.auto.create.topics", "false")
+            .set(
+                "statistics.interval.ms",
+                crate::metrics::STATISTICS_INTERVAL_MS,
+            );
+        if let Some(instance) = instance_id {
+            config.set("group.instance.id", instance);
+        }
+        // Unlike the producers', these settings win over the properties file: a
+        // `read_uncommitted` or auto-committing member would break exactly-once.
+        config
+    }
 }

@@ -230,36 +230,18 @@ impl Reducer {
             commands: topics.commands(),
             engine: wiring.clone(),
         };
-        let mut consumer_config = config.kafka.client();
-        consumer_config
-            .set("group.id", &config.group_id)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            // Also makes OffsetFetch require stable offsets (KIP-447): see `tasks`.
-            .set("isolation.level", "read_committed")
-            .set("auto.offset.reset", "earliest")
-            // Range gives partition N of commands and of step-results to the same member:
-            // one writer per run. cooperative-sticky does not guarantee that.
-            .set("partition.assignment.strategy", "range")
-            .set(
-                "session.timeout.ms",
-                config.session_timeout.as_millis().to_string(),
-            )
-            .set(
-                "heartbeat.interval.ms",
-                (config.session_timeout.as_millis() / 4)
-                    .max(500)
-                    .to_string(),
-            )
-            .set("allow.auto.create.topics", "false")
-            // Feeds ReducerContext::stats: consumer lag per partition.
-            .set(
-                "statistics.interval.ms",
-                sortie_kafka::metrics::STATISTICS_INTERVAL_MS,
-            );
-        if config.static_membership {
-            consumer_config.set("group.instance.id", &config.instance_id);
-        }
+        // Range gives partition N of commands and of step-results to the same member: one
+        // writer per run (cooperative-sticky does not guarantee that). read_committed also
+        // makes OffsetFetch require stable offsets (KIP-447): see `tasks`. Statistics feed
+        // ReducerContext::stats (consumer lag per partition).
+        let consumer_config = config.kafka.group_member(
+            &config.group_id,
+            "range",
+            config.session_timeout,
+            config
+                .static_membership
+                .then_some(config.instance_id.as_str()),
+        );
         let consumer: BaseConsumer<ReducerContext> =
             consumer_config.create_with_context(context)?;
 

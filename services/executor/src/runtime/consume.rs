@@ -262,33 +262,15 @@ impl QueueConsumer {
             changed: Condvar::new(),
             drain_timeout: config.drain_timeout,
         });
-        let mut consumer_config = config.kafka.client();
-        consumer_config
-            .set("group.id", config.group_id(queue))
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("isolation.level", "read_committed")
-            .set("auto.offset.reset", "earliest")
-            .set("partition.assignment.strategy", "cooperative-sticky")
-            .set(
-                "session.timeout.ms",
-                config.session_timeout.as_millis().to_string(),
-            )
-            .set(
-                "heartbeat.interval.ms",
-                (config.session_timeout.as_millis() / 4)
-                    .max(500)
-                    .to_string(),
-            )
-            .set("allow.auto.create.topics", "false")
-            // Feeds QueueContext::stats: consumer lag per partition.
-            .set(
-                "statistics.interval.ms",
-                sortie_kafka::metrics::STATISTICS_INTERVAL_MS,
-            );
-        if config.static_membership {
-            consumer_config.set("group.instance.id", &config.executor_id);
-        }
+        // Statistics feed QueueContext::stats (consumer lag per partition).
+        let consumer_config = config.kafka.group_member(
+            &config.group_id(queue),
+            "cooperative-sticky",
+            config.session_timeout,
+            config
+                .static_membership
+                .then_some(config.executor_id.as_str()),
+        );
         let consumer: BaseConsumer<QueueContext> =
             consumer_config.create_with_context(QueueContext {
                 shared: shared.clone(),
