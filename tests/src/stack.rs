@@ -80,6 +80,19 @@ impl Stack {
         graphs: &[&str],
         partitions: u32,
     ) -> Stack {
+        Stack::start_on_replicated(bootstrap, name, graphs, partitions, None).await
+    }
+
+    /// [`Stack::start_on_with_partitions`] with every topic replicated
+    /// `replication.0` times and `min.insync.replicas` = `replication.1` (e.g. (3, 2) on
+    /// a [`PrivateCluster`]); `None`: the topology's own (1).
+    pub async fn start_on_replicated(
+        bootstrap: String,
+        name: &str,
+        graphs: &[&str],
+        partitions: u32,
+        replication: Option<(u16, u16)>,
+    ) -> Stack {
         let prefix = crate::unique_prefix(name);
         let kafka = KafkaConfig::new(bootstrap.clone());
         let registry = ServedRegistry::start(&kafka, &format!("{prefix}_schemas"))
@@ -90,7 +103,8 @@ impl Stack {
                 t.with_overrides(&Overrides {
                     prefix: Some(prefix.clone()),
                     run_partitions: Some(partitions),
-                    ..Overrides::default()
+                    replication_factor: replication.map(|r| r.0),
+                    min_insync_replicas: replication.map(|r| r.1),
                 })
             })
             .expect("topology");
@@ -1140,6 +1154,120 @@ impl PrivateBroker {
             .expect("the kill task panicked")
             .unwrap_or_else(|e| panic!("killing the private broker: {e}"))
             .expect("the private broker was running")
+    }
+}
+
+/// A KRaft cluster of the test's own on free ports: node `i` is broker and controller.
+/// Stopped, and its data removed, when dropped.
+#[derive(Debug)]
+pub struct PrivateCluster {
+    pub cluster: sortie_devkit::local::LocalCluster,
+}
+
+impl PrivateCluster {
+    /// Formats and starts `nodes` nodes; returns once every node answers.
+    pub async fn start(name: &str, nodes: usize) -> PrivateCluster {
+        let data = crate::workspace_root()
+            .join("target")
+            .join("test-runs")
+            .join(crate::unique_prefix(&format!("cluster-{name}")).trim_end_matches('.'));
+        // Every port bound before any is released, so they all differ.
+        let listeners: Vec<std::net::TcpListener> = (0..2 * nodes)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port"))
+            .collect();
+        let port = |l: &std::net::TcpListener| l.local_addr().expect("local addr").port();
+        let ports: Vec<(u16, u16)> = listeners
+            .chunks(2)
+            .map(|pair| (port(&pair[0]), port(&pair[1])))
+            .collect();
+        drop(listeners);
+        let cluster = sortie_devkit::local::LocalCluster::new(
+            &data,
+            &ports,
+            crate::workspace_root().join("dev/kafka/pom.xml"),
+            Some(crate::test_broker().libs_dir()),
+        )
+        .expect("cluster config");
+        let private = PrivateCluster { cluster };
+        private.ensure_running().await;
+        private
+    }
+
+    pub fn bootstrap(&self) -> String {
+        self.cluster.bootstrap()
+    }
+
+    /// Starts every node that is not running (e.g. one the test killed), on its data.
+    pub async fn ensure_running(&self) {
+        let cluster = self.cluster.clone();
+        tokio::task::spawn_blocking(move || cluster.ensure_running())
+            .await
+            .expect("the start task panicked")
+            .unwrap_or_else(|e| panic!("starting the private cluster: {e}"));
+    }
+
+    /// SIGKILLs node `id`; returns its pid.
+    pub async fn kill(&self, id: i32) -> u32 {
+        let node = self.cluster.node(id).expect("no such node").clone();
+        tokio::task::spawn_blocking(move || node.kill())
+            .await
+            .expect("the kill task panicked")
+            .unwrap_or_else(|e| panic!("killing node {id}: {e}"))
+            .expect("the node was running")
+    }
+
+    /// Per partition of `topic`: (leader, replicas, in-sync replicas), as the cluster
+    /// reports them now.
+    pub async fn partitions(&self, topic: &str) -> BTreeMap<i32, (i32, Vec<i32>, Vec<i32>)> {
+        let (bootstrap, topic) = (self.bootstrap(), topic.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &bootstrap)
+                .create()
+                .expect("metadata client");
+            let metadata = consumer
+                .fetch_metadata(Some(&topic), Duration::from_secs(10))
+                .expect("metadata");
+            metadata
+                .topics()
+                .iter()
+                .flat_map(|t| t.partitions())
+                .map(|p| {
+                    (
+                        p.id(),
+                        (p.leader(), p.replicas().to_vec(), p.isr().to_vec()),
+                    )
+                })
+                .collect()
+        })
+        .await
+        .expect("the metadata task panicked")
+    }
+
+    /// Waits until every partition of every topic named has all its replicas in sync.
+    pub async fn wait_in_sync(&self, topics: &[String], deadline: Duration) {
+        crate::wait_until("every replica back in sync", deadline, || async {
+            for topic in topics {
+                for (_, replicas, isr) in self.partitions(topic).await.values() {
+                    if isr.len() < replicas.len() {
+                        return false;
+                    }
+                }
+            }
+            true
+        })
+        .await;
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        match self.cluster.stop() {
+            Ok(_) => {
+                let _ = std::fs::remove_dir_all(self.cluster.data_dir());
+            }
+            Err(e) => eprintln!("stopping the private cluster: {e}"),
+        }
     }
 }
 

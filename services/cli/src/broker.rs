@@ -1,10 +1,11 @@
-//! `sortie broker start|stop|status`: the local single-node Kafka broker for development.
+//! `sortie broker start|stop|status`: the local Kafka broker for development — one node,
+//! or with `--nodes 3` a KRaft cluster of three on this machine.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use sortie_devkit::local::{self, BrokerConfig, LocalBroker, Status};
+use sortie_devkit::local::{self, BrokerConfig, LocalBroker, LocalCluster, Status};
 
 const DEFAULT_PORT: u16 = 9092;
 const POM: &str = "dev/kafka/pom.xml";
@@ -32,9 +33,15 @@ struct Target {
     #[arg(long, default_value = "target/dev/kafka")]
     data_dir: PathBuf,
     /// PLAINTEXT port on 127.0.0.1 (the controller uses port + 1). Default: the port this
-    /// data dir was last configured with, else 9092.
+    /// data dir was last configured with, else 9092. In a cluster, node i uses
+    /// port + 10 (i - 1).
     #[arg(long)]
     port: Option<u16>,
+    /// Nodes of the cluster (each broker and controller, in `<data-dir>/node-<i>`; internal
+    /// topics and the default for new topics replicated min(nodes, 3) times). Default: as
+    /// this data dir was configured, else 1.
+    #[arg(long)]
+    nodes: Option<u16>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -54,6 +61,13 @@ struct StartArgs {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let target = match &args.command {
+        Command::Start(start) => &start.target,
+        Command::Stop(target) | Command::Status(target) => target,
+    };
+    if target.node_count() > 1 {
+        return run_cluster(args).await;
+    }
     match args.command {
         Command::Start(start) => run_start(start).await,
         Command::Stop(target) => {
@@ -137,12 +151,88 @@ async fn run_start(args: StartArgs) -> anyhow::Result<()> {
 }
 
 impl Target {
+    fn node_count(&self) -> u16 {
+        self.nodes
+            .unwrap_or_else(|| (LocalCluster::configured_ports(&self.data_dir).len() as u16).max(1))
+    }
+
+    fn cluster(&self, pom: PathBuf) -> anyhow::Result<LocalCluster> {
+        let configured = LocalCluster::configured_ports(&self.data_dir);
+        let base = self
+            .port
+            .or_else(|| configured.first().map(|p| p.0))
+            .unwrap_or(DEFAULT_PORT);
+        let ports: Vec<(u16, u16)> = (0..self.node_count())
+            .map(|i| (base + 10 * i, base + 10 * i + 1))
+            .collect();
+        Ok(LocalCluster::new(&self.data_dir, &ports, pom, None)?)
+    }
+
     fn broker(&self, pom: PathBuf) -> LocalBroker {
         let port = self
             .port
             .or_else(|| local::configured_port(&self.data_dir))
             .unwrap_or(DEFAULT_PORT);
         LocalBroker::new(BrokerConfig::new(&self.data_dir, port, pom))
+    }
+}
+
+async fn run_cluster(args: Args) -> anyhow::Result<()> {
+    match args.command {
+        Command::Start(start) => {
+            let pom = match start.pom {
+                Some(pom) => pom,
+                None => find_pom()?,
+            };
+            let cluster = start.target.cluster(pom)?;
+            let started = Instant::now();
+            let running = {
+                let cluster = cluster.clone();
+                blocking(move || cluster.ensure_running()).await?
+            };
+            tracing::info!(
+                nodes = running.len(),
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                data_dir = %cluster.data_dir().display(),
+                "The local Kafka cluster is up."
+            );
+            println!("{}", cluster.bootstrap());
+            if !start.foreground {
+                return Ok(());
+            }
+            let mut sigterm =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = sigterm.recv() => {}
+            }
+            blocking(move || cluster.stop()).await?;
+            Ok(())
+        }
+        Command::Stop(target) => {
+            let cluster = target.cluster(PathBuf::from(POM))?;
+            let pids = blocking(move || cluster.stop()).await?;
+            println!(
+                "stopped {} node(s) in {}",
+                pids.len(),
+                target.data_dir.display()
+            );
+            Ok(())
+        }
+        Command::Status(target) => {
+            let cluster = target.cluster(PathBuf::from(POM))?;
+            let mut all = true;
+            for node in cluster.nodes().to_vec() {
+                let bootstrap = node.bootstrap();
+                let status = tokio::task::spawn_blocking(move || node.status()).await?;
+                all &= matches!(status, Status::Running { .. });
+                println!("{bootstrap}: {status:?}");
+            }
+            if !all {
+                std::process::exit(1)
+            }
+            Ok(())
+        }
     }
 }
 

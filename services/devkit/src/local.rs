@@ -1,5 +1,7 @@
-//! The local single-node Apache Kafka broker (KRaft) that `sortie broker` and the test
-//! harness run: a real `kafka.Kafka` JVM, fetched with Maven from `dev/kafka/pom.xml`.
+//! The local Apache Kafka broker (KRaft) that `sortie broker` and the test harness run: a
+//! real `kafka.Kafka` JVM, fetched with Maven from `dev/kafka/pom.xml`. One node by
+//! default; [`LocalCluster`] runs several (each broker and controller in one JVM, every
+//! node a voter) on one machine, for replication and leader-failure tests.
 //!
 //! Layout of a data dir: `libs/` (the jars), `logs/` (the broker's log dirs and KRaft
 //! metadata), `server.properties`, `log4j2.properties`, `broker.log` (the broker's own
@@ -24,7 +26,7 @@ use rdkafka::ClientConfig;
 use rustix::fs::FlockOperation;
 use rustix::process::{Pid, Signal};
 
-/// The broker's `node.id` (single node: broker and controller in one JVM).
+/// The `node.id` of a single-node broker (broker and controller in one JVM).
 const NODE_ID: i32 = 1;
 /// The log4j2 configuration written into every data dir (source: `dev/kafka/`).
 const LOG4J2_PROPERTIES: &str = include_str!("../../../dev/kafka/log4j2.properties");
@@ -103,6 +105,16 @@ pub struct BrokerConfig {
     pub start_timeout: Duration,
     /// How long `stop` waits after SIGTERM before SIGKILL.
     pub stop_timeout: Duration,
+    /// This node's `node.id`.
+    pub node_id: i32,
+    /// Every controller of the cluster as (node id, controller port); empty: this node
+    /// alone.
+    pub voters: Vec<(i32, u16)>,
+    /// The KRaft cluster id storage is formatted with; `None`: a random one (one node).
+    pub cluster_id: Option<String>,
+    /// Replication factor of the internal topics (offsets, transaction state) and the
+    /// broker default for new topics; their `min.insync.replicas` is one less (at least 1).
+    pub replication: u16,
 }
 
 impl BrokerConfig {
@@ -123,6 +135,10 @@ impl BrokerConfig {
             ],
             start_timeout: Duration::from_secs(60),
             stop_timeout: Duration::from_secs(30),
+            node_id: NODE_ID,
+            voters: Vec::new(),
+            cluster_id: None,
+            replication: 1,
         }
     }
 }
@@ -245,7 +261,10 @@ impl LocalBroker {
             return Ok(());
         }
         let libs = self.ensure_jars()?;
-        let cluster_id = random_cluster_id()?;
+        let cluster_id = match &self.config.cluster_id {
+            Some(id) => id.clone(),
+            None => random_cluster_id()?,
+        };
         tracing::info!(data_dir = %dir.display(), %cluster_id, "Formatting the broker storage.");
         let output = Command::new("java")
             .arg(format!("-Dlog4j2.configurationFile={}", log4j.display()))
@@ -270,8 +289,21 @@ impl LocalBroker {
         let BrokerConfig {
             port,
             controller_port,
+            node_id,
+            replication,
             ..
         } = self.config;
+        let voters = if self.config.voters.is_empty() {
+            format!("{node_id}@127.0.0.1:{controller_port}")
+        } else {
+            self.config
+                .voters
+                .iter()
+                .map(|(id, port)| format!("{id}@127.0.0.1:{port}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let min_isr = replication.saturating_sub(1).max(1);
         let logs = self.path("logs");
         // Small internal topics start faster; a fast cleaner makes compaction testable;
         // after a SIGKILL the broker cannot re-register until its old session expires, so
@@ -279,23 +311,25 @@ impl LocalBroker {
         format!(
             "# Written by sortie_devkit::local on every start; edits are overwritten.\n\
              process.roles=broker,controller\n\
-             node.id={NODE_ID}\n\
-             controller.quorum.voters={NODE_ID}@127.0.0.1:{controller_port}\n\
+             node.id={node_id}\n\
+             controller.quorum.voters={voters}\n\
              listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}\n\
              advertised.listeners=PLAINTEXT://127.0.0.1:{port}\n\
              controller.listener.names=CONTROLLER\n\
              listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT\n\
              log.dirs={logs}\n\
              num.partitions=1\n\
-             offsets.topic.replication.factor=1\n\
+             default.replication.factor={replication}\n\
+             offsets.topic.replication.factor={replication}\n\
              offsets.topic.num.partitions=10\n\
-             transaction.state.log.replication.factor=1\n\
-             transaction.state.log.min.isr=1\n\
+             transaction.state.log.replication.factor={replication}\n\
+             transaction.state.log.min.isr={min_isr}\n\
              transaction.state.log.num.partitions=10\n\
-             share.coordinator.state.topic.replication.factor=1\n\
-             share.coordinator.state.topic.min.isr=1\n\
+             share.coordinator.state.topic.replication.factor={replication}\n\
+             share.coordinator.state.topic.min.isr={min_isr}\n\
              group.initial.rebalance.delay.ms=0\n\
              auto.create.topics.enable=false\n\
+             unclean.leader.election.enable=false\n\
              log.cleaner.backoff.ms=500\n\
              broker.heartbeat.interval.ms=1000\n\
              broker.session.timeout.ms=4000\n",
@@ -331,6 +365,32 @@ impl LocalBroker {
     }
 
     fn start_locked(&self) -> Result<u32> {
+        let started = Instant::now();
+        let pid = self.spawn_locked()?;
+        self.await_started(pid)?;
+        tracing::info!(
+            pid,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "The local Kafka broker is ready."
+        );
+        Ok(pid)
+    }
+
+    /// Waits for a just-spawned broker; one that never becomes ready is killed (it is of
+    /// no use) and its pid file removed.
+    fn await_started(&self, pid: u32) -> Result<()> {
+        if let Err(error) = self.wait_ready(pid, self.config.start_timeout) {
+            if matches!(error, Error::NotReady { .. }) {
+                let _ = self.kill_pid(pid);
+            }
+            let _ = fs::remove_file(self.path("broker.pid"));
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    /// Formats if needed and starts the JVM; returns its pid without waiting for it.
+    fn spawn_locked(&self) -> Result<u32> {
         // A port can stay busy a moment after its owner is gone: give it a few seconds.
         let deadline = Instant::now() + Duration::from_secs(15);
         for port in [self.config.port, self.config.controller_port] {
@@ -346,7 +406,6 @@ impl LocalBroker {
         let out_path = self.path("broker.out");
         let out = File::create(&out_path).map_err(io_err("creating", &out_path))?;
         let err = out.try_clone().map_err(io_err("opening", &out_path))?;
-        let started = Instant::now();
         let mut child = Command::new("java")
             .arg(format!("-Xmx{}", self.config.heap))
             .args(&self.config.jvm_flags)
@@ -386,19 +445,6 @@ impl LocalBroker {
         let pid_file = self.path("broker.pid");
         fs::write(&pid_file, format!("{pid}\n")).map_err(io_err("writing", &pid_file))?;
         tracing::info!(pid, bootstrap = %self.bootstrap(), "Started the local Kafka broker; waiting for it to answer.");
-        if let Err(error) = self.wait_ready(pid, self.config.start_timeout) {
-            if matches!(error, Error::NotReady { .. }) {
-                // A broker that never became ready is of no use: do not leave it behind.
-                let _ = self.kill_pid(pid);
-            }
-            let _ = fs::remove_file(&pid_file);
-            return Err(error);
-        }
-        tracing::info!(
-            pid,
-            elapsed_ms = started.elapsed().as_millis() as u64,
-            "The local Kafka broker is ready."
-        );
         Ok(pid)
     }
 
@@ -449,7 +495,7 @@ impl LocalBroker {
             Ok(metadata) => metadata
                 .brokers()
                 .iter()
-                .any(|b| b.id() == NODE_ID && b.port() == i32::from(self.config.port)),
+                .any(|b| b.id() == self.config.node_id && b.port() == i32::from(self.config.port)),
             Err(_) => false,
         }
     }
@@ -595,6 +641,198 @@ impl LocalBroker {
             }
         }
         tail
+    }
+}
+
+/// Several local brokers forming one KRaft cluster: node `i` (1-based) lives in
+/// `<data_dir>/node-<i>`, every node is broker and controller (a voter), and the cluster
+/// id is kept in `<data_dir>/cluster.id` so restarts rejoin the same cluster.
+#[derive(Debug, Clone)]
+pub struct LocalCluster {
+    data_dir: PathBuf,
+    nodes: Vec<LocalBroker>,
+}
+
+impl LocalCluster {
+    /// A cluster of `ports.len()` nodes; node `i` listens on `ports[i - 1]` (PLAINTEXT,
+    /// controller). Internal topics get replication factor min(nodes, 3). Creates the
+    /// data dir and the cluster id if missing.
+    pub fn new(
+        data_dir: impl Into<PathBuf>,
+        ports: &[(u16, u16)],
+        pom: impl Into<PathBuf>,
+        libs_dir: Option<PathBuf>,
+    ) -> Result<Self> {
+        let data_dir = resolve(&data_dir.into());
+        fs::create_dir_all(&data_dir).map_err(io_err("creating", &data_dir))?;
+        let id_file = data_dir.join("cluster.id");
+        let cluster_id = match fs::read_to_string(&id_file) {
+            Ok(id) if !id.trim().is_empty() => id.trim().to_owned(),
+            _ => {
+                let id = random_cluster_id()?;
+                fs::write(&id_file, format!("{id}\n")).map_err(io_err("writing", &id_file))?;
+                id
+            }
+        };
+        let pom = pom.into();
+        let voters: Vec<(i32, u16)> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, controller))| (i as i32 + 1, controller))
+            .collect();
+        let replication = ports.len().min(3) as u16;
+        let nodes = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(port, controller_port))| {
+                let mut config =
+                    BrokerConfig::new(data_dir.join(format!("node-{}", i + 1)), port, pom.clone());
+                config.controller_port = controller_port;
+                config.node_id = i as i32 + 1;
+                config.voters = voters.clone();
+                config.cluster_id = Some(cluster_id.clone());
+                config.replication = replication;
+                config.heap = "512m".to_owned();
+                config.libs_dir = Some(libs_dir.clone().unwrap_or_else(|| data_dir.join("libs")));
+                config.start_timeout = Duration::from_secs(90);
+                LocalBroker::new(config)
+            })
+            .collect();
+        Ok(Self { data_dir, nodes })
+    }
+
+    /// The node ports a cluster in `data_dir` was configured with, in node order; empty
+    /// when no cluster was ever configured there.
+    pub fn configured_ports(data_dir: &Path) -> Vec<(u16, u16)> {
+        (1..)
+            .map(|i| data_dir.join(format!("node-{i}")))
+            .take_while(|dir| dir.join("server.properties").exists())
+            .filter_map(|dir| {
+                let port = configured_port(&dir)?;
+                let text = fs::read_to_string(dir.join("server.properties")).ok()?;
+                let controller = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("listeners="))?
+                    .split(',')
+                    .find_map(|l| l.strip_prefix("CONTROLLER://"))?
+                    .rsplit_once(':')?
+                    .1
+                    .trim()
+                    .parse()
+                    .ok()?;
+                Some((port, controller))
+            })
+            .collect()
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn nodes(&self) -> &[LocalBroker] {
+        &self.nodes
+    }
+
+    /// Node `id` (1-based).
+    pub fn node(&self, id: i32) -> Option<&LocalBroker> {
+        self.nodes.iter().find(|n| n.config.node_id == id)
+    }
+
+    /// Every node's address, comma-separated: the value for `bootstrap.servers`.
+    pub fn bootstrap(&self) -> String {
+        self.nodes
+            .iter()
+            .map(LocalBroker::bootstrap)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Starts every node that does not run (no node can be ready before a quorum of
+    /// controllers is up, so all are spawned first, then awaited) and reuses the ones
+    /// that do. Serialised per node by each data dir's lock.
+    pub fn ensure_running(&self) -> Result<Vec<Running>> {
+        let locks = self
+            .nodes
+            .iter()
+            .map(LocalBroker::lock)
+            .collect::<Result<Vec<_>>>()?;
+        let mut spawned = Vec::new();
+        for node in &self.nodes {
+            match node.read_pid() {
+                Some(pid) if node.is_alive(pid) => spawned.push((pid, true)),
+                stale => {
+                    if stale.is_some() {
+                        let pid_file = node.path("broker.pid");
+                        fs::remove_file(&pid_file).map_err(io_err("removing", &pid_file))?;
+                    }
+                    match node.spawn_locked() {
+                        Ok(pid) => spawned.push((pid, false)),
+                        Err(error) => {
+                            for (node, (pid, reused)) in self.nodes.iter().zip(&spawned) {
+                                if !reused {
+                                    let _ = node.kill_pid(*pid);
+                                }
+                            }
+                            return Err(error);
+                        }
+                    }
+                }
+            }
+        }
+        let mut running = Vec::new();
+        for (node, &(pid, reused)) in self.nodes.iter().zip(&spawned) {
+            if reused {
+                node.wait_ready(pid, node.config.start_timeout)?;
+            } else {
+                node.await_started(pid)?;
+            }
+            running.push(Running {
+                pid,
+                bootstrap: node.bootstrap(),
+                reused,
+            });
+        }
+        drop(locks);
+        Ok(running)
+    }
+
+    /// Stops every node (SIGTERM, then SIGKILL after the stop timeout); data is kept.
+    /// Returns the pids that were running.
+    /// All nodes are told at once: the last one of a KRaft quorum cannot finish a
+    /// controlled shutdown alone, so stopping them one after another would leave it
+    /// waiting for the SIGKILL.
+    pub fn stop(&self) -> Result<Vec<u32>> {
+        let locks = self
+            .nodes
+            .iter()
+            .map(LocalBroker::lock)
+            .collect::<Result<Vec<_>>>()?;
+        let mut live = Vec::new();
+        for node in &self.nodes {
+            if let Some(pid) = node.read_pid().filter(|&pid| node.is_alive(pid)) {
+                tracing::info!(
+                    pid,
+                    node = node.config.node_id,
+                    "Stopping a node of the local Kafka cluster."
+                );
+                signal(pid, Signal::TERM);
+                live.push((node, pid));
+            }
+        }
+        for (node, pid) in &live {
+            if !node.wait_gone(*pid, node.config.stop_timeout) {
+                tracing::warn!(pid, "A node ignored SIGTERM; sending SIGKILL.");
+                node.kill_pid(*pid)?;
+            }
+        }
+        for node in &self.nodes {
+            let pid_file = node.path("broker.pid");
+            if pid_file.exists() {
+                fs::remove_file(&pid_file).map_err(io_err("removing", &pid_file))?;
+            }
+        }
+        drop(locks);
+        Ok(live.into_iter().map(|(_, pid)| pid).collect())
     }
 }
 
