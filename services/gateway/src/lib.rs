@@ -22,6 +22,7 @@ pub mod metrics;
 mod openapi;
 mod render;
 pub mod store;
+mod ui;
 pub mod view;
 
 use std::future::Future;

@@ -223,6 +223,9 @@ pub fn document() -> Value {
                         param("graph_id", "query", "Only runs of this graph.", json!({"type": "string"})),
                         param("limit", "query", "At most this many (1-500, default 50).", json!({"type": "integer"})),
                         param("after", "query", "The next_after of the previous page.", json!({"type": "string"})),
+                        param("label", "query", "Only runs with this label, as key=value.", json!({"type": "string"})),
+                        param("created_after", "query", "Only runs created at or after this time (Unix ms).", json!({"type": "integer"})),
+                        param("created_before", "query", "Only runs created before this time (Unix ms).", json!({"type": "integer"})),
                         min_position()
                     ],
                     "responses": read_errors(json!({"200": ok("The runs.", "RunList")}))
@@ -325,6 +328,16 @@ pub fn document() -> Value {
         }
     });
     doc["components"]["schemas"]["Inbox"] = inbox_schema();
+    doc["paths"]["/v1/me"] = json!({
+        "get": {
+            "summary": "Who the bearer token speaks for: tenant, principal, roles",
+            "security": security,
+            "responses": read_errors(json!({"200": {"description": "{\"tenant\", \"principal\", \"roles\"}"}}))
+        }
+    });
+    doc["paths"]["/ui/"] = json!({
+        "get": {"summary": "The web console (HTML; signs in with a bearer token)", "responses": {"200": {"description": "text/html"}}}
+    });
     doc["paths"]["/v1/inbox"] = json!({
         "get": {
             "summary": "The open approvals of the caller's tenant, with whether the caller may decide each and why not",
