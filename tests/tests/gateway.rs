@@ -502,7 +502,7 @@ async fn the_inbox_lists_open_approvals_and_says_who_may_decide() {
 
     api.start(
         "tok-bob",
-        json!({"graph_id": "gated", "input": {"amount": 5}, "run_id": "plain"}),
+        json!({"graph_id": "gated", "input": {"amount": 5}, "run_id": "plain", "labels": {"queue": "eu"}}),
     )
     .await;
     api.start(
@@ -606,6 +606,43 @@ async fn the_inbox_lists_open_approvals_and_says_who_may_decide() {
 
     let (_, doc) = api.get("/openapi.json", "tok-alice").await;
     assert!(doc["paths"]["/v1/inbox"]["get"].is_object());
+
+    // Who a token speaks for (the console's sign-in), and the runs list's filters.
+    let (status, me) = api.get("/v1/me", "tok-bob").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        me,
+        json!({"tenant": "acme", "principal": "user:bob", "roles": []})
+    );
+    let ids = |list: &Value| -> Vec<String> {
+        list["runs"]
+            .as_array()
+            .map(|r| {
+                r.iter()
+                    .filter_map(|r| r["run_id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (_, labelled) = api.get("/v1/runs?label=queue=eu", "tok-bob").await;
+    assert_eq!(ids(&labelled), ["plain"], "{labelled}");
+    let (_, recent) = api.get("/v1/runs?created_after=1", "tok-bob").await;
+    assert_eq!(ids(&recent), ["explained", "plain"], "{recent}");
+    let (_, none) = api.get("/v1/runs?created_before=1", "tok-bob").await;
+    assert!(ids(&none).is_empty(), "{none}");
+    let (status, bad) = api.get("/v1/runs?label=queue", "tok-bob").await;
+    assert_eq!((status, code(&bad)), (400, "invalid_query"), "{bad}");
+
+    // API answers are never cached and never sniffed.
+    let response = api
+        .request("GET", "/v1/inbox", Some("tok-bob"))
+        .send()
+        .await
+        .expect("answer");
+    let headers = response.headers();
+    assert_eq!(headers["cache-control"], "no-store");
+    assert_eq!(headers["x-content-type-options"], "nosniff");
+    assert!(headers.get("content-security-policy").is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
