@@ -243,6 +243,17 @@ impl Browser {
         .unwrap_or_else(|e| panic!("type into {css}: {e}"));
     }
 
+    /// Replaces the text of the first input or textarea matching `css`.
+    pub async fn replace_text(&self, css: &str, text: &str, deadline: Duration) {
+        let element = self
+            .wait_for(&format!("{css} to edit"), css, deadline)
+            .await;
+        self.call("POST", &format!("/element/{}/clear", element.0), None)
+            .await
+            .unwrap_or_else(|e| panic!("clear {css}: {e}"));
+        self.type_into(css, text, deadline).await;
+    }
+
     /// A PNG of the window, written to `path`.
     pub async fn screenshot(&self, path: &Path) {
         let data = self

@@ -4,7 +4,8 @@
 //!
 //! An approver signs in with her bearer token, finds the refund in the approval inbox with
 //! its arguments, rationale and what a rejection would do, approves it, and watches the
-//! run page reach `succeeded` live; the ledger shows the refund happened once. A principal
+//! run page reach `succeeded` live; the ledger shows the refund happened once. She edits
+//! another refund's amount, which becomes a new proposal she approves in turn. A principal
 //! without the approver role sees why he may not decide, and the refusal when he clicks
 //! anyway. An operator records the real outcome of a payout whose answer was lost, and
 //! cancels a run through the confirmation dialog. The pages carry the console's security headers and the token never appears in
@@ -214,7 +215,15 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
         "Customer was charged twice for one order.",
     )
     .await;
-    for run in ["order-1042", "order-1043"] {
+    start_run(
+        &client,
+        &url,
+        "order-1044",
+        60,
+        "Half of the order was missing.",
+    )
+    .await;
+    for run in ["order-1042", "order-1043", "order-1044"] {
         sortie_tests::wait_until("the run to wait for approval", LONG, || async {
             run_status(&client, &url, run).await == "waiting_approval"
         })
@@ -317,13 +326,9 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
     let refunds: Vec<_> = snapshot
         .calls
         .iter()
-        .filter(|c| c.name == "refund" && c.effect)
+        .filter(|c| c.name == "refund" && c.effect && c.body["order_id"] == "order-1042")
         .collect();
-    assert_eq!(
-        refunds.len(),
-        1,
-        "one refund, for order-1042: {snapshot:#?}"
-    );
+    assert_eq!(refunds.len(), 1, "one refund for order-1042: {snapshot:#?}");
     assert_eq!(refunds[0].body["order_id"], "order-1042");
 
     // The runs list shows both runs, filtered by status and label.
@@ -361,6 +366,66 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
     })
     .await;
     browser.click("#runs-filters button.link", SHORT).await;
+
+    // ---- Alice edits order-1044's amount: the edited call is a new proposal (the node
+    // does not allow edits), which she approves in turn; the ledger refunds the new amount.
+    browser.goto(&format!("{url}/ui/#/inbox")).await;
+    let item = ".inbox-item[data-run-id='order-1044']";
+    browser.click(&format!("{item} button.edit"), SHORT).await;
+    browser
+        .replace_text(
+            &format!("{item} textarea.edit-args"),
+            r#"{"amount": 30, "currency": "EUR", "order_id": "order-1044", "rationale": "Half of the order was missing."}"#,
+            SHORT,
+        )
+        .await;
+    browser
+        .click(&format!("{item} button.approve-edited"), SHORT)
+        .await;
+    let edited = browser
+        .wait_text(
+            "the edited approval to be answered",
+            &format!("#inbox-flash .decided, {item} .refusal"),
+            LONG,
+            |t| !t.is_empty(),
+        )
+        .await;
+    assert!(
+        edited.starts_with("Approved refund in run order-1044") && edited.contains("edited"),
+        "{edited}"
+    );
+    let args = browser
+        .wait_text(
+            "the edited call as a new proposal",
+            &format!("{item} .proposal-args"),
+            LONG,
+            |t| t.contains("\"amount\": 30"),
+        )
+        .await;
+    assert!(args.contains("order-1044"), "{args}");
+    browser
+        .click(&format!("{item} button.approve"), SHORT)
+        .await;
+    browser
+        .wait_text(
+            "the new proposal's approval",
+            "#inbox-flash .decided",
+            LONG,
+            |t| t.starts_with("Approved refund in run order-1044") && !t.contains("edited"),
+        )
+        .await;
+    sortie_tests::wait_until("order-1044 to succeed", LONG, || async {
+        run_status(&client, &url, "order-1044").await == "succeeded"
+    })
+    .await;
+    let snapshot = ledger.snapshot().await;
+    let refunded: Vec<_> = snapshot
+        .calls
+        .iter()
+        .filter(|c| c.name == "refund" && c.effect && c.body["order_id"] == "order-1044")
+        .map(|c| c.body["amount"].clone())
+        .collect();
+    assert_eq!(refunded, [json!(30)], "{snapshot:#?}");
 
     // ---- Bob, a viewer, is told why he may not decide, and refused when he tries.
     browser.click("#sign-out", SHORT).await;

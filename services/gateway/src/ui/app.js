@@ -707,7 +707,10 @@ function inboxPage(main) {
       try {
         const answer = await api("POST", `/v1/runs/${encodeURIComponent(item.run_id)}/resume`, body);
         const verb = decision === "approve" ? "Approved" : "Rejected";
-        const text = `${verb} ${item.node} in run ${item.run_id}; the run is ${answer.status.replace(/_/g, " ")}.`;
+        let text = `${verb} ${item.node} in run ${item.run_id}; the run is ${answer.status.replace(/_/g, " ")}.`;
+        if (payload !== undefined) {
+          text += " The call was edited: unless the node allows edits, the edited call is a new proposal that waits for its own approval.";
+        }
         flash.replaceChildren(notice("ok", text, { class: "notice ok decided" }));
         refusals.delete(item.interrupt_id);
         node.remove();
@@ -715,6 +718,8 @@ function inboxPage(main) {
         let text;
         if (e.code === "stale_proposal" || e.code === "unknown_interrupt" || e.code === "already_decided" || e.code === "expired") {
           text = `This proposal is stale (${e.code}): ${e.message}. Refresh to see what waits now.`;
+        } else if (e.code === "bad_state" || e.code === "unknown_run") {
+          text = `This approval is no longer open (${e.code}): ${e.message}. Refresh to see what waits now.`;
         } else if (e.status === 403) {
           text = `Refused (${e.code}): ${e.message}`;
         } else {
