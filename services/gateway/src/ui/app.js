@@ -139,6 +139,7 @@ function follow(runId, after, onEvent, onState) {
           { headers: { Authorization: `Bearer ${token() || ""}`, Accept: "text/event-stream" },
             signal: control.signal, cache: "no-store", credentials: "omit" });
         if (response.status === 401) { signOut("The session ended."); return; }
+        if (response.status === 404) { onState("gone"); return; }
         if (!response.ok || !response.body) throw new Error(`stream answered ${response.status}`);
         onState("live");
         backoff = 500;
@@ -575,7 +576,7 @@ function runPage(main, runId) {
     events.push(event);
     refresh();
   }, (state) => {
-    live.textContent = state === "live" ? "● live" : "reconnecting…";
+    live.textContent = state === "live" ? "● live" : state === "gone" ? "" : "reconnecting…";
     live.className = `live ${state}`;
   });
   onLeave(stop);
@@ -647,7 +648,8 @@ function inboxPage(main) {
 
   function card(item) {
     const args = item.proposal && item.proposal.args !== undefined ? item.proposal.args : item.proposal;
-    const comment = el("input", { type: "text", class: "comment", maxlength: "1000", placeholder: "Comment (recorded with the decision)" });
+    const comment = el("input", { type: "text", class: "comment", maxlength: "1000", "aria-label": "Comment",
+      placeholder: "Comment (recorded with the decision)" });
     const editor = el("textarea", { class: "edit-args", rows: "8", spellcheck: "false" });
     editor.value = json(args);
     const editBox = el("div", { class: "edit-box", hidden: true },
