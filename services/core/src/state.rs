@@ -228,3 +228,59 @@ impl RunState {
             .filter(|i| i.status == InterruptStatus::Open)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gate() -> Interrupt {
+        Interrupt {
+            interrupt_id: "int_1".into(),
+            step_id: "refund#1".into(),
+            node: "refund".into(),
+            role: StepRole::Node,
+            proposal: serde_json::json!({"args": {"amount": 5}}),
+            proposal_hash: "h".into(),
+            reason: "money moves".into(),
+            required_role: Some("approver".into()),
+            approver_group: None,
+            quorum: 2,
+            expires_at: Some(1_000),
+            round: 0,
+            approvals: vec!["user:alice".into()],
+            status: InterruptStatus::Open,
+        }
+    }
+
+    #[test]
+    fn refusals_name_expiry_then_role_then_a_second_approval() {
+        let gate = gate();
+        let approver = ["approver".to_owned()];
+        let code = |principal: &str, roles: &[String], approve: bool, at: i64| {
+            gate.refusal(principal, roles, approve, at).map(|r| r.code)
+        };
+        assert_eq!(code("user:bob", &approver, true, 999), None);
+        assert_eq!(code("user:bob", &approver, true, 1_000), Some("expired"));
+        assert_eq!(code("user:bob", &[], true, 1_000), Some("expired"));
+        assert_eq!(code("user:bob", &[], true, 10), Some("forbidden"));
+        assert_eq!(
+            gate.refusal("user:bob", &[], true, 10).map(|r| r.reason),
+            Some("deciding needs role \"approver\"".to_owned())
+        );
+        assert_eq!(
+            code("user:alice", &approver, true, 10),
+            Some("duplicate_approver")
+        );
+        assert_eq!(
+            code("user:alice", &approver, false, 10),
+            None,
+            "she may still reject"
+        );
+        let open = Interrupt {
+            required_role: None,
+            expires_at: None,
+            ..gate.clone()
+        };
+        assert!(open.refusal("anyone", &[], true, i64::MAX).is_none());
+    }
+}

@@ -1,6 +1,7 @@
 //! `GET /v1/inbox`: the open approvals of the caller's tenant, each with whether the caller
 //! may decide it and, when not, why — the reducer's own rule ([`Interrupt::refusal`]), asked
-//! ahead of time, so a console can explain a refusal before anyone clicks.
+//! ahead of time, so a console can explain a refusal before anyone clicks. It is asked at
+//! the gateway's clock; the reducer's answer, at the decision's record time, is final.
 
 use axum::extract::State;
 use axum::http::HeaderMap;
