@@ -141,7 +141,7 @@ async fn run_status(client: &reqwest::Client, url: &str, run_id: &str) -> String
 
 async fn sign_in(browser: &Browser, url: &str, token: &str) {
     browser.goto(&format!("{url}/ui/#/login")).await;
-    browser.type_into("#login-token", token, SHORT).await;
+    browser.replace_text("#login-token", token, SHORT).await;
     browser.click("#login-submit", SHORT).await;
     // Signed in: the header names the principal, and the inbox opens.
     browser
@@ -231,6 +231,16 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
     }
 
     let browser = Browser::start(&stack.dir.join("chromedriver.log"), 1280, 1000).await;
+
+    // ---- A token the gateway does not know is refused at the door.
+    browser.goto(&format!("{url}/ui/#/login")).await;
+    browser.type_into("#login-token", "tok-nobody", SHORT).await;
+    browser.click("#login-submit", SHORT).await;
+    browser
+        .wait_text("the unknown token's refusal", "#login-status", SHORT, |t| {
+            t.contains("not known")
+        })
+        .await;
 
     // ---- Alice approves order-1042 from the inbox.
     sign_in(&browser, &url, "tok-alice").await;

@@ -99,7 +99,8 @@ class ApiError extends Error {
 
 function token() { return sessionStorage.getItem(TOKEN_KEY); }
 
-async function api(method, path, body) {
+/** Calls the API; a 401 ends the session unless `keepSession` (the sign-in check). */
+async function api(method, path, body, keepSession) {
   const headers = { Authorization: `Bearer ${token() || ""}`, Accept: "application/json" };
   const init = { method, headers, cache: "no-store", credentials: "omit" };
   if (body !== undefined) {
@@ -119,7 +120,7 @@ async function api(method, path, body) {
     const err = (data && data.error) || {};
     const error = new ApiError(response.status, err.code || "http_" + response.status,
       err.message || `The gateway answered ${response.status}.`);
-    if (response.status === 401) signOut(error.message);
+    if (response.status === 401 && !keepSession) signOut(error.message);
     throw error;
   }
   return data;
@@ -201,9 +202,9 @@ function signOut(message) {
   else route();
 }
 
-async function whoAmI() {
+async function whoAmI(signingIn) {
   if (me || !token()) return me;
-  me = await api("GET", "/v1/me");
+  me = await api("GET", "/v1/me", undefined, signingIn);
   return me;
 }
 
@@ -279,7 +280,7 @@ function loginPage(main) {
     me = null;
     clear(status);
     try {
-      await whoAmI();
+      await whoAmI(true);
       location.hash = "#/inbox";
     } catch (e) {
       sessionStorage.removeItem(TOKEN_KEY);
