@@ -2,7 +2,8 @@
 # Installs what building and testing Sortie needs and a fresh machine may lack:
 # a C toolchain and OpenSSL headers for librdkafka, a JDK and Maven for the local Kafka
 # broker (fetched from Maven Central by dev/kafka/pom.xml), Python's venv for the
-# outside-client tests, and rustfmt/clippy. Idempotent; quick when nothing is missing.
+# outside-client tests, Chromium and its WebDriver for the console's browser test, and
+# rustfmt/clippy. Idempotent; quick when nothing is missing.
 set -euo pipefail
 
 missing=()
@@ -14,6 +15,8 @@ need cmake cmake
 need java openjdk-17-jre-headless
 need mvn maven
 need python3 python3
+need chromium chromium
+need chromedriver chromium-driver
 [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
 [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)

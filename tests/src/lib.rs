@@ -31,6 +31,7 @@ use sortie_registry::Registry;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+pub mod browser;
 pub mod stack;
 
 /// The environment variable that points the tests at an existing broker.

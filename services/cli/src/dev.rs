@@ -309,6 +309,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!();
     println!("Sortie is running.");
     println!("  gateway   {gateway_url}   (tenant \"dev\", token {token})");
+    println!("  console   {gateway_url}/ui/   (sign in with the token)");
     println!("  registry  {registry_url}");
     println!(
         "  ledger    http://{}/ledger   (what the demo's receivers were asked to do)",
@@ -383,6 +384,7 @@ async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
     );
     println!("or with the CLI:");
     println!("  cargo run -q -p sortie -- run --token {token} approve {run_id}");
+    println!("or in the console's approval inbox: {gateway}/ui/#/inbox");
     println!("Follow it:");
     println!("  cargo run -q -p sortie -- run --token {token} watch {run_id}");
     println!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");

@@ -126,6 +126,48 @@ pub struct Interrupt {
     pub status: InterruptStatus,
 }
 
+/// Why a principal may not decide an open interrupt: the reducer's rejection code and reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub code: &'static str,
+    pub reason: String,
+}
+
+impl Interrupt {
+    /// The rule the reducer applies to a decision on this open interrupt once the proposal
+    /// hash matched: not expired at `at`, the node's role held, one approval per principal.
+    /// The gateway's inbox asks the same question, so it can say why someone may not decide.
+    pub fn refusal(
+        &self,
+        principal: &str,
+        roles: &[String],
+        approve: bool,
+        at: i64,
+    ) -> Option<Refusal> {
+        if self.expires_at.is_some_and(|due| at >= due) {
+            return Some(Refusal {
+                code: "expired",
+                reason: format!("interrupt {} expired", self.interrupt_id),
+            });
+        }
+        if let Some(role) = &self.required_role {
+            if !roles.iter().any(|r| r == role) {
+                return Some(Refusal {
+                    code: "forbidden",
+                    reason: format!("deciding needs role {role:?}"),
+                });
+            }
+        }
+        if approve && self.approvals.iter().any(|p| p == principal) {
+            return Some(Refusal {
+                code: "duplicate_approver",
+                reason: format!("{principal} already approved"),
+            });
+        }
+        None
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum InterruptStatus {
@@ -184,5 +226,61 @@ impl RunState {
         self.interrupts
             .values()
             .filter(|i| i.status == InterruptStatus::Open)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gate() -> Interrupt {
+        Interrupt {
+            interrupt_id: "int_1".into(),
+            step_id: "refund#1".into(),
+            node: "refund".into(),
+            role: StepRole::Node,
+            proposal: serde_json::json!({"args": {"amount": 5}}),
+            proposal_hash: "h".into(),
+            reason: "money moves".into(),
+            required_role: Some("approver".into()),
+            approver_group: None,
+            quorum: 2,
+            expires_at: Some(1_000),
+            round: 0,
+            approvals: vec!["user:alice".into()],
+            status: InterruptStatus::Open,
+        }
+    }
+
+    #[test]
+    fn refusals_name_expiry_then_role_then_a_second_approval() {
+        let gate = gate();
+        let approver = ["approver".to_owned()];
+        let code = |principal: &str, roles: &[String], approve: bool, at: i64| {
+            gate.refusal(principal, roles, approve, at).map(|r| r.code)
+        };
+        assert_eq!(code("user:bob", &approver, true, 999), None);
+        assert_eq!(code("user:bob", &approver, true, 1_000), Some("expired"));
+        assert_eq!(code("user:bob", &[], true, 1_000), Some("expired"));
+        assert_eq!(code("user:bob", &[], true, 10), Some("forbidden"));
+        assert_eq!(
+            gate.refusal("user:bob", &[], true, 10).map(|r| r.reason),
+            Some("deciding needs role \"approver\"".to_owned())
+        );
+        assert_eq!(
+            code("user:alice", &approver, true, 10),
+            Some("duplicate_approver")
+        );
+        assert_eq!(
+            code("user:alice", &approver, false, 10),
+            None,
+            "she may still reject"
+        );
+        let open = Interrupt {
+            required_role: None,
+            expires_at: None,
+            ..gate.clone()
+        };
+        assert!(open.refusal("anyone", &[], true, i64::MAX).is_none());
     }
 }

@@ -42,6 +42,8 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(crate::metrics::render))
         .route("/openapi.json", get(openapi_json))
         .route("/v1/runs", post(start_run).get(list_runs))
+        .route("/v1/inbox", get(crate::inbox::inbox))
+        .route("/v1/me", get(me))
         .route("/v1/runs/{run_id}", get(get_run))
         .route("/v1/runs/{run_id}/resume", post(resume_run))
         .route("/v1/runs/{run_id}/cancel", post(cancel_run))
@@ -55,8 +57,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
             post(reconcile),
         )
+        .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(crate::ui::secure))
         .layer(axum::middleware::from_fn(crate::metrics::observe))
         .with_state(state)
 }
@@ -94,6 +98,15 @@ async fn readyz(State(app): State<AppState>) -> Response {
         )
         .into_response()
     }
+}
+
+/// Who the bearer token speaks for (the console shows it, and checks a token at sign-in).
+async fn me(caller: Caller) -> Json<Value> {
+    Json(json!({
+        "tenant": caller.tenant,
+        "principal": caller.principal,
+        "roles": caller.roles,
+    }))
 }
 
 async fn openapi_json() -> Json<Value> {
@@ -190,7 +203,7 @@ fn written(command: &w::RunCommand, answer: &Answer, status: &str) -> Value {
 }
 
 /// Waits until the view has applied `?min_position=` / the `Sortie-Min-Position` header.
-async fn read_after(
+pub(crate) async fn read_after(
     app: &AppState,
     headers: &HeaderMap,
     query: Option<&str>,
@@ -509,6 +522,15 @@ struct ListQuery {
     limit: Option<usize>,
     #[serde(default)]
     after: Option<String>,
+    /// `key=value`: only runs carrying this label.
+    #[serde(default)]
+    label: Option<String>,
+    /// Unix ms: only runs created at or after.
+    #[serde(default)]
+    created_after: Option<i64>,
+    /// Unix ms: only runs created before.
+    #[serde(default)]
+    created_before: Option<i64>,
     #[serde(default)]
     min_position: Option<String>,
 }
@@ -548,6 +570,18 @@ async fn list_runs(
         .transpose()?;
     let limit = query.limit.unwrap_or(50).clamp(1, 500);
     let graph_id = query.graph_id.filter(|g| !g.is_empty());
+    let label = query
+        .label
+        .filter(|l| !l.is_empty())
+        .map(|l| match l.split_once('=') {
+            Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+            _ => Err(ApiError::bad_request(
+                "invalid_query",
+                format!("label must be key=value, not {l:?}"),
+            )),
+        })
+        .transpose()?;
+    let (from, until) = (query.created_after, query.created_before);
     let runs = app
         .view()
         .store
@@ -556,7 +590,15 @@ async fn list_runs(
             status,
             query.after.as_deref(),
             limit + 1,
-            |run| graph_id.as_ref().is_none_or(|g| *g == run.state.graph_id),
+            |run| {
+                let state = &run.state;
+                graph_id.as_ref().is_none_or(|g| *g == state.graph_id)
+                    && label
+                        .as_ref()
+                        .is_none_or(|(k, v)| state.labels.get(k) == Some(v))
+                    && from.is_none_or(|t| state.created_at >= t)
+                    && until.is_none_or(|t| state.created_at < t)
+            },
         )
         .map_err(|e| ApiError::internal(e.to_string()))?;
     let more = runs.len() > limit;

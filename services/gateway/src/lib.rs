@@ -17,10 +17,12 @@ pub mod error;
 mod extract;
 pub mod fault;
 mod graphs;
+mod inbox;
 pub mod metrics;
 mod openapi;
 mod render;
 pub mod store;
+mod ui;
 pub mod view;
 
 use std::future::Future;

@@ -1,0 +1,836 @@
+// Sortie console. Plain JavaScript, no build step. Rules this file keeps:
+// - the bearer token lives in sessionStorage and travels only in the Authorization
+//   header (never in a URL, a cookie or the page);
+// - everything shown is set with textContent or attributes through el(); nothing here
+//   writes HTML from data;
+// - live run updates read the SSE route with fetch (EventSource cannot send headers).
+"use strict";
+
+const TOKEN_KEY = "sortie.token";
+const RUNS_POLL_MS = 3000;
+const INBOX_POLL_MS = 4000;
+const STATUSES = [
+  "running", "waiting_approval", "needs_reconciliation", "cancelling",
+  "compensating", "succeeded", "failed", "cancelled",
+];
+const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+
+// ------------------------------------------------------------------ small helpers
+
+/** Builds an element. attrs: plain attributes, plus `text`, `on<event>`, `class`. */
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === "text") node.textContent = String(value);
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value === true ? "" : String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function clear(node) {
+  while (node.firstChild) node.removeChild(node.firstChild);
+  return node;
+}
+
+/** Replaces a node's children (arrays flattened, null and false skipped). */
+function fill(node, ...children) {
+  clear(node);
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function pad(n) { return String(n).padStart(2, "0"); }
+
+function when(ms) {
+  if (ms === null || ms === undefined) return "—";
+  const d = new Date(ms);
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ` +
+    `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+}
+
+function duration(ms) {
+  if (ms === null || ms === undefined || ms < 0) return "—";
+  if (ms < 1000) return `${ms} ms`;
+  if (ms < 60000) return `${(ms / 1000).toFixed(1)} s`;
+  if (ms < 3600000) return `${Math.floor(ms / 60000)} min ${Math.floor((ms % 60000) / 1000)} s`;
+  if (ms < 172800000) return `${Math.floor(ms / 3600000)} h ${Math.floor((ms % 3600000) / 60000)} min`;
+  return `${Math.floor(ms / 86400000)} days ${Math.floor((ms % 86400000) / 3600000)} h`;
+}
+
+function relative(ms) {
+  if (ms === null || ms === undefined) return "";
+  const delta = ms - Date.now();
+  const text = duration(Math.abs(delta));
+  return delta >= 0 ? `in ${text}` : `${text} ago`;
+}
+
+function json(value) { return JSON.stringify(value, null, 2); }
+
+function badge(status) {
+  return el("span", { class: `badge status-${status}`, "data-status": status, text: status.replace(/_/g, " ") });
+}
+
+function runLink(runId) {
+  return el("a", { href: `#/runs/${encodeURIComponent(runId)}`, class: "mono", text: runId });
+}
+
+function notice(kind, text, attrs) {
+  return el("div", Object.assign({ class: `notice ${kind}`, role: kind === "error" ? "alert" : "status", text }, attrs || {}));
+}
+
+// ------------------------------------------------------------------ the API
+
+class ApiError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+function token() { return sessionStorage.getItem(TOKEN_KEY); }
+
+/** Calls the API; a 401 ends the session unless `keepSession` (the sign-in check). */
+async function api(method, path, body, keepSession) {
+  const headers = { Authorization: `Bearer ${token() || ""}`, Accept: "application/json" };
+  const init = { method, headers, cache: "no-store", credentials: "omit" };
+  if (body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let response;
+  try {
+    response = await fetch(path, init);
+  } catch (e) {
+    throw new ApiError(0, "network", `The gateway did not answer (${e.message}).`);
+  }
+  const text = await response.text();
+  let data = null;
+  try { data = text ? JSON.parse(text) : null; } catch (_) { data = null; }
+  if (!response.ok) {
+    const err = (data && data.error) || {};
+    const error = new ApiError(response.status, err.code || "http_" + response.status,
+      err.message || `The gateway answered ${response.status}.`);
+    if (response.status === 401 && !keepSession) signOut(error.message);
+    throw error;
+  }
+  return data;
+}
+
+/** Reads the run's SSE stream with the bearer header; calls onEvent per event, reconnects. */
+function follow(runId, after, onEvent, onState) {
+  const control = new AbortController();
+  let last = after;
+  let stopped = false;
+  (async () => {
+    let backoff = 500;
+    while (!stopped) {
+      try {
+        const response = await fetch(
+          `/v1/runs/${encodeURIComponent(runId)}/events/stream?after=${last}`,
+          { headers: { Authorization: `Bearer ${token() || ""}`, Accept: "text/event-stream" },
+            signal: control.signal, cache: "no-store", credentials: "omit" });
+        if (response.status === 401) { signOut("The session ended."); return; }
+        if (response.status === 404) { onState("gone"); return; }
+        if (!response.ok || !response.body) throw new Error(`stream answered ${response.status}`);
+        onState("live");
+        backoff = 500;
+        const reader = response.body.getReader();
+        const decoder = new TextDecoder();
+        let buffer = "";
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buffer += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
+          let end;
+          while ((end = buffer.indexOf("\n\n")) >= 0) {
+            const block = buffer.slice(0, end);
+            buffer = buffer.slice(end + 2);
+            const data = block.split("\n").filter((l) => l.startsWith("data:"))
+              .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+            if (!data) continue;
+            const event = JSON.parse(data);
+            if (typeof event.seq === "number" && event.seq > last) {
+              last = event.seq;
+              onEvent(event);
+            }
+          }
+        }
+      } catch (e) {
+        if (stopped) return;
+      }
+      if (stopped) return;
+      onState("reconnecting");
+      await new Promise((r) => setTimeout(r, backoff));
+      backoff = Math.min(backoff * 2, 8000);
+    }
+  })();
+  return () => { stopped = true; control.abort(); };
+}
+
+// ------------------------------------------------------------------ session and routing
+
+let me = null;
+let teardown = [];
+
+function onLeave(fn) { teardown.push(fn); }
+
+function leave() {
+  for (const fn of teardown) { try { fn(); } catch (_) { /* already gone */ } }
+  teardown = [];
+}
+
+function every(ms, fn) {
+  const id = setInterval(fn, ms);
+  onLeave(() => clearInterval(id));
+}
+
+function signOut(message) {
+  sessionStorage.removeItem(TOKEN_KEY);
+  me = null;
+  if (message) sessionStorage.setItem("sortie.message", message);
+  if (location.hash !== "#/login") location.hash = "#/login";
+  else route();
+}
+
+async function whoAmI(signingIn) {
+  if (me || !token()) return me;
+  me = await api("GET", "/v1/me", undefined, signingIn);
+  return me;
+}
+
+function showChrome(page) {
+  const signedIn = !!me;
+  document.getElementById("nav").hidden = !signedIn;
+  document.getElementById("who").hidden = !signedIn;
+  if (signedIn) {
+    const roles = me.roles.length ? me.roles.join(", ") : "no roles";
+    document.getElementById("who-name").textContent = `${me.principal} · ${me.tenant} · ${roles}`;
+  }
+  for (const a of document.querySelectorAll("[data-nav]")) {
+    a.classList.toggle("active", a.dataset.nav === page);
+  }
+}
+
+async function refreshInboxCount() {
+  if (!me) return;
+  try {
+    const inbox = await api("GET", "/v1/inbox");
+    const mine = inbox.items.filter((i) => i.may_decide).length;
+    const count = document.getElementById("inbox-count");
+    count.hidden = mine === 0;
+    count.textContent = String(mine);
+  } catch (_) { /* the page shows errors; the badge stays as it was */ }
+}
+
+async function route() {
+  leave();
+  const main = clear(document.getElementById("main"));
+  const hash = location.hash || "#/runs";
+  const parts = hash.slice(2).split("/").map(decodeURIComponent);
+  if (!token() || parts[0] === "login") {
+    me = null;
+    showChrome("login");
+    return loginPage(main);
+  }
+  try {
+    await whoAmI();
+  } catch (e) {
+    if (e.status !== 401) main.append(notice("error", e.message));
+    return;
+  }
+  showChrome(parts[0]);
+  refreshInboxCount();
+  every(INBOX_POLL_MS * 2, refreshInboxCount);
+  if (parts[0] === "runs" && parts[1]) return runPage(main, parts[1]);
+  if (parts[0] === "inbox") return inboxPage(main);
+  if (parts[0] === "operator") return operatorPage(main);
+  return runsPage(main);
+}
+
+// ------------------------------------------------------------------ sign in
+
+function loginPage(main) {
+  const message = sessionStorage.getItem("sortie.message");
+  sessionStorage.removeItem("sortie.message");
+  const input = el("input", { id: "login-token", type: "password", autocomplete: "off", required: true, spellcheck: "false" });
+  const status = el("div", { id: "login-status" });
+  const form = el("form", { class: "card login", id: "login-form" },
+    el("h1", { text: "Sign in" }),
+    el("p", { class: "muted", text: "Paste your bearer token. It is kept in this tab only (session storage) and sent as the Authorization header." }),
+    el("label", { for: "login-token", text: "Bearer token" }),
+    input,
+    el("div", { class: "actions" }, el("button", { type: "submit", id: "login-submit", class: "primary", text: "Sign in" })),
+    status);
+  if (message) status.append(notice("info", message));
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const value = input.value.trim();
+    if (!value) return;
+    sessionStorage.setItem(TOKEN_KEY, value);
+    me = null;
+    clear(status);
+    try {
+      await whoAmI(true);
+      location.hash = "#/inbox";
+    } catch (e) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      fill(status, notice("error", e.status === 401 ? "That token is not known to this gateway." : e.message));
+    }
+  });
+  main.append(form);
+  input.focus();
+}
+
+// ------------------------------------------------------------------ runs list
+
+function runsPage(main) {
+  const params = new URLSearchParams(sessionStorage.getItem("sortie.filters") || "");
+  const status = el("select", { id: "filter-status" }, el("option", { value: "", text: "any" }),
+    STATUSES.map((s) => el("option", { value: s, text: s.replace(/_/g, " ") })));
+  status.value = params.get("status") || "";
+  const graph = el("input", { id: "filter-graph", type: "text", placeholder: "graph id", value: params.get("graph_id") || "" });
+  const label = el("input", { id: "filter-label", type: "text", placeholder: "key=value", value: params.get("label") || "" });
+  const since = el("input", { id: "filter-since", type: "datetime-local", value: params.get("since") || "" });
+  const until = el("input", { id: "filter-until", type: "datetime-local", value: params.get("until") || "" });
+  const result = el("div", { id: "runs-result" });
+  const updated = el("span", { class: "muted", id: "runs-updated" });
+  const form = el("form", { class: "filters", id: "runs-filters" },
+    el("label", {}, "Status", status),
+    el("label", {}, "Graph", graph),
+    el("label", {}, "Label", label),
+    el("label", {}, "Created from", since),
+    el("label", {}, "until", until),
+    el("button", { type: "submit", text: "Apply" }),
+    el("button", { type: "button", class: "link", text: "Clear", onclick: () => {
+      status.value = ""; graph.value = ""; label.value = ""; since.value = ""; until.value = "";
+      load();
+    } }));
+  form.addEventListener("submit", (e) => { e.preventDefault(); load(); });
+  main.append(el("div", { class: "page-head" }, el("h1", { text: "Runs" }), updated), form, result);
+
+  async function load() {
+    const query = new URLSearchParams();
+    if (status.value) query.set("status", status.value);
+    if (graph.value.trim()) query.set("graph_id", graph.value.trim());
+    if (label.value.trim()) query.set("label", label.value.trim());
+    const saved = new URLSearchParams(query);
+    if (since.value) { query.set("created_after", String(new Date(since.value).getTime())); saved.set("since", since.value); }
+    if (until.value) { query.set("created_before", String(new Date(until.value).getTime())); saved.set("until", until.value); }
+    sessionStorage.setItem("sortie.filters", saved.toString());
+    query.set("limit", "200");
+    try {
+      const list = await api("GET", `/v1/runs?${query}`);
+      renderRuns(result, list.runs, list.next_after);
+      updated.textContent = `Updated ${when(Date.now())} · refreshes every ${RUNS_POLL_MS / 1000} s`;
+    } catch (e) {
+      fill(result, notice("error", e.message));
+    }
+  }
+  load();
+  every(RUNS_POLL_MS, load);
+}
+
+function labelsText(labels) {
+  return Object.entries(labels || {}).map(([k, v]) => `${k}=${v}`).join(" ");
+}
+
+function renderRuns(target, runs, more) {
+  if (!runs.length) {
+    fill(target, el("p", { class: "empty", text: "No runs match." }));
+    return;
+  }
+  runs = runs.slice().sort((a, b) => b.created_at - a.created_at);
+  const table = el("table", { class: "runs", id: "runs-table" },
+    el("thead", {}, el("tr", {}, ["Run", "Graph", "Status", "Steps done", "Waiting approvals", "Labels", "Created", "Updated"]
+      .map((h) => el("th", { text: h })))),
+    el("tbody", {}, runs.map((r) => el("tr", { "data-run-id": r.run_id },
+      el("td", {}, runLink(r.run_id)),
+      el("td", { text: `${r.graph_id} v${r.graph_version}` }),
+      el("td", {}, badge(r.status)),
+      el("td", { class: "num", text: r.steps_done }),
+      el("td", { class: "num", text: r.open_interrupts || "" }),
+      el("td", { class: "mono small labels", text: labelsText(r.labels) }),
+      el("td", { text: when(r.created_at) }),
+      el("td", { text: when(r.updated_at) })))));
+  fill(target, table);
+  if (more) target.append(el("p", { class: "muted", text: "Showing the first 200 runs; narrow the filters to see others." }));
+}
+
+// ------------------------------------------------------------------ run page
+
+function eventKind(event) { return Object.keys(event.body || {})[0] || "?"; }
+
+function roleText(role) {
+  if (!role || role === "Node") return "";
+  if (role.Compensation) return `compensates ${role.Compensation.of}`;
+  if (role.Requested) return `requested by ${role.Requested.by}`;
+  if (role.Substitute) return `instead of ${role.Substitute.for_node}`;
+  return "";
+}
+
+/** Attempts, approvals and compensations, folded from the run's events. */
+function timeline(events) {
+  const attempts = [];
+  const byKey = new Map();
+  const approvals = [];
+  const interrupts = new Map();
+  for (const event of events) {
+    const kind = eventKind(event);
+    const b = event.body[kind];
+    if (kind === "StepDispatched") {
+      const a = { step_id: b.step_id, node: b.node, attempt: b.attempt, tool: b.tool,
+        side_effect: b.side_effect, role: b.role, started: event.at, ended: null,
+        outcome: "in flight", detail: "", operation_id: event.operation_id };
+      attempts.push(a);
+      byKey.set(`${b.step_id}#${b.attempt}`, a);
+    } else if (kind === "StepSucceeded" || kind === "StepFailed" || kind === "StepOutcomeUnknown") {
+      const a = byKey.get(`${b.step_id}#${b.attempt}`);
+      if (!a) continue;
+      a.ended = event.at;
+      if (kind === "StepSucceeded") { a.outcome = "succeeded"; }
+      if (kind === "StepFailed") {
+        a.outcome = b.retryable && b.retry_at ? "failed, will retry" : "failed";
+        a.detail = `${b.code}: ${b.message}`;
+      }
+      if (kind === "StepOutcomeUnknown") {
+        a.outcome = b.needs_operator ? "unknown — needs an operator" : "unknown, will retry";
+        a.detail = b.message;
+      }
+    } else if (kind === "OperationReconciled") {
+      const last = attempts.filter((a) => a.step_id === b.step_id).pop();
+      if (last) {
+        last.ended = last.ended || event.at;
+        last.outcome = b.succeeded ? "succeeded (reconciled)" : "failed (reconciled)";
+        last.detail = `recorded by ${b.by}${b.error ? ": " + b.error : ""}`;
+      }
+    } else if (kind === "Interrupted") {
+      const entry = { interrupt_id: b.interrupt_id, node: b.node, proposal_hash: b.proposal_hash,
+        proposal: b.proposal, reason: b.reason, opened: event.at, decisions: [], outcome: "waiting" };
+      interrupts.set(b.interrupt_id, entry);
+      approvals.push(entry);
+    } else if (kind === "InterruptDecided") {
+      const entry = interrupts.get(b.interrupt_id);
+      if (entry) {
+        entry.decisions.push({ by: b.decided_by, at: event.at, approve: b.approve,
+          hash: b.proposal_hash, comment: b.comment, payload: b.payload });
+        if (b.is_final) entry.outcome = b.approve ? "approved" : "rejected";
+      }
+    } else if (kind === "InterruptExpired") {
+      const entry = interrupts.get(b.interrupt_id);
+      if (entry) entry.outcome = `expired (${b.on_timeout})`;
+    } else if (kind === "InterruptEscalated") {
+      const entry = interrupts.get(b.interrupt_id);
+      if (entry) entry.outcome = `escalated to ${b.approver_group}`;
+    }
+  }
+  return { attempts, approvals };
+}
+
+function runPage(main, runId) {
+  const events = [];
+  let run = null;
+  const head = el("div", { class: "page-head" });
+  const live = el("span", { class: "live", id: "live-state", text: "connecting…" });
+  const summary = el("div", { id: "run-summary" });
+  const pending = el("section", { id: "run-pending" });
+  const steps = el("section", { id: "run-steps" });
+  const approvals = el("section", { id: "run-approvals" });
+  const compensations = el("section", { id: "run-compensations" });
+  const checkpoint = el("section", { id: "run-checkpoint" });
+  const log = el("section", { id: "run-events" });
+  const messages = el("div", { id: "run-messages" });
+  const data = el("section", { id: "run-data" });
+  main.append(head, messages, pending, summary, steps, approvals, compensations, data, checkpoint, log);
+
+  let scheduled = null;
+  function refresh() {
+    if (scheduled) return;
+    scheduled = setTimeout(async () => {
+      scheduled = null;
+      try {
+        run = await api("GET", `/v1/runs/${encodeURIComponent(runId)}`);
+        render();
+      } catch (e) {
+        fill(messages, notice("error", e.status === 404 ? `Run ${runId} does not exist.` : e.message));
+      }
+    }, 150);
+  }
+  onLeave(() => clearTimeout(scheduled));
+
+  function render() {
+    if (!run) return;
+    const cancellable = !TERMINAL.has(run.status) && run.status !== "cancelling";
+    fill(head, 
+      el("h1", {}, "Run ", el("span", { class: "mono", text: run.run_id })),
+      el("span", { id: "run-status" }, badge(run.status)),
+      live,
+      cancellable ? el("button", { type: "button", class: "danger", id: "run-cancel", text: "Cancel run…",
+        onclick: () => confirmCancel(run.run_id, messages, refresh) }) : null);
+    fill(summary, el("dl", { class: "facts" },
+      fact("Graph", `${run.graph_id} v${run.graph_version}`),
+      fact("Started by", run.started_by),
+      fact("Created", when(run.created_at)),
+      fact("Updated", when(run.updated_at)),
+      fact("Steps done", `${run.steps_done} (${run.nodes_completed.join(" → ") || "none yet"})`),
+      fact("Labels", labelsText(run.labels) || "none"),
+      run.ending ? fact(run.ending.cancelled ? "Cancelled" : "Ending", run.ending.reason) : null));
+    fill(data, el("h2", { text: "Input and output" }), el("dl", { class: "facts" },
+      fact("Input", el("pre", { class: "json", text: json(run.input) })),
+      fact("Output", run.output !== null && run.output !== undefined
+        ? el("pre", { class: "json", text: json(run.output) }) : el("span", { class: "muted", text: "none yet" }))));
+    clear(pending);
+    if (run.interrupts.length) {
+      pending.append(el("h2", { text: "Waiting for approval" }),
+        ...run.interrupts.map((i) => el("div", { class: "card" },
+          el("p", {}, `Node `, el("strong", { text: i.node }), ` · proposal `, el("span", { class: "mono small", text: i.proposal_hash })),
+          el("p", { text: i.reason }),
+          el("pre", { class: "json", text: json(i.proposal.args) }),
+          el("a", { href: "#/inbox", text: "Decide in the approval inbox →" }))));
+    }
+    const { attempts, approvals: decided } = timeline(events);
+    const now = Date.now();
+    const normal = attempts.filter((a) => !(a.role && a.role.Compensation));
+    const undo = attempts.filter((a) => a.role && a.role.Compensation);
+    fill(steps, el("h2", { text: "Timeline" }), attemptsTable(normal, now, "steps-table"));
+    fill(approvals, el("h2", { text: "Approvals" }), decided.length
+      ? el("table", { class: "approvals", id: "approvals-table" },
+        el("thead", {}, el("tr", {}, ["Node", "Opened", "Proposal", "Decisions", "Outcome"].map((h) => el("th", { text: h })))),
+        el("tbody", {}, decided.map((a) => el("tr", {},
+          el("td", { text: a.node }),
+          el("td", { text: when(a.opened) }),
+          el("td", {}, el("span", { class: "mono small", title: a.proposal_hash, text: a.proposal_hash.slice(0, 16) + "…" })),
+          el("td", {}, a.decisions.length ? el("ul", { class: "plain" }, a.decisions.map((d) => el("li", {},
+            el("strong", { text: d.approve ? "approved" : "rejected" }), ` by ${d.by} at ${when(d.at)}`,
+            d.hash !== a.proposal_hash ? " (another proposal)" : "",
+            d.comment ? el("span", { class: "muted", text: ` — “${d.comment}”` }) : null,
+            d.payload !== null && d.payload !== undefined ? el("span", { class: "muted", text: " · with edited arguments" }) : null))) : "—"),
+          el("td", {}, el("span", { class: `outcome ${a.outcome.split(" ")[0]}`, text: a.outcome }))))))
+      : el("p", { class: "empty", text: "No approval gate reached." }));
+    fill(compensations, el("h2", { text: "Compensations" }), undo.length
+      ? attemptsTable(undo, now, "compensations-table")
+      : el("p", { class: "empty", text: "None ran." }));
+    renderCheckpointPicker();
+    const wasOpen = !!log.querySelector("details[open]");
+    fill(log, el("details", { open: wasOpen }, el("summary", { text: `All events (${events.length})` }),
+      el("ol", { class: "events", start: 1 }, events.map((e) => el("li", {},
+        el("span", { class: "muted", text: `#${e.seq} ${when(e.at)} ` }), el("strong", { text: eventKind(e) }),
+        el("pre", { class: "json small", text: json(e.body[eventKind(e)]) }))))));
+  }
+
+  function attemptsTable(rows, now, id) {
+    if (!rows.length) return el("p", { class: "empty", text: "No steps dispatched yet." });
+    return el("table", { class: "steps", id },
+      el("thead", {}, el("tr", {}, ["Step", "Attempt", "Tool", "Side effect", "Started", "Duration", "Outcome"].map((h) => el("th", { text: h })))),
+      el("tbody", {}, rows.map((a) => el("tr", { "data-step": a.step_id },
+        el("td", {}, el("strong", { text: a.node }), " ", el("span", { class: "muted small", text: roleText(a.role) })),
+        el("td", { class: "num", text: a.attempt }),
+        el("td", { text: a.tool }),
+        el("td", {}, el("span", { class: `effect effect-${a.side_effect}`, text: a.side_effect })),
+        el("td", { text: when(a.started) }),
+        el("td", { class: "num", text: a.ended ? duration(a.ended - a.started) : `${duration(now - a.started)}…` }),
+        el("td", {}, el("span", { class: `outcome ${a.outcome.split(/[ ,]/)[0]}`, text: a.outcome }),
+          a.detail ? el("div", { class: "muted small", text: a.detail }) : null)))));
+  }
+
+  let pickerBuilt = false;
+  const select = el("select", { id: "checkpoint-version" });
+  const stateView = el("div", { id: "checkpoint-state" });
+  function renderCheckpointPicker() {
+    if (!pickerBuilt) {
+      pickerBuilt = true;
+      checkpoint.append(el("h2", { text: "State at a checkpoint" }),
+        el("form", { class: "filters", onsubmit: (e) => { e.preventDefault(); showCheckpoint(); } },
+          el("label", {}, "Version", select), el("button", { type: "submit", text: "Show state" })),
+        stateView);
+    }
+    const chosen = select.value;
+    fill(select, ...Array.from({ length: run.version }, (_, i) => run.version - i)
+      .map((v) => el("option", { value: v, text: v === run.version ? `${v} (latest)` : String(v) })));
+    if (chosen) select.value = chosen;
+  }
+  async function showCheckpoint() {
+    const id = `ckpt_${runId}_${select.value}`;
+    fill(stateView, el("p", { class: "muted", text: "Loading…" }));
+    try {
+      const cp = await api("GET", `/v1/runs/${encodeURIComponent(runId)}/checkpoints/${encodeURIComponent(id)}`);
+      fill(stateView, el("dl", { class: "facts" },
+        fact("Checkpoint", el("span", { class: "mono", text: cp.checkpoint_id })),
+        fact("Status then", badge(cp.status)),
+        fact("Nodes completed", cp.nodes_completed.join(" → ") || "none"),
+        fact("State", el("pre", { class: "json", text: json(cp.state) }))));
+    } catch (e) {
+      fill(stateView, notice("error", e.message));
+    }
+  }
+
+  const stop = follow(runId, 0, (event) => {
+    events.push(event);
+    refresh();
+  }, (state) => {
+    live.textContent = state === "live" ? "● live" : state === "gone" ? "" : "reconnecting…";
+    live.className = `live ${state}`;
+  });
+  onLeave(stop);
+  refresh();
+}
+
+function fact(name, value) {
+  return [el("dt", { text: name }), el("dd", {}, value)];
+}
+
+// ------------------------------------------------------------------ cancel dialog
+
+function confirmCancel(runId, messages, after) {
+  const dialog = document.getElementById("confirm");
+  document.getElementById("confirm-title").textContent = `Cancel run ${runId}?`;
+  document.getElementById("confirm-text").textContent =
+    "No new step starts. Steps already running report their real outcome (cancelling is not undo); " +
+    "completed steps that declare a compensation are undone in reverse order.";
+  const reason = document.getElementById("confirm-reason");
+  reason.value = "";
+  dialog.returnValue = "";
+  dialog.addEventListener("close", async function onClose() {
+    dialog.removeEventListener("close", onClose);
+    if (dialog.returnValue !== "ok") return;
+    const body = reason.value.trim() ? { reason: reason.value.trim() } : {};
+    try {
+      const answer = await api("POST", `/v1/runs/${encodeURIComponent(runId)}/cancel`, body);
+      fill(messages, notice("ok", `Run ${runId}: ${answer.status}.`));
+    } catch (e) {
+      fill(messages, notice("error", `Cancel refused (${e.code}): ${e.message}`));
+    }
+    after();
+  });
+  dialog.showModal();
+}
+
+// ------------------------------------------------------------------ approval inbox
+
+function inboxPage(main) {
+  const list = el("div", { id: "inbox-list" });
+  const flash = el("div", { id: "inbox-flash" });
+  const updated = el("span", { class: "muted", id: "inbox-updated" });
+  main.append(el("div", { class: "page-head" }, el("h1", { text: "Approval inbox" }), updated,
+    el("button", { type: "button", text: "Refresh", onclick: () => load(true) })), flash, list);
+  let busy = false;
+  // The last refusal per interrupt, so a redraw does not hide it.
+  const refusals = new Map();
+
+  async function load(force) {
+    // Never redraw under someone who is editing or typing a comment.
+    if (!force && (busy || list.querySelector(".editing") || list.contains(document.activeElement))) return;
+    try {
+      const inbox = await api("GET", "/v1/inbox");
+      renderInbox(inbox.items);
+      updated.textContent = `Updated ${when(Date.now())}`;
+    } catch (e) {
+      fill(list, notice("error", e.message));
+    }
+  }
+
+  function renderInbox(items) {
+    clear(list);
+    if (!items.length) {
+      list.append(el("p", { class: "empty", id: "inbox-empty", text: "Nothing waits for a decision." }));
+      return;
+    }
+    for (const item of items) list.append(card(item));
+  }
+
+  function card(item) {
+    const args = item.proposal && item.proposal.args !== undefined ? item.proposal.args : item.proposal;
+    const comment = el("input", { type: "text", class: "comment", maxlength: "1000", "aria-label": "Comment",
+      placeholder: "Comment (recorded with the decision)" });
+    const editor = el("textarea", { class: "edit-args", rows: "8", spellcheck: "false" });
+    editor.value = json(args);
+    const editBox = el("div", { class: "edit-box", hidden: true },
+      el("label", { text: "Edited arguments (JSON). Approving sends them as the payload; unless the node allows edits, an edited call becomes a new proposal that needs its own approval." }),
+      editor,
+      el("div", { class: "actions" },
+        el("button", { type: "button", class: "primary approve-edited", text: "Approve with these arguments", onclick: () => {
+          let payload;
+          try { payload = JSON.parse(editor.value); } catch (e) {
+            result.replaceChildren(notice("error", `The edited arguments are not valid JSON: ${e.message}`));
+            return;
+          }
+          decide("approve", payload);
+        } }),
+        el("button", { type: "button", class: "link", text: "Discard edits", onclick: () => {
+          editBox.hidden = true; node.classList.remove("editing"); editor.value = json(args);
+        } })));
+    const result = el("div", { class: "decision-result" });
+    if (refusals.has(item.interrupt_id)) result.append(refusals.get(item.interrupt_id));
+    const node = el("article", { class: "card inbox-item", "data-run-id": item.run_id, "data-interrupt-id": item.interrupt_id,
+      "data-may-decide": String(item.may_decide) },
+      el("header", { class: "item-head" },
+        el("h2", {}, el("span", { text: item.node }), " in ", runLink(item.run_id)),
+        el("span", { class: "muted", text: `${item.graph_id} v${item.graph_version}` })),
+      el("dl", { class: "facts" },
+        fact("Why it needs approval", item.reason || "not given"),
+        fact("Agent's rationale", item.rationale ? el("span", { class: "rationale", text: item.rationale })
+          : el("span", { class: "rationale not-given", text: "not given" })),
+        fact("If rejected", item.on_reject ? el("span", { class: "on-reject", text: item.on_reject })
+          : el("span", { class: "on-reject not-given", text: "not given" })),
+        fact("Opened", `${when(item.opened_at)} (${relative(item.opened_at)})`),
+        fact("Expires", item.expires_at ? `${when(item.expires_at)} (${relative(item.expires_at)})` : "never"),
+        fact("Needs", `${item.required_role ? `role ${item.required_role}` : "any role"}` +
+          (item.quorum > 1 ? ` · ${item.approvals.length} of ${item.quorum} approvals` : "")),
+        fact("Proposal", el("span", { class: "mono small proposal-hash", text: item.proposal_hash }))),
+      el("h3", { text: `Proposed call: ${item.proposal.tool || ""}` }),
+      el("pre", { class: "json proposal-args", text: json(args) }),
+      item.may_decide ? null : el("div", { class: "notice warn why-not", role: "note" },
+        el("strong", { text: "You may not decide this: " }), el("span", { class: "why-not-text", text: item.why_not || "" })),
+      comment,
+      el("div", { class: "actions" },
+        el("button", { type: "button", class: "primary approve", text: "Approve", onclick: () => decide("approve") }),
+        el("button", { type: "button", class: "danger reject", text: "Reject", onclick: () => decide("reject") }),
+        el("button", { type: "button", class: "edit", text: "Edit arguments…", onclick: () => {
+          editBox.hidden = false; node.classList.add("editing"); editor.focus();
+        } })),
+      editBox,
+      result);
+
+    async function decide(decision, payload) {
+      const body = { decision, interrupt_id: item.interrupt_id, proposal_hash: item.proposal_hash };
+      if (payload !== undefined) body.payload = payload;
+      if (comment.value.trim()) body.comment = comment.value.trim();
+      busy = true;
+      for (const b of node.querySelectorAll("button")) b.disabled = true;
+      result.replaceChildren(notice("info", "Sending…"));
+      try {
+        const answer = await api("POST", `/v1/runs/${encodeURIComponent(item.run_id)}/resume`, body);
+        const verb = decision === "approve" ? "Approved" : "Rejected";
+        let text = `${verb} ${item.node} in run ${item.run_id}; the run is ${answer.status.replace(/_/g, " ")}.`;
+        if (payload !== undefined) {
+          text += " The call was edited: unless the node allows edits, the edited call is a new proposal that waits for its own approval.";
+        }
+        flash.replaceChildren(notice("ok", text, { class: "notice ok decided" }));
+        refusals.delete(item.interrupt_id);
+        node.remove();
+      } catch (e) {
+        let text;
+        if (e.code === "stale_proposal" || e.code === "unknown_interrupt" || e.code === "already_decided" || e.code === "expired") {
+          text = `This proposal is stale (${e.code}): ${e.message}. Refresh to see what waits now.`;
+        } else if (e.code === "bad_state" || e.code === "unknown_run") {
+          text = `This approval is no longer open (${e.code}): ${e.message}. Refresh to see what waits now.`;
+        } else if (e.status === 403) {
+          text = `Refused (${e.code}): ${e.message}`;
+        } else {
+          text = `Not decided (${e.code}): ${e.message}`;
+        }
+        const shown = notice("error", text, { class: `notice error refusal code-${e.code}` });
+        refusals.set(item.interrupt_id, shown);
+        result.replaceChildren(shown);
+        for (const b of node.querySelectorAll("button")) b.disabled = false;
+      } finally {
+        busy = false;
+        refreshInboxCount();
+      }
+    }
+    return node;
+  }
+
+  load(true);
+  every(INBOX_POLL_MS, () => load(false));
+}
+
+// ------------------------------------------------------------------ operator page
+
+function operatorPage(main) {
+  const flash = el("div", { id: "operator-flash" });
+  const unknown = el("section", { id: "operator-reconcile" });
+  const active = el("section", { id: "operator-active" });
+  main.append(el("div", { class: "page-head" }, el("h1", { text: "Operator" }),
+    el("button", { type: "button", text: "Refresh", onclick: load })), flash, unknown, active);
+
+  async function load() {
+    try {
+      const stuck = await api("GET", "/v1/runs?status=needs_reconciliation&limit=100");
+      const runs = await Promise.all(stuck.runs.map((r) => api("GET", `/v1/runs/${encodeURIComponent(r.run_id)}`)));
+      fill(unknown, el("h2", { text: "Outcomes to record" }),
+        el("p", { class: "muted", text: "These runs wait because a step's outcome is unknown and its side effect cannot be retried safely. Check the receiver, then record what really happened." }));
+      const forms = runs.flatMap((run) => run.steps.filter((s) => s.status === "needs_operator").map((s) => reconcileForm(run, s)));
+      unknown.append(...(forms.length ? forms : [el("p", { class: "empty", text: "No run needs reconciliation." })]));
+    } catch (e) {
+      fill(unknown, notice("error", e.message));
+    }
+    try {
+      const lists = await Promise.all(["running", "waiting_approval", "needs_reconciliation", "compensating"]
+        .map((s) => api("GET", `/v1/runs?status=${s}&limit=100`)));
+      const runs = lists.flatMap((l) => l.runs);
+      fill(active, el("h2", { text: "Runs in progress" }), runs.length
+        ? el("table", { class: "runs", id: "operator-runs" },
+          el("thead", {}, el("tr", {}, ["Run", "Graph", "Status", "Updated", ""].map((h) => el("th", { text: h })))),
+          el("tbody", {}, runs.map((r) => el("tr", { "data-run-id": r.run_id },
+            el("td", {}, runLink(r.run_id)),
+            el("td", { text: `${r.graph_id} v${r.graph_version}` }),
+            el("td", {}, badge(r.status)),
+            el("td", { text: when(r.updated_at) }),
+            el("td", {}, el("button", { type: "button", class: "danger small cancel", text: "Cancel…",
+              onclick: () => confirmCancel(r.run_id, flash, load) }))))))
+        : el("p", { class: "empty", text: "Nothing in progress." }));
+    } catch (e) {
+      fill(active, notice("error", e.message));
+    }
+  }
+
+  function reconcileForm(run, step) {
+    const outcome = el("select", { class: "outcome-select" },
+      el("option", { value: "", text: "choose…" }),
+      el("option", { value: "succeeded", text: "it succeeded" }),
+      el("option", { value: "failed", text: "it failed" }));
+    const result = el("textarea", { rows: "4", class: "result", spellcheck: "false", placeholder: '{"id": "…"} — what the receiver answered' });
+    const error = el("input", { type: "text", class: "error-text", placeholder: "what went wrong (when it failed)" });
+    const status = el("div", {});
+    const form = el("form", { class: "card reconcile", "data-run-id": run.run_id, "data-operation-id": step.operation_id },
+      el("h3", {}, runLink(run.run_id), ` · ${step.node} (attempt ${step.attempt})`),
+      el("dl", { class: "facts" },
+        fact("Operation", el("span", { class: "mono small", text: step.operation_id })),
+        fact("Tool", `${step.tool} · ${step.side_effect}`),
+        fact("Arguments", el("pre", { class: "json", text: json(step.args) })),
+        step.error ? fact("Last error", step.error) : null),
+      el("label", {}, "Real outcome ", outcome),
+      el("label", { text: "Result (JSON, optional)" }), result,
+      el("label", { text: "Error (optional)" }), error,
+      el("div", { class: "actions" }, el("button", { type: "submit", class: "primary", text: "Record outcome" })),
+      status);
+    form.addEventListener("submit", async (e) => {
+      e.preventDefault();
+      if (!outcome.value) { status.replaceChildren(notice("error", "Choose what really happened.")); return; }
+      const body = { outcome: outcome.value };
+      if (result.value.trim()) {
+        try { body.result = JSON.parse(result.value); } catch (err) {
+          status.replaceChildren(notice("error", `The result is not valid JSON: ${err.message}`));
+          return;
+        }
+      }
+      if (error.value.trim()) body.error = error.value.trim();
+      try {
+        await api("POST", `/v1/runs/${encodeURIComponent(run.run_id)}/operations/${encodeURIComponent(step.operation_id)}/reconcile`, body);
+        flash.replaceChildren(notice("ok", `Recorded: ${step.node} in ${run.run_id} ${outcome.value}.`));
+        load();
+      } catch (err) {
+        status.replaceChildren(notice("error", `Refused (${err.code}): ${err.message}`));
+      }
+    });
+    return form;
+  }
+
+  load();
+}
+
+// ------------------------------------------------------------------ start
+
+document.getElementById("sign-out").addEventListener("click", () => signOut("Signed out."));
+window.addEventListener("hashchange", route);
+route();

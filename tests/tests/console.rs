@@ -1,0 +1,575 @@
+//! The web console (`/ui`) in a real browser: headless Chromium driven over WebDriver
+//! against a gateway process, a reducer process, an executor process and the ledger as
+//! the refund's receiver, all on the real broker.
+//!
+//! An approver signs in with her bearer token, finds the refund in the approval inbox with
+//! its arguments, rationale and what a rejection would do, approves it, and watches the
+//! run page reach `succeeded` live; the ledger shows the refund happened once. She edits
+//! another refund's amount, which becomes a new proposal she approves in turn. A principal
+//! without the approver role sees why he may not decide, and the refusal when he clicks
+//! anyway. An operator records the real outcome of a payout whose answer was lost, and
+//! cancels a run through the confirmation dialog. The pages carry the console's security headers and the token never appears in
+//! a URL.
+//!
+//! The test was seen to fail: with the approve button bound to a wrong proposal hash
+//! (`proposal_hash: item.proposal_hash + "x"` in `app.js`) the gateway refused the
+//! decision as `stale_proposal`, the console showed it as a stale proposal, and this test
+//! went red; with the binding restored it passes.
+//!
+//! Screenshots of the inbox (an approver's, and a viewer's after a refusal), a run page,
+//! the runs list and the operator page go to `docs/console-*.png` when
+//! `SORTIE_SCREENSHOTS=docs`, otherwise to the test's directory.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sortie_tests::browser::Browser;
+use sortie_tests::stack::Stack;
+
+const LONG: Duration = Duration::from_secs(90);
+const SHORT: Duration = Duration::from_secs(20);
+
+const ALICE: &str = "acme:user:alice:approver:tok-alice";
+const BOB: &str = "acme:user:bob:viewer:tok-bob";
+const OLGA: &str = "acme:user:olga:operator:tok-olga";
+
+/// A payout whose receiver's answer is lost: `unsafe`, so never retried, and the run
+/// waits for an operator to record what happened.
+fn payout_graph(ledger: &str) -> Value {
+    json!({
+        "id": "payout",
+        "version": 1,
+        "nodes": [
+            {
+                "id": "send_payout", "tool": "http", "queue": "http", "side_effect": "unsafe",
+                "args": {"payee": "$input.payee", "amount": "$input.amount"},
+                "config": {"url": format!("{ledger}/effects/payout")},
+                "timeout": "10s"
+            },
+            {"id": "receipt", "tool": "echo", "side_effect": "pure", "args": {"payout": "$steps.send_payout.output"}}
+        ],
+        "edges": [{"from": "send_payout", "to": "receipt"}]
+    })
+}
+
+/// The refund story: read the order, check the policy, a gated refund to the ledger whose
+/// arguments carry the agent's rationale, then notify the customer.
+fn refund_graph(ledger: &str) -> Value {
+    let url = |name: &str| json!({ "url": format!("{ledger}/effects/{name}") });
+    json!({
+        "id": "refund",
+        "version": 1,
+        "description": "Refund an order after a policy check and a human approval.",
+        "nodes": [
+            {
+                "id": "read_order", "tool": "echo", "side_effect": "pure",
+                "args": {"order_id": "$input.order_id", "total": "$input.total", "currency": "$input.currency"}
+            },
+            {
+                "id": "check_policy", "tool": "echo", "side_effect": "pure",
+                "args": {"order_id": "$steps.read_order.output.order_id", "total": "$steps.read_order.output.total"}
+            },
+            {
+                "id": "refund", "tool": "http", "queue": "http", "side_effect": "keyed",
+                "args": {
+                    "order_id": "$steps.read_order.output.order_id",
+                    "amount": "$steps.read_order.output.total",
+                    "currency": "$steps.read_order.output.currency",
+                    "rationale": "$input.rationale"
+                },
+                "config": url("refund"),
+                "timeout": "30s",
+                "interrupt_before": {
+                    "reason": "A refund moves money; an approver confirms the amount.",
+                    "required_role": "approver",
+                    "timeout": "24h"
+                }
+            },
+            {
+                "id": "notify_customer", "tool": "http", "queue": "http", "side_effect": "idempotent",
+                "args": {"order_id": "$steps.read_order.output.order_id", "refund": "$steps.refund.output.ledger_seq"},
+                "config": url("notify"),
+                "timeout": "30s"
+            }
+        ],
+        "edges": [
+            {"from": "read_order", "to": "check_policy"},
+            {"from": "check_policy", "to": "refund"},
+            {"from": "refund", "to": "notify_customer"}
+        ]
+    })
+}
+
+fn screenshot_path(stack: &Stack, name: &str) -> PathBuf {
+    match std::env::var("SORTIE_SCREENSHOTS").as_deref() {
+        Ok("docs") => sortie_tests::workspace_root()
+            .join("docs")
+            .join(format!("console-{name}.png")),
+        _ => stack.dir.join(format!("console-{name}.png")),
+    }
+}
+
+async fn start_run(client: &reqwest::Client, url: &str, run_id: &str, total: u32, why: &str) {
+    let answer = client
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth("tok-bob")
+        .json(&json!({
+            "graph_id": "refund",
+            "run_id": run_id,
+            "labels": {"channel": "support", "order": run_id},
+            "input": {"order_id": run_id, "total": total, "currency": "EUR", "rationale": why}
+        }))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(answer.status().as_u16(), 201, "{:?}", answer.text().await);
+}
+
+async fn run_status(client: &reqwest::Client, url: &str, run_id: &str) -> String {
+    let run: Value = client
+        .get(format!("{url}/v1/runs/{run_id}"))
+        .bearer_auth("tok-alice")
+        .send()
+        .await
+        .expect("the gateway answers")
+        .json()
+        .await
+        .expect("JSON");
+    run["status"].as_str().unwrap_or_default().to_owned()
+}
+
+async fn sign_in(browser: &Browser, url: &str, token: &str) {
+    browser.goto(&format!("{url}/ui/#/login")).await;
+    browser.replace_text("#login-token", token, SHORT).await;
+    browser.click("#login-submit", SHORT).await;
+    // Signed in: the header names the principal, and the inbox opens.
+    browser
+        .wait_text("the signed-in principal", "#who-name", SHORT, |t| {
+            t.contains("acme")
+        })
+        .await;
+    browser
+        .wait_for("the inbox to load", "#inbox-list > *", SHORT)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
+    let stack = Stack::start("console", &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&refund_graph(&ledger.url).to_string()).await;
+    stack.publish(&payout_graph(&ledger.url).to_string()).await;
+    let _reducer = stack.reducer("0");
+    let _executor =
+        stack.executor_process("executor", &["default", "http"], &["--static-membership"]);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), &[ALICE, BOB, OLGA])
+        .await;
+    let client = reqwest::Client::new();
+
+    // The console's own files carry the security headers.
+    let page = client
+        .get(format!("{url}/ui/"))
+        .send()
+        .await
+        .expect("the console page");
+    assert_eq!(page.status().as_u16(), 200);
+    let header = |name: &str| {
+        page.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let csp = header("content-security-policy");
+    assert!(
+        csp.contains("script-src 'self'") && !csp.contains("unsafe-inline"),
+        "{csp}"
+    );
+    assert_eq!(header("x-content-type-options"), "nosniff");
+    assert_eq!(header("cache-control"), "no-cache");
+    let (status, body) = {
+        let r = client
+            .get(format!("{url}/ui/nope.js"))
+            .send()
+            .await
+            .expect("answer");
+        (r.status().as_u16(), r.json::<Value>().await.expect("JSON"))
+    };
+    assert_eq!((status, &body["error"]["code"]), (404, &json!("not_found")));
+
+    start_run(
+        &client,
+        &url,
+        "order-1042",
+        120,
+        "The parcel arrived crushed; photos attached to the ticket.",
+    )
+    .await;
+    start_run(
+        &client,
+        &url,
+        "order-1043",
+        35,
+        "Customer was charged twice for one order.",
+    )
+    .await;
+    start_run(
+        &client,
+        &url,
+        "order-1044",
+        60,
+        "Half of the order was missing.",
+    )
+    .await;
+    for run in ["order-1042", "order-1043", "order-1044"] {
+        sortie_tests::wait_until("the run to wait for approval", LONG, || async {
+            run_status(&client, &url, run).await == "waiting_approval"
+        })
+        .await;
+    }
+
+    let browser = Browser::start(&stack.dir.join("chromedriver.log"), 1280, 1000).await;
+
+    // ---- A token the gateway does not know is refused at the door.
+    browser.goto(&format!("{url}/ui/#/login")).await;
+    browser.type_into("#login-token", "tok-nobody", SHORT).await;
+    browser.click("#login-submit", SHORT).await;
+    browser
+        .wait_text("the unknown token's refusal", "#login-status", SHORT, |t| {
+            t.contains("not known")
+        })
+        .await;
+
+    // ---- Alice approves order-1042 from the inbox.
+    sign_in(&browser, &url, "tok-alice").await;
+    let item = ".inbox-item[data-run-id='order-1042']";
+    browser
+        .wait_for("order-1042 in the inbox", item, LONG)
+        .await;
+    let args = browser
+        .text(&format!("{item} .proposal-args"))
+        .await
+        .unwrap_or_default();
+    assert!(
+        args.contains("\"amount\": 120") && args.contains("\"order_id\": \"order-1042\""),
+        "{args}"
+    );
+    assert_eq!(
+        browser.text(&format!("{item} .rationale")).await.as_deref(),
+        Some("The parcel arrived crushed; photos attached to the ticket.")
+    );
+    assert_eq!(
+        browser.text(&format!("{item} .on-reject")).await.as_deref(),
+        Some("The run fails; completed steps that declare a compensation are undone.")
+    );
+    assert!(browser.all(&format!("{item} .why-not")).await.is_empty());
+    browser.screenshot(&screenshot_path(&stack, "inbox")).await;
+
+    browser
+        .click(&format!("{item} button.approve"), SHORT)
+        .await;
+    // The answer shows either as the "Approved" notice or as a refusal on the item.
+    let decided = browser
+        .wait_text(
+            "the approval to be answered",
+            &format!("#inbox-flash .decided, {item} .refusal"),
+            LONG,
+            |t| !t.is_empty(),
+        )
+        .await;
+    assert!(
+        decided.starts_with("Approved refund in run order-1042"),
+        "the approval was not accepted: {decided}"
+    );
+    assert!(
+        !browser.url().await.contains("tok-"),
+        "the token never enters a URL"
+    );
+
+    // The run page follows the run live to its end.
+    browser.goto(&format!("{url}/ui/#/runs/order-1042")).await;
+    browser
+        .wait_for(
+            "the run page to show succeeded",
+            "#run-status [data-status='succeeded']",
+            LONG,
+        )
+        .await;
+    browser
+        .wait_text("the live stream", "#live-state", SHORT, |t| {
+            t.contains("live")
+        })
+        .await;
+    let steps = browser
+        .wait_text(
+            "the timeline to show every step",
+            "#steps-table",
+            SHORT,
+            |t| t.contains("notify_customer") && !t.contains("in flight"),
+        )
+        .await;
+    assert!(
+        steps.contains("refund") && steps.contains("keyed") && steps.contains("succeeded"),
+        "{steps}"
+    );
+    let approvals = browser.text("#approvals-table").await.unwrap_or_default();
+    assert!(
+        approvals.contains("approved by user:alice") && approvals.contains("approved"),
+        "{approvals}"
+    );
+    browser.screenshot(&screenshot_path(&stack, "run")).await;
+    browser
+        .click("#run-checkpoint button[type='submit']", SHORT)
+        .await;
+    browser
+        .wait_text(
+            "the latest checkpoint's state",
+            "#checkpoint-state",
+            SHORT,
+            |t| t.contains("ckpt_order-1042_") && t.contains("\"status\""),
+        )
+        .await;
+
+    let snapshot = ledger.snapshot().await;
+    let refunds: Vec<_> = snapshot
+        .calls
+        .iter()
+        .filter(|c| c.name == "refund" && c.effect && c.body["order_id"] == "order-1042")
+        .collect();
+    assert_eq!(refunds.len(), 1, "one refund for order-1042: {snapshot:#?}");
+    assert_eq!(refunds[0].body["order_id"], "order-1042");
+
+    // The runs list shows both runs, filtered by status and label.
+    browser.goto(&format!("{url}/ui/#/runs")).await;
+    browser
+        .wait_for(
+            "order-1042 in the list",
+            "#runs-table tr[data-run-id='order-1042']",
+            SHORT,
+        )
+        .await;
+    browser
+        .wait_for(
+            "order-1043 in the list",
+            "#runs-table tr[data-run-id='order-1043']",
+            SHORT,
+        )
+        .await;
+    browser.screenshot(&screenshot_path(&stack, "runs")).await;
+    browser
+        .type_into("#filter-label", "order=order-1043", SHORT)
+        .await;
+    browser
+        .click("#runs-filters button[type='submit']", SHORT)
+        .await;
+    sortie_tests::wait_until("the label filter to apply", SHORT, || async {
+        browser
+            .all("#runs-table tr[data-run-id='order-1042']")
+            .await
+            .is_empty()
+            && !browser
+                .all("#runs-table tr[data-run-id='order-1043']")
+                .await
+                .is_empty()
+    })
+    .await;
+    browser.click("#runs-filters button.link", SHORT).await;
+
+    // ---- Alice edits order-1044's amount: the edited call is a new proposal (the node
+    // does not allow edits), which she approves in turn; the ledger refunds the new amount.
+    browser.goto(&format!("{url}/ui/#/inbox")).await;
+    let item = ".inbox-item[data-run-id='order-1044']";
+    browser.click(&format!("{item} button.edit"), SHORT).await;
+    browser
+        .replace_text(
+            &format!("{item} textarea.edit-args"),
+            r#"{"amount": 30, "currency": "EUR", "order_id": "order-1044", "rationale": "Half of the order was missing."}"#,
+            SHORT,
+        )
+        .await;
+    browser
+        .click(&format!("{item} button.approve-edited"), SHORT)
+        .await;
+    let edited = browser
+        .wait_text(
+            "the edited approval to be answered",
+            &format!("#inbox-flash .decided, {item} .refusal"),
+            LONG,
+            |t| !t.is_empty(),
+        )
+        .await;
+    assert!(
+        edited.starts_with("Approved refund in run order-1044") && edited.contains("edited"),
+        "{edited}"
+    );
+    let args = browser
+        .wait_text(
+            "the edited call as a new proposal",
+            &format!("{item} .proposal-args"),
+            LONG,
+            |t| t.contains("\"amount\": 30"),
+        )
+        .await;
+    assert!(args.contains("order-1044"), "{args}");
+    browser
+        .click(&format!("{item} button.approve"), SHORT)
+        .await;
+    browser
+        .wait_text(
+            "the new proposal's approval",
+            "#inbox-flash .decided",
+            LONG,
+            |t| t.starts_with("Approved refund in run order-1044") && !t.contains("edited"),
+        )
+        .await;
+    sortie_tests::wait_until("order-1044 to succeed", LONG, || async {
+        run_status(&client, &url, "order-1044").await == "succeeded"
+    })
+    .await;
+    let snapshot = ledger.snapshot().await;
+    let refunded: Vec<_> = snapshot
+        .calls
+        .iter()
+        .filter(|c| c.name == "refund" && c.effect && c.body["order_id"] == "order-1044")
+        .map(|c| c.body["amount"].clone())
+        .collect();
+    assert_eq!(refunded, [json!(30)], "{snapshot:#?}");
+
+    // ---- Bob, a viewer, is told why he may not decide, and refused when he tries.
+    browser.click("#sign-out", SHORT).await;
+    browser
+        .wait_for("the sign-in page", "#login-token", SHORT)
+        .await;
+    sign_in(&browser, &url, "tok-bob").await;
+    let item = ".inbox-item[data-run-id='order-1043']";
+    browser
+        .wait_for("order-1043 in Bob's inbox", item, LONG)
+        .await;
+    assert_eq!(
+        browser
+            .text(&format!("{item} .why-not-text"))
+            .await
+            .as_deref(),
+        Some("deciding needs role \"approver\"; user:bob has roles viewer")
+    );
+    browser
+        .click(&format!("{item} button.approve"), SHORT)
+        .await;
+    let refusal = browser
+        .wait_text(
+            "the refusal to show",
+            &format!("{item} .refusal"),
+            LONG,
+            |t| !t.is_empty(),
+        )
+        .await;
+    assert!(
+        refusal.starts_with("Refused (forbidden)") && refusal.contains("approver"),
+        "{refusal}"
+    );
+    assert_eq!(
+        run_status(&client, &url, "order-1043").await,
+        "waiting_approval"
+    );
+    browser
+        .screenshot(&screenshot_path(&stack, "inbox-refused"))
+        .await;
+
+    // ---- Olga, an operator, records a lost payout's real outcome and cancels a run.
+    ledger.fault(json!({"drop_after_commit": true})).await;
+    let answer = client
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth("tok-olga")
+        .json(&json!({"graph_id": "payout", "run_id": "payout-7", "input": {"payee": "ACME Supplies", "amount": 480}}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(answer.status().as_u16(), 201);
+    sortie_tests::wait_until("the payout to need an operator", LONG, || async {
+        run_status(&client, &url, "payout-7").await == "needs_reconciliation"
+    })
+    .await;
+    browser.click("#sign-out", SHORT).await;
+    sign_in(&browser, &url, "tok-olga").await;
+    browser.goto(&format!("{url}/ui/#/operator")).await;
+    let form = "form.reconcile[data-run-id='payout-7']";
+    browser
+        .wait_for("the payout's reconcile form", form, SHORT)
+        .await;
+    browser
+        .wait_for(
+            "order-1043 among runs in progress",
+            "#operator-runs tr[data-run-id='order-1043']",
+            SHORT,
+        )
+        .await;
+    browser
+        .screenshot(&screenshot_path(&stack, "operator"))
+        .await;
+    browser
+        .click(&format!("{form} option[value='succeeded']"), SHORT)
+        .await;
+    browser
+        .type_into(
+            &format!("{form} textarea.result"),
+            r#"{"payout_id": "po-77"}"#,
+            SHORT,
+        )
+        .await;
+    browser
+        .click(&format!("{form} button[type='submit']"), SHORT)
+        .await;
+    browser
+        .wait_text("the outcome to be recorded", "#operator-flash", LONG, |t| {
+            t.contains("payout-7")
+        })
+        .await;
+    sortie_tests::wait_until("the payout to finish", LONG, || async {
+        run_status(&client, &url, "payout-7").await == "succeeded"
+    })
+    .await;
+    let payouts = ledger
+        .snapshot()
+        .await
+        .calls
+        .iter()
+        .filter(|c| c.name == "payout")
+        .count();
+    assert_eq!(payouts, 1, "the operator's answer calls nobody again");
+
+    // Cancel asks first; keeping the run changes nothing.
+    let cancel = "#operator-runs tr[data-run-id='order-1043'] button.cancel";
+    browser.click(cancel, SHORT).await;
+    browser.click("#confirm-no", SHORT).await;
+    assert_eq!(
+        run_status(&client, &url, "order-1043").await,
+        "waiting_approval"
+    );
+    browser.click(cancel, SHORT).await;
+    browser
+        .type_into("#confirm-reason", "duplicate ticket", SHORT)
+        .await;
+    browser.click("#confirm-yes", SHORT).await;
+    browser
+        .wait_text(
+            "the cancellation to be accepted",
+            "#operator-flash",
+            LONG,
+            |t| t.contains("order-1043"),
+        )
+        .await;
+    sortie_tests::wait_until("order-1043 to be cancelled", LONG, || async {
+        run_status(&client, &url, "order-1043").await == "cancelled"
+    })
+    .await;
+
+    let errors = browser.console_errors().await;
+    assert!(
+        errors
+            .iter()
+            .all(|e| !e.contains("Content Security Policy")),
+        "the console breaks its own policy: {errors:?}"
+    );
+}
