@@ -23,7 +23,9 @@
 # binary and `sortie --version`; starts the project's local broker on the host on a free
 # port and, from inside the root file system, runs `sortie topology apply` and `check`
 # against it, then `sortie registry serve` and `sortie reducer` until the reducer's
-# /readyz answers 200; stops everything and unmounts.
+# /readyz answers 200, then `graph publish`, an executor and a gateway (both /readyz 200)
+# and the demo graph run through its approval to succeeded with `sortie run`; stops
+# everything and unmounts.
 #
 # Needs root (mmdebstrap --mode=root, chroot, mounts) and the Debian archive.
 set -euo pipefail
@@ -84,11 +86,13 @@ PIDS=()
 BROKER_DIR=$PWD/target/image-smoke/kafka
 broker_started=false
 cleanup() {
-    local pid
+    local pid deadline=$((SECONDS + 30))
     for pid in "${PIDS[@]}"; do
         kill "$pid" 2>/dev/null || true
     done
-    for pid in "${PIDS[@]}"; do
+    for pid in "${PIDS[@]}"; do # SIGTERM: each finishes its batch; SIGKILL after 30 s
+        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+        kill -9 "$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
     done
     if $broker_started; then
@@ -236,12 +240,14 @@ mount -t proc proc "$ROOTFS/proc"
 mount --bind /dev "$ROOTFS/dev"
 mount -t tmpfs -o mode=1777,size=256m tmpfs "$ROOTFS/tmp"
 # What the image's config says: its Env only, its User, its WorkingDir, its Entrypoint
-# (plus a quieter log level: the commands' own output is what the check shows).
-in_image() {
-    env -i PATH="$IMAGE_PATH_ENV" HOME="$WORKDIR" SORTIE__LOG__LEVEL="${SMOKE_LOG_LEVEL:-warn}" \
-        chroot --userspec="$IMAGE_UID:$IMAGE_UID" "$ROOTFS" \
-        /usr/bin/env --chdir="$WORKDIR" sortie "$@"
-}
+# (plus a quieter log level: the commands' own output is what the check shows). Every
+# program in it execs the next, so a background `"${IN_IMAGE[@]}" ... &` has the pid of
+# sortie itself (a shell function in the background would not: killing its subshell
+# leaves sortie running).
+IN_IMAGE=(env -i PATH="$IMAGE_PATH_ENV" HOME="$WORKDIR" SORTIE__LOG__LEVEL="${SMOKE_LOG_LEVEL:-warn}"
+    chroot --userspec="$IMAGE_UID:$IMAGE_UID" "$ROOTFS"
+    /usr/bin/env --chdir="$WORKDIR" sortie)
+in_image() { "${IN_IMAGE[@]}" "$@"; }
 if chroot "$ROOTFS" ldd /usr/local/bin/sortie | grep 'not found'; then
     echo "the image lacks a library the binary needs" >&2
     exit 1
@@ -290,7 +296,7 @@ in_image topology check --bootstrap-servers "$bootstrap" --prefix smoke. | sed '
 step "check: sortie registry serve + sortie reducer from the image, until /readyz is 200"
 logs=$OUT/smoke-logs
 mkdir -p "$logs"
-in_image registry serve --bootstrap-servers "$bootstrap" --addr "127.0.0.1:$registry_port" \
+"${IN_IMAGE[@]}" registry serve --bootstrap-servers "$bootstrap" --addr "127.0.0.1:$registry_port" \
     --topic smoke._schemas >"$logs/registry.log" 2>&1 &
 PIDS+=($!)
 wait_http() { # url seconds what
@@ -307,13 +313,46 @@ wait_http() { # url seconds what
 wait_http "http://127.0.0.1:$registry_port/subjects" 60 "the registry"
 echo "   registry: http://127.0.0.1:$registry_port/subjects answers"
 started=$SECONDS
-in_image reducer --bootstrap-servers "$bootstrap" \
+"${IN_IMAGE[@]}" reducer --bootstrap-servers "$bootstrap" \
     --registry-url "http://127.0.0.1:$registry_port" --prefix smoke. \
     --data-dir /tmp/reducer --instance-id smoke-0 \
     --metrics-addr "127.0.0.1:$metrics_port" >"$logs/reducer.log" 2>&1 &
 PIDS+=($!)
 wait_http "http://127.0.0.1:$metrics_port/readyz" 120 "the reducer"
 echo "   reducer: /readyz 200 after $((SECONDS - started)) s: $(curl -fsS "http://127.0.0.1:$metrics_port/readyz")"
+
+step "check: executor + gateway from the image, then the demo graph through its approval"
+executor_port=$(free_port $((metrics_port + 1)))
+gateway_port=$((executor_port + 1))
+connection=(--bootstrap-servers "$bootstrap" --registry-url "http://127.0.0.1:$registry_port" --prefix smoke.)
+# A relative path: the working directory's link to /usr/share/sortie/topology.
+in_image graph publish "${connection[@]}" --by image-check topology/graphs/demo.yaml | sed 's/^/   /'
+"${IN_IMAGE[@]}" executor "${connection[@]}" --queue default \
+    --metrics-addr "127.0.0.1:$executor_port" >"$logs/executor.log" 2>&1 &
+PIDS+=($!)
+"${IN_IMAGE[@]}" gateway "${connection[@]}" --addr "127.0.0.1:$gateway_port" --data-dir /tmp/gateway \
+    --token smoke:image-check:approver:smoke-token >"$logs/gateway.log" 2>&1 &
+PIDS+=($!)
+wait_http "http://127.0.0.1:$executor_port/readyz" 120 "the executor"
+wait_http "http://127.0.0.1:$gateway_port/readyz" 120 "the gateway"
+echo "   executor and gateway: /readyz 200"
+run_cli() { in_image run --gateway "http://127.0.0.1:$gateway_port" --token smoke-token "$@"; }
+field() { python3 -c 'import json, sys; print(json.load(sys.stdin).get(sys.argv[1]) or "")' "$1"; }
+wait_status() { # run_id status seconds
+    local deadline=$((SECONDS + $3)) status=""
+    while [ "$status" != "$2" ]; do
+        [ $SECONDS -lt $deadline ] || { echo "run $1 is $status, not $2, after $3 s; logs in $logs" >&2; exit 1; }
+        sleep 0.5
+        status=$(run_cli get "$1" | field status)
+    done
+}
+run_id=$(run_cli start demo --input '{"message": "from the image"}' | field run_id)
+[ -n "$run_id" ] || { echo "the demo run did not start; logs in $logs" >&2; exit 1; }
+wait_status "$run_id" waiting_approval 60
+echo "   run $run_id: waiting_approval"
+run_cli approve "$run_id" >/dev/null
+wait_status "$run_id" succeeded 60
+echo "   run $run_id: approved, succeeded"
 
 step "check: stopping (SIGTERM), broker, unmounting"
 cleanup
