@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Validates the Helm chart (helm/sortie): `helm lint`, `helm template` with the default
-# values and with values-production.yaml, and a strict Kubernetes schema check
-# (kubeconform) of every rendered manifest. Called by .ci/run.
+# values and with values-production.yaml, a strict Kubernetes schema check
+# (kubeconform) of every rendered manifest, and assertions on what was rendered (the
+# image is <repository>:<tag> of the values with the Cargo version as tag, PDBs, the
+# reducer's anti-affinity and /readyz probe, production's RF/min ISR and Kafka
+# properties). Called by .ci/run.
 #
 # Tools are installed by the project's own means and cached under target/tools, so the
 # second run is quick:
 #   - helm and kubeconform: `go install` from the Go module proxy (needs `go`);
 #   - the Kubernetes JSON schemas: the `kubernetes-validate` package from PyPI (it ships
-#     them), installed with pip and converted once into the layout kubeconform reads.
+#     them), installed with pip and converted once into the layout kubeconform reads;
+#   - PyYAML for the assertions, from PyPI into the same venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +19,7 @@ HELM_VERSION=v3.16.4
 KUBECONFORM_VERSION=v0.6.7
 KUBERNETES_VALIDATE_VERSION=1.37.0
 KUBE_VERSION=1.31.0
+PYYAML_VERSION=6.0.2
 CHART=helm/sortie
 
 TOOLS=$PWD/target/tools
@@ -70,6 +75,15 @@ PY
     rm -rf "$SCHEMAS.pip"
     touch "$SCHEMAS/.complete"
 fi
+
+# PyYAML, in the same venv, reads the rendered manifests for the assertions below.
+if [ ! -f "$TOOLS/venv/.pyyaml-$PYYAML_VERSION" ]; then
+    [ -x "$TOOLS/venv/bin/pip" ] || python3 -m venv "$TOOLS/venv"
+    "$TOOLS/venv/bin/pip" install --quiet --disable-pip-version-check "PyYAML==$PYYAML_VERSION"
+    touch "$TOOLS/venv/.pyyaml-$PYYAML_VERSION"
+fi
+
+CARGO_VERSION=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$/\1/p' Cargo.toml)
 
 echo "== helm $HELM_VERSION, kubeconform $KUBECONFORM_VERSION, Kubernetes $KUBE_VERSION schemas"
 
@@ -131,5 +145,115 @@ for values in default production; do
             -schema-location "$SCHEMAS/{{ .NormalizedKubernetesVersion }}-standalone{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
             "$out/$values-servicemonitor.yaml"
     fi
+    echo "== chart assertions ($values values)"
+    "$TOOLS/venv/bin/python" - "$out/$values.yaml" "$values" "$CARGO_VERSION" "$CHART" "${args[@]}" <<'PY'
+# What the schema check cannot see. Proven able to fail: with the reducer's
+# PodDisruptionBudget deleted from templates/reducer.yaml this printed
+# "FAIL: reducer StatefulSet sortie-reducer: no PodDisruptionBudget selects its pods"
+# and exited 1; restoring the template made it pass again.
+import os, sys, yaml
+
+rendered, which, cargo_version, chart = sys.argv[1:5]
+overlays = [a for a in sys.argv[5:] if a != "-f"]
+docs = [d for d in yaml.safe_load_all(open(rendered)) if d]
+values = yaml.safe_load(open(os.path.join(chart, "values.yaml")))
+for overlay in overlays:  # the chart's overlays only set image.* wholesale, no deep merge needed
+    values["image"].update(yaml.safe_load(open(overlay)).get("image", {}))
+app_version = str(yaml.safe_load(open(os.path.join(chart, "Chart.yaml")))["appVersion"])
+failures = []
+def check(ok, message):
+    if not ok:
+        failures.append(message)
+
+# The image: <repository>:<tag> of the values (tag defaults to appVersion), and that tag
+# is the workspace's Cargo version, i.e. what dev/image.sh tags (sortie:<version>).
+check(app_version == cargo_version, f"Chart.yaml appVersion {app_version} != Cargo version {cargo_version}")
+tag = str(values["image"].get("tag") or app_version)
+expected = f'{values["image"]["repository"]}:{tag}'
+check(tag == cargo_version, f"image tag {tag} != Cargo version {cargo_version}")
+if which == "default":
+    check(expected == f"sortie:{cargo_version}", f"default image {expected} is not dev/image.sh's sortie:{cargo_version}")
+    check(values["image"]["pullPolicy"] == "IfNotPresent", "default pullPolicy is not IfNotPresent")
+workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+containers = 0
+for w in workloads:
+    spec = w["spec"]["template"]["spec"]
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        containers += 1
+        name = f'{w["kind"]} {w["metadata"]["name"]} container {c["name"]}'
+        check(c["image"] == expected, f'{name}: image {c["image"]} != {expected}')
+        check(c.get("imagePullPolicy") == values["image"]["pullPolicy"], f"{name}: imagePullPolicy")
+
+# A PodDisruptionBudget (maxUnavailable 1) selects the pods of the reducer StatefulSet,
+# the gateway and every executor Deployment.
+pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+def selects(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+guarded = 0
+for w in workloads:
+    component = w["metadata"]["labels"].get("app.kubernetes.io/component", "")
+    if w["kind"] == "Job":
+        continue
+    check(component == "reducer" or component == "gateway" or component.startswith("executor-"),
+          f'unexpected workload {w["metadata"]["name"]}')
+    labels = w["spec"]["template"]["metadata"]["labels"]
+    mine = [p for p in pdbs if selects(p["spec"]["selector"], labels)]
+    name = f'{component} {w["kind"]} {w["metadata"]["name"]}'
+    check(len(mine) == 1, f"{name}: no PodDisruptionBudget selects its pods" if not mine else f"{name}: {len(mine)} PDBs")
+    for p in mine:
+        check(p["spec"].get("maxUnavailable") == 1, f'{name}: PDB maxUnavailable {p["spec"].get("maxUnavailable")}')
+    guarded += bool(mine)
+
+# Reducers: spread by node (anti-affinity on kubernetes.io/hostname selecting reducers:
+# preferred by default, required in production) and ready only on /readyz of the
+# operations server (partitions restored), on the port the reducer serves it.
+reducers = [w for w in workloads if w["kind"] == "StatefulSet" and w["metadata"]["labels"].get("app.kubernetes.io/component") == "reducer"]
+check(len(reducers) == 1, f"{len(reducers)} reducer StatefulSets")
+for r in reducers:
+    pod = r["spec"]["template"]
+    anti = pod["spec"].get("affinity", {}).get("podAntiAffinity", {})
+    terms = [t["podAffinityTerm"] for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
+    terms += anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+    check(any(t["topologyKey"] == "kubernetes.io/hostname" and selects(t["labelSelector"], pod["metadata"]["labels"]) for t in terms),
+          "reducer: no pod anti-affinity by kubernetes.io/hostname selecting reducers")
+    want = "requiredDuringSchedulingIgnoredDuringExecution" if which == "production" else "preferredDuringSchedulingIgnoredDuringExecution"
+    check(want in anti, f"reducer: anti-affinity is not {want}")
+    c = next(c for c in pod["spec"]["containers"] if c["name"] == "reducer")
+    probe = c.get("readinessProbe", {}).get("httpGet", {})
+    check(probe.get("path") == "/readyz", f'reducer: readiness probe path {probe.get("path")}, not /readyz')
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    served = int(env["SORTIE__REDUCER__METRICS_ADDR"].rsplit(":", 1)[1])
+    check(ports.get(probe.get("port")) == served, f'reducer: readiness probe port {probe.get("port")} is not the served {served}')
+
+# Production: RF 3 and min.insync.replicas 2 for the topology Job, and the Kafka
+# properties file (SASL/TLS) reaches every container.
+if which == "production":
+    job = next(w for w in workloads if w["kind"] == "Job")
+    spec = job["spec"]["template"]["spec"]
+    topo = next(c for c in spec.get("initContainers", []) + spec["containers"] if c["args"][:2] == ["topology", "apply"])
+    args = topo["args"]
+    for flag, value in (("--replication-factor", "3"), ("--min-insync-replicas", "2")):
+        check(flag in args and args[args.index(flag) + 1] == value, f"topology Job: {flag} is not {value}")
+    for w in workloads:
+        spec = w["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            path = env.get("SORTIE__KAFKA__PROPERTIES_FILE")
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            ok = path and os.path.dirname(path) in mounts and "secret" in volumes.get(mounts[os.path.dirname(path)], {})
+            check(ok, f'{w["metadata"]["name"]} {c["name"]}: no Kafka properties file from a Secret')
+    secrets = [d for d in docs if d["kind"] == "Secret" and "kafka.properties" in d.get("stringData", {})]
+    check(secrets and all("security.protocol=SASL_SSL" in s["stringData"]["kafka.properties"] for s in secrets),
+          "no kafka.properties Secret with security.protocol=SASL_SSL")
+
+for f in failures:
+    print(f"FAIL: {f}")
+if failures:
+    sys.exit(1)
+print(f"   image {expected} on {containers} containers; {guarded} workloads with a PDB; "
+      f"reducer anti-affinity and /readyz probe" + ("; RF 3, min ISR 2, Kafka properties everywhere" if which == "production" else ""))
+PY
 done
 echo "== helm chart OK"
