@@ -24,6 +24,7 @@ use tokio::runtime::Handle;
 mod ceiling;
 mod load;
 mod procfs;
+mod roll;
 mod scale;
 mod stack;
 mod stats;
@@ -63,6 +64,9 @@ pub struct Options {
     pub commit_interval: Duration,
     pub max_batch: usize,
     pub executors: usize,
+    /// Reducers sharing the partitions during the light and full loads (the restarts and
+    /// the scale check use the first alone).
+    pub reducers: usize,
     pub executor_max_in_flight: usize,
     /// Run counts of the memory scale check; empty: skip it.
     pub rss_scale: Vec<usize>,
@@ -74,6 +78,8 @@ pub struct Options {
     pub scale_load_runs: usize,
     /// Longest a load may take before it is cut short (and reported as unfinished).
     pub timeout: Duration,
+    /// Measure a rolling restart (`roll`) instead of throughput and restarts.
+    pub roll: bool,
 }
 
 impl Options {
@@ -97,6 +103,7 @@ impl Options {
             commit_interval: Duration::from_millis(100),
             max_batch: 500,
             executors: 1,
+            reducers: 1,
             executor_max_in_flight: 256,
             rss_scale: Vec::new(),
             light_runs: 200,
@@ -105,6 +112,7 @@ impl Options {
             scale_payload_bytes: 64,
             scale_load_runs: 500,
             timeout: Duration::from_secs(600),
+            roll: false,
         }
     }
 
@@ -160,13 +168,26 @@ impl Bench {
         prefix: &str,
         data: &Path,
     ) -> anyhow::Result<Service> {
+        self.reducer_instance(dir, name, prefix, data, "0")
+    }
+
+    /// [`Bench::reducer`] with its own instance id (and so transactional ids): one of
+    /// several reducers sharing the partitions.
+    pub fn reducer_instance(
+        &self,
+        dir: &Path,
+        name: &str,
+        prefix: &str,
+        data: &Path,
+        instance: &str,
+    ) -> anyhow::Result<Service> {
         let mut args = vec!["reducer".to_owned()];
         args.extend(self.common_args(prefix));
         args.extend([
             "--data-dir".to_owned(),
             data.display().to_string(),
             "--instance-id".to_owned(),
-            "0".to_owned(),
+            instance.to_owned(),
             "--commit-interval-ms".to_owned(),
             self.options.commit_interval.as_millis().to_string(),
             "--max-batch".to_owned(),
@@ -205,7 +226,15 @@ impl Bench {
             "--max-in-flight".to_owned(),
             self.options.executor_max_in_flight.to_string(),
         ]);
-        Service::spawn(&self.options.exe, dir, name, &args, "warn")
+        // Info from the consumer threads: "Partitions assigned." is how the roll knows a
+        // restarted executor is ready.
+        Service::spawn(
+            &self.options.exe,
+            dir,
+            name,
+            &args,
+            "warn,sortie_executor::runtime=info",
+        )
     }
 
     fn encode_commands(
@@ -286,7 +315,14 @@ pub async fn run(options: Options) -> anyhow::Result<Value> {
         dir: dir.clone(),
     };
     let broker_pid = own_broker.as_ref().map(|(_, _, pid)| *pid);
-    let result = tokio::task::spawn_blocking(move || measure(&bench, broker_pid)).await;
+    let result = tokio::task::spawn_blocking(move || {
+        if bench.options.roll {
+            roll::measure(&bench)
+        } else {
+            measure(&bench, broker_pid)
+        }
+    })
+    .await;
 
     registry.stop().await;
     if !options.keep_topics {
@@ -333,6 +369,17 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
     // The services, and one calibration run through them (also warms them up).
     let data = bench.dir.join("reducer");
     let mut reducer = bench.reducer(&bench.dir, "reducer", &bench.prefix, &data)?;
+    let mut extra_reducers = (1..options.reducers.max(1))
+        .map(|k| {
+            bench.reducer_instance(
+                &bench.dir,
+                &format!("reducer-{k}"),
+                &bench.prefix,
+                &bench.dir.join(format!("reducer-{k}")),
+                &k.to_string(),
+            )
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mut executors = (0..options.executors.max(1))
         .map(|i| bench.executor(&bench.dir, &format!("executor-{i}"), &bench.prefix, i))
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -394,7 +441,9 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         .ok_or_else(|| anyhow::anyhow!("no ceiling"))?;
 
     // A light load first (the round trip when nothing queues), then the full load.
+    // Commit figures come from the first reducer's log.
     let mut all: Vec<&mut Service> = vec![&mut reducer];
+    all.extend(extra_reducers.iter_mut());
     all.extend(executors.iter_mut());
     let light = phase(
         bench,
@@ -417,6 +466,9 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         broker_pid,
     )?;
     drop(all);
+    for extra in &mut extra_reducers {
+        extra.stop();
+    }
     let steps_per_s = load.json["steps_per_s"].as_f64().unwrap_or(0.0);
 
     // Warm restart: the same cache; then cold: no cache, everything from the changelog.
@@ -561,6 +613,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             "commit_interval_ms": commit_interval_ms,
             "max_batch": options.max_batch,
             "executors": options.executors,
+            "reducers": options.reducers.max(1),
             "executor_max_in_flight": options.executor_max_in_flight,
         },
         "events_per_run": pattern.events,

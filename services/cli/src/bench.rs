@@ -66,6 +66,9 @@ pub struct Args {
     /// Executor processes.
     #[arg(long, default_value_t = 1)]
     executors: usize,
+    /// Reducers sharing the partitions during the loads (restarts use the first alone).
+    #[arg(long, default_value_t = 1)]
+    reducers: usize,
     /// Intents an executor runs at once, per queue.
     #[arg(long, default_value_t = 256)]
     executor_max_in_flight: usize,
@@ -78,6 +81,11 @@ pub struct Args {
     /// Longest a load may run before it is cut short [full: 600, quick: 120].
     #[arg(long)]
     timeout_s: Option<u64>,
+    /// Instead of throughput and restarts: 2 reducers and 2 executors, the light load
+    /// steady and then while each instance restarts in turn (as a rolling update);
+    /// reports both step round-trip p99s.
+    #[arg(long)]
+    roll: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -109,6 +117,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         commit_interval: Duration::from_millis(args.commit_interval_ms),
         max_batch: args.max_batch.max(1),
         executors: args.executors.max(1),
+        reducers: args.reducers.max(1),
         executor_max_in_flight: args.executor_max_in_flight.max(1),
         rss_scale: if args.rss_scale {
             args.rss_runs
@@ -116,6 +125,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             Vec::new()
         },
         timeout: args.timeout_s.map_or(base.timeout, Duration::from_secs),
+        roll: args.roll,
         ..base
     };
     let report = sortie_bench::run(options).await?;

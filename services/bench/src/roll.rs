@@ -1,0 +1,196 @@
+//! `sortie bench --roll`: the step round trip while every service instance is restarted
+//! one at a time — SIGTERM, start again on its data, wait until it is ready, next — as a
+//! Kubernetes rolling update does, next to the same light load without a roll.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sortie_wire::Topics;
+
+use crate::load::{Driver, Outcome};
+use crate::stack::{self, Service};
+use crate::stats::{round, summary};
+use crate::Bench;
+
+/// Instances of each kind in the roll.
+const REDUCERS: usize = 2;
+const EXECUTORS: usize = 2;
+/// How long a restarted instance may take to be ready.
+const READY_WITHIN: Duration = Duration::from_secs(120);
+
+/// What a restarted instance logs once it is ready.
+fn ready_line(kind: &str) -> &'static str {
+    match kind {
+        "reducer" => "Assignment restored",
+        _ => "Partitions assigned.",
+    }
+}
+
+struct Instance {
+    kind: &'static str,
+    index: usize,
+    service: Service,
+}
+
+pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
+    let options = &bench.options;
+    let topics = Topics::new(bench.prefix.clone());
+    let queues = stack::queues(options.queues);
+    let graph = stack::graph(options.steps, &queues)?;
+    bench.runtime.block_on(async {
+        stack::apply_topology(&bench.kafka, &bench.prefix, options.partitions, &queues).await?;
+        stack::publish_graph(&bench.kafka, &bench.codec, &topics, &graph).await
+    })?;
+    let spawn = |kind: &'static str, index: usize, generation: usize| -> anyhow::Result<Service> {
+        let name = format!("{kind}-{index}-g{generation}");
+        match kind {
+            "reducer" => bench.reducer_instance(
+                &bench.dir,
+                &name,
+                &bench.prefix,
+                &bench.dir.join(format!("reducer-{index}")),
+                &index.to_string(),
+            ),
+            _ => bench.executor(&bench.dir, &name, &bench.prefix, index),
+        }
+    };
+    let mut instances = Vec::new();
+    for index in 0..REDUCERS {
+        instances.push(Instance {
+            kind: "reducer",
+            index,
+            service: spawn("reducer", index, 0)?,
+        });
+    }
+    for index in 0..EXECUTORS {
+        instances.push(Instance {
+            kind: "executor",
+            index,
+            service: spawn("executor", index, 0)?,
+        });
+    }
+    let mut driver = Driver::new(
+        &bench.kafka,
+        &topics,
+        options.partitions,
+        bench.codec.clone(),
+        bench.runtime.clone(),
+    )?;
+    let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
+    eprintln!("sortie bench: roll: calibration run");
+    {
+        let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
+        driver.calibrate(
+            &calibration[0].0,
+            &calibration[0].1,
+            Duration::from_secs(180),
+            &mut all,
+        )?;
+    }
+
+    // Steady: the light load with every instance up.
+    let steady_ids: Vec<String> = (0..options.light_runs)
+        .map(|i| format!("steady-{i:07}"))
+        .collect();
+    let steady_commands = bench.encode_commands(&topics, &steady_ids)?;
+    eprintln!("sortie bench: roll: steady light load");
+    let steady = {
+        let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
+        driver.run(
+            &steady_commands,
+            options.light_concurrency,
+            options.timeout,
+            &mut all,
+        )?
+    };
+
+    // The same load, long enough to span the roll, while another thread rolls.
+    let roll_ids: Vec<String> = (0..options.light_runs * 6)
+        .map(|i| format!("roll-{i:07}"))
+        .collect();
+    let roll_commands = bench.encode_commands(&topics, &roll_ids)?;
+    eprintln!("sortie bench: roll: light load while every instance restarts in turn");
+    let load_started = Instant::now();
+    let (during, restarts, load_ended) = std::thread::scope(|scope| {
+        let roller = scope.spawn(|| -> anyhow::Result<Vec<Value>> {
+            std::thread::sleep(Duration::from_secs(2)); // runs in flight first
+            let mut restarts = Vec::new();
+            for instance in instances.iter_mut() {
+                let began = Instant::now();
+                instance.service.stop();
+                let stopped_ms = began.elapsed().as_secs_f64() * 1000.0;
+                instance.service = spawn(instance.kind, instance.index, 1)?;
+                let deadline = Instant::now() + READY_WITHIN;
+                while !instance
+                    .service
+                    .log_lines()
+                    .iter()
+                    .any(|l| l.contains(ready_line(instance.kind)))
+                {
+                    instance.service.check_alive()?;
+                    anyhow::ensure!(
+                        Instant::now() < deadline,
+                        "{} {} was not ready within {READY_WITHIN:?}",
+                        instance.kind,
+                        instance.index
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let ready_ms = began.elapsed().as_secs_f64() * 1000.0;
+                eprintln!(
+                    "sortie bench: roll: {} {} back in {:.0} ms",
+                    instance.kind, instance.index, ready_ms
+                );
+                restarts.push(json!({
+                    "instance": format!("{}-{}", instance.kind, instance.index),
+                    "stop_ms": round(stopped_ms),
+                    "stop_to_ready_ms": round(ready_ms),
+                    "at_s": round(load_started.elapsed().as_secs_f64()),
+                }));
+            }
+            Ok(restarts)
+        });
+        let during = driver.run(
+            &roll_commands,
+            options.light_concurrency,
+            options.timeout,
+            &mut [],
+        );
+        let load_ended = load_started.elapsed();
+        let restarts = roller
+            .join()
+            .map_err(|_| anyhow::anyhow!("the roll thread panicked"))
+            .and_then(|r| r);
+        (during, restarts, load_ended)
+    });
+    let (during, restarts) = (during?, restarts?);
+    let roll_end_s = restarts
+        .last()
+        .and_then(|r| r["at_s"].as_f64())
+        .unwrap_or(0.0);
+    let p99 = |o: &Outcome| summary(&o.round_trips)["p99"].clone();
+    Ok(json!({
+        "roll": {
+            "instances": {"reducers": REDUCERS, "executors": EXECUTORS},
+            "steady": phase_json(&steady, options.light_concurrency),
+            "during_roll": phase_json(&during, options.light_concurrency),
+            "restarts": restarts,
+            "load_outlasted_roll": load_ended.as_secs_f64() >= roll_end_s,
+            "step_round_trip_p99_ms": {"steady": p99(&steady), "during_roll": p99(&during)},
+            "runs_failed_during_roll": during.runs_failed + during.runs_deviant + during.runs_unfinished,
+        }
+    }))
+}
+
+fn phase_json(outcome: &Outcome, concurrency: usize) -> Value {
+    json!({
+        "concurrency": concurrency,
+        "runs_succeeded": outcome.runs_succeeded,
+        "runs_failed": outcome.runs_failed,
+        "runs_deviant": outcome.runs_deviant,
+        "runs_unfinished": outcome.runs_unfinished,
+        "elapsed_s": round(outcome.elapsed.as_secs_f64()),
+        "step_round_trip_ms": summary(&outcome.round_trips),
+        "run_duration_ms": summary(&outcome.run_durations),
+    })
+}
