@@ -5,7 +5,7 @@
 //! The broker: `SORTIE_TEST_BOOTSTRAP` if set; otherwise a local single-node broker on
 //! 127.0.0.1:19092 with its data in `<workspace>/target/kafka-test`, started by the first
 //! test that asks and reused by every later test, test binary and process while it lives
-//! (pid file + `flock`, see `sortie_kafka::local`). It is left running at the end; stop it
+//! (pid file + `flock`, see `sortie_devkit::local`). It is left running at the end; stop it
 //! with `cargo run -q -p sortie -- broker stop --data-dir target/kafka-test`.
 //!
 //! This crate holds helpers only, no tests; it must never stand a mock in for Kafka.
@@ -25,7 +25,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedMessage;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use sortie_kafka::local::{BrokerConfig, LocalBroker};
+use sortie_devkit::local::{BrokerConfig, LocalBroker};
 use sortie_kafka::KafkaConfig;
 use sortie_registry::Registry;
 use tokio::sync::oneshot;
@@ -53,7 +53,7 @@ pub fn workspace_root() -> PathBuf {
 pub fn test_broker() -> LocalBroker {
     let root = workspace_root();
     let data_dir = root.join("target").join("kafka-test");
-    let port = sortie_kafka::local::configured_port(&data_dir).unwrap_or_else(free_test_port);
+    let port = sortie_devkit::local::configured_port(&data_dir).unwrap_or_else(free_test_port);
     LocalBroker::new(BrokerConfig::new(
         data_dir,
         port,

@@ -576,7 +576,7 @@ pub struct LedgerProcess {
 
 impl LedgerProcess {
     /// Everything the ledger has recorded.
-    pub async fn snapshot(&self) -> sortie_executor::ledger::Snapshot {
+    pub async fn snapshot(&self) -> sortie_devkit::ledger::Snapshot {
         reqwest::get(format!("{}/ledger", self.url))
             .await
             .and_then(|r| r.error_for_status())
@@ -733,7 +733,7 @@ impl Process {
 /// suites running beside them. Stopped (SIGTERM, then SIGKILL) and deleted when dropped.
 #[derive(Debug)]
 pub struct PrivateBroker {
-    pub broker: sortie_kafka::local::LocalBroker,
+    pub broker: sortie_devkit::local::LocalBroker,
 }
 
 impl PrivateBroker {
@@ -748,7 +748,7 @@ impl PrivateBroker {
         let bind = || std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
         let (a, b) = (bind(), bind());
         let port = |l: &std::net::TcpListener| l.local_addr().expect("local addr").port();
-        let mut config = sortie_kafka::local::BrokerConfig::new(
+        let mut config = sortie_devkit::local::BrokerConfig::new(
             &data,
             port(&a),
             crate::workspace_root().join("dev/kafka/pom.xml"),
@@ -757,7 +757,7 @@ impl PrivateBroker {
         config.libs_dir = Some(crate::test_broker().libs_dir());
         drop((a, b));
         let private = PrivateBroker {
-            broker: sortie_kafka::local::LocalBroker::new(config),
+            broker: sortie_devkit::local::LocalBroker::new(config),
         };
         private.ensure_running().await;
         private
@@ -1130,7 +1130,7 @@ impl Process {
 
 impl PrivateBroker {
     /// SIGKILL to the broker's JVM (its pid from `broker.pid` in the data dir, which
-    /// `sortie_kafka::local` writes on start), no clean shutdown: what a machine crash
+    /// `sortie_devkit::local` writes on start), no clean shutdown: what a machine crash
     /// looks like to the clients. Returns the pid it killed. The data stays;
     /// [`PrivateBroker::ensure_running`] restarts it on the same data (log recovery).
     pub async fn kill(&self) -> u32 {
@@ -1146,7 +1146,7 @@ impl PrivateBroker {
 /// The effects `ledger` recorded for operations no run knows of (each a problem line).
 pub fn unknown_effects(
     ledger: &str,
-    snapshot: &sortie_executor::ledger::Snapshot,
+    snapshot: &sortie_devkit::ledger::Snapshot,
     known: &BTreeSet<String>,
 ) -> Vec<String> {
     snapshot

@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use sortie_core::event::StepRole;
 use sortie_core::state::{Interrupt, InterruptStatus};
 use sortie_core::{Event, EventBody, RunState, RunStatus};
-use sortie_executor::ledger::{Entry, Snapshot};
+use sortie_devkit::ledger::{Entry, Snapshot};
 use sortie_tests::stack::{command, now_ms, start_run, Process, Stack, PARTITIONS};
 use sortie_wire::partition_for;
 use sortie_wire::records as w;

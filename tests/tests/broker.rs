@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::{ClientConfig, ClientContext, Message, Offset, TopicPartitionList};
-use sortie_kafka::local::{BrokerConfig, LocalBroker, Status};
+use sortie_devkit::local::{BrokerConfig, LocalBroker, Status};
 use sortie_tests::{
     bootstrap, create_topic, key_value, produce, read_all, test_broker, unique_prefix, wait_for,
     wait_until, workspace_root, Isolation,
@@ -375,7 +375,7 @@ async fn local_broker_restarts_on_its_own_data() {
     let _guard = StopOnDrop(broker.clone());
 
     let b = broker.clone();
-    let outcome = tokio::task::spawn_blocking(move || -> sortie_kafka::local::Result<()> {
+    let outcome = tokio::task::spawn_blocking(move || -> sortie_devkit::local::Result<()> {
         let started = Instant::now();
         let first = b.ensure_running()?;
         eprintln!("cold start (format + start) took {:?}", started.elapsed());
@@ -400,7 +400,7 @@ async fn local_broker_restarts_on_its_own_data() {
         std::fs::read_to_string(data.path().join("logs/meta.properties")).expect("meta");
 
     let b = broker.clone();
-    let restarted = tokio::task::spawn_blocking(move || -> sortie_kafka::local::Result<u32> {
+    let restarted = tokio::task::spawn_blocking(move || -> sortie_devkit::local::Result<u32> {
         let pid = b.pid().expect("a pid");
         let started = Instant::now();
         assert_eq!(b.stop()?, Some(pid));
@@ -435,7 +435,7 @@ async fn local_broker_restarts_on_its_own_data() {
     );
 
     let b = broker.clone();
-    tokio::task::spawn_blocking(move || -> sortie_kafka::local::Result<()> {
+    tokio::task::spawn_blocking(move || -> sortie_devkit::local::Result<()> {
         assert_eq!(b.kill()?, Some(restarted));
         assert_eq!(b.status(), Status::Stopped);
         let started = Instant::now();

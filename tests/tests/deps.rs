@@ -2,7 +2,10 @@
 //! depends on `sortie-reducer`. The gateway must never ask the reducer anything, and the
 //! bench and executor read the topics through the shared layer (`sortie-model`,
 //! `sortie-catalog`), so none of them may link the reducer's transactional driver or sled
-//! store. `cargo tree` over the lockfile proves it, offline; no broker is needed.
+//! store. Nor may a production service (`sortie-executor`, `sortie-gateway`,
+//! `sortie-reducer`, `sortie-kafka`, and the layers below them) link `sortie-devkit`, the
+//! dev and test machinery (the broker launcher, the ledger, the dev receiver).
+//! `cargo tree` over the lockfile proves it, offline; no broker is needed.
 
 use std::path::Path;
 use std::process::Command;
@@ -18,6 +21,20 @@ const MUST_NOT_LINK_THE_REDUCER: &[&str] = &[
     "sortie-executor",
     "sortie-gateway",
     "sortie-bench",
+];
+
+/// Production crates and the layers they stand on: none may link the dev machinery.
+/// (Seen red: with `sortie-devkit` added to `sortie-executor`'s dependencies, the test
+/// below fails naming the executor.)
+const MUST_NOT_LINK_THE_DEVKIT: &[&str] = &[
+    "sortie-core",
+    "sortie-wire",
+    "sortie-model",
+    "sortie-kafka",
+    "sortie-catalog",
+    "sortie-executor",
+    "sortie-gateway",
+    "sortie-reducer",
 ];
 
 fn tree(package: &str) -> String {
@@ -62,4 +79,26 @@ fn no_crate_but_the_cli_depends_on_the_reducer() {
 #[test]
 fn the_cli_does_depend_on_the_reducer() {
     assert!(depends_on(&tree("sortie"), "sortie-reducer"));
+}
+
+#[test]
+fn no_production_crate_depends_on_the_devkit() {
+    for package in MUST_NOT_LINK_THE_DEVKIT {
+        let tree = tree(package);
+        assert!(
+            depends_on(&tree, package),
+            "cargo tree -p {package} does not list the package itself:\n{tree}"
+        );
+        assert!(
+            !depends_on(&tree, "sortie-devkit"),
+            "{package} depends on sortie-devkit (dev and test machinery):\n{tree}"
+        );
+    }
+}
+
+/// Not vacuous: the CLI (`sortie dev`, `sortie broker`, `sortie ledger`) links the devkit,
+/// and the same query sees it.
+#[test]
+fn the_cli_does_depend_on_the_devkit() {
+    assert!(depends_on(&tree("sortie"), "sortie-devkit"));
 }

@@ -12,7 +12,7 @@ use rdkafka::admin::{AdminClient, AdminOptions};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use sortie_core::Graph;
-use sortie_kafka::local::{BrokerConfig, LocalBroker};
+use sortie_devkit::local::{BrokerConfig, LocalBroker};
 use sortie_kafka::topology::{Overrides, Topology};
 use sortie_kafka::KafkaConfig;
 use sortie_registry::Registry;

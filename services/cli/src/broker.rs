@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use sortie_kafka::local::{self, BrokerConfig, LocalBroker, Status};
+use sortie_devkit::local::{self, BrokerConfig, LocalBroker, Status};
 
 const DEFAULT_PORT: u16 = 9092;
 const POM: &str = "dev/kafka/pom.xml";

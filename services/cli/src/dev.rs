@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use serde_json::{json, Value};
-use sortie_kafka::local::{BrokerConfig, LocalBroker};
+use sortie_devkit::local::{BrokerConfig, LocalBroker};
 use sortie_kafka::topology::Topology;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, CodecConfig, Topics};

@@ -6,7 +6,7 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use sortie_executor::ledger::{self, Ledger, Mode};
+use sortie_devkit::ledger::{self, Ledger, Mode};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -2,7 +2,8 @@
 //! node's handler, and report a `StepResult` on the run's canonical partition of
 //! `sortie.step-results`. Built-in handlers (`http`, `llm`, `echo`, `sleep`) and the
 //! [`StepHandler`] trait for users' own live here, with the side-effect contract of SPEC
-//! §4.2 and the [`ledger`], the receiver that tests and the dev stack call.
+//! §4.2. (The ledger, the receiver that tests and the dev stack call, lives in
+//! `sortie-devkit`, which no production service links.)
 //!
 //! An executor never touches run state and never retries on its own: it makes one
 //! request per attempt, reports what happened (a typed [`HandlerError`] says whether the
@@ -25,7 +26,6 @@ pub mod fault;
 pub mod handler;
 pub mod handlers;
 pub mod health;
-pub mod ledger;
 pub mod metrics;
 pub mod runtime;
 mod tracker;

@@ -1,7 +1,7 @@
 //! Kafka plumbing shared by every Sortie service: client configuration (with SASL/TLS
 //! pass-through and the Java-compatible partitioner), the topology in `topology/` and its
-//! apply/check against a broker, and the local single-node broker used by `sortie dev` and
-//! the tests.
+//! apply/check against a broker. (The local single-node broker of `sortie dev` and the
+//! tests lives in `sortie-devkit`, which no production service links.)
 //!
 //! This crate knows topics and clients, never run semantics: it must not decode Sortie
 //! records or decide anything about runs.
@@ -9,7 +9,6 @@
 pub mod clock;
 mod config;
 pub mod fault;
-pub mod local;
 pub mod metrics;
 pub mod topology;
 mod watermarks;

@@ -277,7 +277,7 @@ impl LocalBroker {
         // after a SIGKILL the broker cannot re-register until its old session expires, so
         // a short session timeout keeps crash-restart tests quick.
         format!(
-            "# Written by sortie_kafka::local on every start; edits are overwritten.\n\
+            "# Written by sortie_devkit::local on every start; edits are overwritten.\n\
              process.roles=broker,controller\n\
              node.id={NODE_ID}\n\
              controller.quorum.voters={NODE_ID}@127.0.0.1:{controller_port}\n\

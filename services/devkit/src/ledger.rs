@@ -710,12 +710,12 @@ mod tests {
 
     #[tokio::test]
     async fn the_http_handler_reads_a_drop_after_commit_as_unknown_and_a_429_as_retryable() {
-        use crate::handler::{Call, StepHandler as _};
+        use sortie_executor::{Call, StepHandler as _};
         use sortie_wire::records::SideEffectClass;
 
         let dir = tempfile::tempdir().expect("dir");
         let ledger = Served::start(&dir.path().join("h.jsonl"), Mode::Keyed).await;
-        let http = crate::handlers::Http::new(crate::handlers::http_client());
+        let http = sortie_executor::handlers::Http::new(sortie_executor::handlers::http_client());
         let call = Call {
             operation_id: "op-h".into(),
             attempt: 1,
