@@ -1,8 +1,9 @@
 //! `sortie dev`: the whole local stack in one command, on a fresh checkout.
 //!
 //! A real Apache Kafka (KRaft), the schema registry, the topology, the example graphs,
-//! then the services as their own processes — ledger (the demo's receiver), reducer,
-//! executor, gateway — and a demo mission that stops at an approval. Ctrl-C stops
+//! then the services as their own processes — ledger (the dev receiver every example
+//! graph calls, recording each call), reducer, executor, gateway — and a demo mission that
+//! stops at an approval. Ctrl-C stops
 //! everything cleanly; running it again resumes with the same data.
 
 use std::path::{Path, PathBuf};
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use serde_json::{json, Value};
 use sortie_devkit::local::{BrokerConfig, LocalBroker};
+use sortie_devkit::receiver;
 use sortie_kafka::topology::Topology;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, CodecConfig, Topics};
@@ -32,7 +34,8 @@ pub struct Args {
     kafka_port: u16,
     #[arg(long, default_value = "127.0.0.1:8081")]
     registry_addr: String,
-    /// The ledger (the demo's HTTP receiver).
+    /// The ledger and dev receiver: the example graphs' URLs (`http://127.0.0.1:8090/...`)
+    /// are rewritten to this address when they are published.
     #[arg(long, default_value = "127.0.0.1:8090")]
     ledger_addr: String,
     /// Do not start the demo mission.
@@ -262,7 +265,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     });
     let topics = Topics::default();
     let now = sortie_kafka::clock::now_ms();
-    for graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
+    let receiver_url = format!("http://{}", args.ledger_addr);
+    for mut graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
+        for node in &mut graph.nodes {
+            receiver::rebase_urls(&mut node.config, &receiver_url);
+        }
         sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
         println!("  graph     {} published", graph.key());
     }
@@ -279,6 +286,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &ledger_file,
             "--mode",
             "keyed",
+            "--dev-routes",
         ],
     )?;
     let reducer_dir = data_dir.join("reducer").display().to_string();
@@ -310,15 +318,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("Sortie is running.");
     println!("  gateway   {gateway_url}   (tenant \"dev\", token {token})");
     println!("  registry  {registry_url}");
-    println!(
-        "  ledger    http://{}/ledger   (what the demo's receivers were asked to do)",
-        args.ledger_addr
-    );
+    println!("  ledger    {receiver_url}/ledger   (every call the graphs' receivers answered)");
     println!("  kafka     {bootstrap}");
 
     if !args.no_demo {
         demo(&gateway_url, &token).await?;
     }
+    refund_story(&gateway_url, &receiver_url, &token);
     println!("Ctrl-C stops everything; `sortie dev` again resumes with the same data.");
 
     loop {
@@ -388,4 +394,17 @@ async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
     println!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");
     println!();
     Ok(())
+}
+
+/// How to run the refund story (`topology/graphs/refund.yaml`) against the dev receiver.
+fn refund_story(gateway: &str, receiver: &str, token: &str) {
+    let sortie = format!("cargo run -q -p sortie -- run --gateway {gateway} --token {token}");
+    println!("The refund story (topology/graphs/refund.yaml): read the order, check the policy,");
+    println!("wait for an approver, refund (keyed by the operation id), notify the customer.");
+    println!("  {sortie} start refund --input '{{\"order_id\": \"ord-1001\", \"customer_id\": \"cus-42\", \"reason\": \"arrived damaged\"}}'");
+    println!("  {sortie} get <run_id>        # waiting_approval: a refund waits for an approver");
+    println!("  {sortie} approve <run_id>");
+    println!("  {sortie} watch <run_id>      # the timeline, until the run has succeeded");
+    println!("  curl -s {receiver}/ledger      # one refund per idempotency key");
+    println!();
 }
