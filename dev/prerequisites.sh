@@ -14,6 +14,7 @@ need cmake cmake
 need java openjdk-17-jre-headless
 need mvn maven
 need python3 python3
+need tmux tmux   # tests/tests/human.rs reads the CLI's output the way a person sees it
 [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
 [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)

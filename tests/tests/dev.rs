@@ -133,6 +133,8 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
             "test-token",
             "watch",
             &run_id,
+            // The old output, one JSON event per line: scripts keep working.
+            "--json",
         ])
         .output()
         .expect("watch runs");

@@ -10,6 +10,7 @@ mod dev;
 mod executor;
 mod gateway;
 mod graph;
+mod human;
 mod ledger;
 mod reducer;
 mod registry;
