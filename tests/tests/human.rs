@@ -1,12 +1,15 @@
 //! The CLI's output for people, read the way a person reads it: `sortie run watch` inside
 //! a real terminal (`tmux`, whose screen `capture-pane` prints) shows a timeline with node
-//! names and `succeeded`, in colour unless `NO_COLOR` is set; the same commands into a
-//! pipe print no escape sequence at all, and `--json` still prints one JSON event per
+//! names and `succeeded`, in colour unless `NO_COLOR` is set, and `sortie audit replay`
+//! draws a progress line there and erases it; the same commands into a pipe print no
+//! escape sequence and no progress at all, and `--json` still prints one JSON event per
 //! line, as scripts expect.
 //!
 //! Seen red: with `Style::for_stdout` ignoring whether stdout is a terminal (colour
 //! always on), the pipe test fails ("printed escapes into a pipe"); with `watch` printing
-//! JSON whatever `--json` says, the tmux test fails (no `run started` line on the screen).
+//! JSON whatever `--json` says, the tmux test fails (no `run started` line on the screen);
+//! with `progress::line` writing whether or not stderr is a terminal, the pipe test fails
+//! ("progress went into a pipe").
 
 use std::process::Command;
 use std::time::Duration;
@@ -169,7 +172,23 @@ async fn run_watch_in_a_terminal_shows_a_coloured_timeline() {
         &format!("env -u NO_COLOR TERM=xterm-256color {watch}"),
     );
     tmux.window("plain", &format!("env NO_COLOR=1 {watch}"));
-    for name in ["colour", "plain"] {
+    // A long operation draws a progress line while it works and erases it when done:
+    // every byte the pane received is logged by `pipe-pane`; the screen keeps the result.
+    let audit = format!(
+        "sleep 1; RUST_LOG=warn {} {}",
+        sortie_bin().display(),
+        audit_args(&stack).join(" ")
+    );
+    tmux.window("audit", &audit);
+    let pane_log = stack.dir.join("audit-pane.log");
+    tmux.run(&[
+        "pipe-pane",
+        "-t",
+        "audit",
+        "-o",
+        &format!("cat > {}", pane_log.display()),
+    ]);
+    for name in ["colour", "plain", "audit"] {
         sortie_tests::wait_until(
             &format!("sortie run watch to end in tmux window {name}"),
             LONG,
@@ -222,6 +241,21 @@ async fn run_watch_in_a_terminal_shows_a_coloured_timeline() {
         tmux.screen("colour", true).contains("\x1b["),
         "a terminal gets colour"
     );
+    let received = std::fs::read_to_string(&pane_log).unwrap_or_default();
+    assert!(
+        received.contains("audit replay: reading and re-folding histories"),
+        "no progress line was drawn:\n{received:?}"
+    );
+    let audit_screen = tmux.screen("audit", false);
+    assert!(
+        audit_screen.contains("every history folds to its state"),
+        "{audit_screen}"
+    );
+    assert!(
+        !audit_screen.contains("audit replay: reading"),
+        "the progress line was left on the screen:\n{audit_screen}"
+    );
+
     let plain = tmux.screen("plain", true);
     assert!(plain.contains("succeeded"), "{plain}");
     assert!(
@@ -230,9 +264,40 @@ async fn run_watch_in_a_terminal_shows_a_coloured_timeline() {
     );
 }
 
+fn audit_args(stack: &Stack) -> Vec<String> {
+    [
+        "audit",
+        "replay",
+        "--verify",
+        "--bootstrap-servers",
+        &stack.bootstrap,
+        "--registry-url",
+        &stack.registry.url,
+        "--prefix",
+        &stack.prefix,
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn piped_output_has_no_escapes_and_json_still_parses() {
-    let (_stack, _processes, gateway, run_id) = finished_run("human-pipe").await;
+    let (stack, _processes, gateway, run_id) = finished_run("human-pipe").await;
+
+    // No progress line into a pipe: stderr carries only the closing sentence.
+    let audit = Command::new(sortie_bin())
+        .args(audit_args(&stack))
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("sortie audit runs");
+    assert!(audit.status.success(), "{audit:?}");
+    let stderr = String::from_utf8_lossy(&audit.stderr);
+    assert!(
+        !stderr.contains('\x1b') && !stderr.contains('\r'),
+        "progress went into a pipe: {stderr:?}"
+    );
+    let report: Value = serde_json::from_slice(&audit.stdout).expect("the report is JSON");
+    assert_eq!(report["diverged"], 0, "{report}");
 
     for args in [
         vec!["watch", run_id.as_str()],

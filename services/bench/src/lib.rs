@@ -74,6 +74,9 @@ pub struct Options {
     pub scale_load_runs: usize,
     /// Longest a load may take before it is cut short (and reported as unfinished).
     pub timeout: Duration,
+    /// Called about once a second during a load with a line saying how it goes, and with
+    /// `""` when the load ends (the CLI rewrites one line on a terminal with it).
+    pub progress: Option<fn(&str)>,
 }
 
 impl Options {
@@ -105,6 +108,7 @@ impl Options {
             scale_payload_bytes: 64,
             scale_load_runs: 500,
             timeout: Duration::from_secs(600),
+            progress: None,
         }
     }
 
@@ -343,6 +347,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         bench.codec.clone(),
         bench.runtime.clone(),
     )?;
+    driver.progress = options.progress;
     let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
     eprintln!("sortie bench: calibration run");
     let pattern = {

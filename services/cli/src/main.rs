@@ -12,6 +12,7 @@ mod gateway;
 mod graph;
 mod human;
 mod ledger;
+mod progress;
 mod reducer;
 mod registry;
 mod run;
