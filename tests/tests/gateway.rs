@@ -38,6 +38,24 @@ edges:
   - {from: prepare, to: refund}
 "#;
 
+/// A gate whose proposal carries the agent's rationale, and whose rejection skips to a
+/// node of its own.
+const GATED_WHY: &str = r#"
+id: gated-why
+version: 1
+nodes:
+  - {id: prepare, tool: echo, side_effect: pure}
+  - id: refund
+    tool: echo
+    side_effect: keyed
+    args: {amount: $input.amount, rationale: $input.why}
+    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
+    on_reject: {goto: apologise}
+  - {id: apologise, tool: echo, side_effect: pure}
+edges:
+  - {from: prepare, to: refund}
+"#;
+
 const ALICE: &str = "acme:user:alice:approver:tok-alice";
 const BOB: &str = "acme:user:bob::tok-bob";
 const EVE: &str = "globex:user:eve:approver:tok-eve";
@@ -470,6 +488,124 @@ async fn an_approval_needs_the_role_streams_live_and_is_decided_once() {
     })
     .await;
     assert_eq!(more[0]["seq"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_lists_open_approvals_and_says_who_may_decide() {
+    let stack = Stack::start("gateway-inbox", &[GATED, GATED_WHY]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+
+    api.start(
+        "tok-bob",
+        json!({"graph_id": "gated", "input": {"amount": 5}, "run_id": "plain"}),
+    )
+    .await;
+    api.start(
+        "tok-bob",
+        json!({"graph_id": "gated-why", "input": {"amount": 7, "why": "the parcel arrived broken"}, "run_id": "explained"}),
+    )
+    .await;
+    for run in ["plain", "explained"] {
+        api.wait_run("the run to wait for approval", run, |r| {
+            r["status"] == "waiting_approval"
+        })
+        .await;
+    }
+
+    let (status, inbox) = api.get("/v1/inbox", "tok-alice").await;
+    assert_eq!(status, 200, "{inbox}");
+    let items = inbox["items"].as_array().expect("items");
+    assert_eq!(items.len(), 2, "{inbox}");
+    let by_run = |run: &str| {
+        items
+            .iter()
+            .find(|i| i["run_id"] == run)
+            .unwrap_or_else(|| panic!("{run} is in the inbox: {inbox}"))
+            .clone()
+    };
+    let plain = by_run("plain");
+    assert_eq!(plain["graph_id"], "gated");
+    assert_eq!(plain["tenant"], "acme");
+    assert_eq!(plain["node"], "refund");
+    assert_eq!(plain["proposal"]["args"]["amount"], 5);
+    assert!(plain["rationale"].is_null(), "no rationale given: {plain}");
+    assert_eq!(
+        plain["on_reject"],
+        "The run fails; completed steps that declare a compensation are undone."
+    );
+    assert!(plain["opened_at"].as_i64().is_some_and(|t| t > 0));
+    assert!(
+        plain["expires_at"].as_i64() > plain["opened_at"].as_i64(),
+        "{plain}"
+    );
+    assert_eq!(plain["may_decide"], true);
+    assert!(plain["why_not"].is_null());
+    let explained = by_run("explained");
+    assert_eq!(explained["rationale"], "the parcel arrived broken");
+    assert_eq!(
+        explained["on_reject"],
+        "The step is skipped and the run continues at apologise."
+    );
+
+    // Bob lacks the role: the same rule the reducer applies, with the reason.
+    let (status, bobs) = api.get("/v1/inbox", "tok-bob").await;
+    assert_eq!(status, 200, "{bobs}");
+    let refused = &bobs["items"][0];
+    assert_eq!(refused["may_decide"], false, "{bobs}");
+    assert_eq!(
+        refused["why_not"],
+        "deciding needs role \"approver\"; user:bob has no roles"
+    );
+    let (status, forbidden) = api
+        .post(
+            &format!("/v1/runs/{}/resume", refused["run_id"].as_str().unwrap_or("")),
+            "tok-bob",
+            json!({"decision": "approve", "interrupt_id": refused["interrupt_id"], "proposal_hash": refused["proposal_hash"]}),
+        )
+        .await;
+    assert_eq!(
+        (status, code(&forbidden)),
+        (403, "forbidden"),
+        "{forbidden}"
+    );
+
+    // Another tenant sees none of them; no token is a JSON 401; bad queries are JSON 400s.
+    let (status, theirs) = api.get("/v1/inbox", "tok-eve").await;
+    assert_eq!((status, theirs["items"].clone()), (200, json!([])));
+    let (status, anonymous) = api.send(api.request("GET", "/v1/inbox", None)).await;
+    assert_eq!((status, code(&anonymous)), (401, "unauthenticated"));
+    let (status, bad) = api.get("/v1/inbox?limit=lots", "tok-alice").await;
+    assert_eq!((status, code(&bad)), (400, "invalid_query"), "{bad}");
+
+    // Deciding with the inbox's hash takes the item out of everyone's inbox.
+    let (status, approved) = api
+        .post(
+            "/v1/runs/plain/resume",
+            "tok-alice",
+            json!({"decision": "approve", "interrupt_id": plain["interrupt_id"], "proposal_hash": plain["proposal_hash"]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{approved}");
+    let position = approved["position"].as_str().expect("position");
+    let (status, after) = api
+        .get(&format!("/v1/inbox?min_position={position}"), "tok-alice")
+        .await;
+    assert_eq!(status, 200, "{after}");
+    let left: Vec<&Value> = after["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .map(|i| &i["run_id"])
+        .collect();
+    assert_eq!(left, vec!["explained"], "{after}");
+
+    let (_, doc) = api.get("/openapi.json", "tok-alice").await;
+    assert!(doc["paths"]["/v1/inbox"]["get"].is_object());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

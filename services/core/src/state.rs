@@ -126,6 +126,48 @@ pub struct Interrupt {
     pub status: InterruptStatus,
 }
 
+/// Why a principal may not decide an open interrupt: the reducer's rejection code and reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub code: &'static str,
+    pub reason: String,
+}
+
+impl Interrupt {
+    /// The rule the reducer applies to a decision on this open interrupt once the proposal
+    /// hash matched: not expired at `at`, the node's role held, one approval per principal.
+    /// The gateway's inbox asks the same question, so it can say why someone may not decide.
+    pub fn refusal(
+        &self,
+        principal: &str,
+        roles: &[String],
+        approve: bool,
+        at: i64,
+    ) -> Option<Refusal> {
+        if self.expires_at.is_some_and(|due| at >= due) {
+            return Some(Refusal {
+                code: "expired",
+                reason: format!("interrupt {} expired", self.interrupt_id),
+            });
+        }
+        if let Some(role) = &self.required_role {
+            if !roles.iter().any(|r| r == role) {
+                return Some(Refusal {
+                    code: "forbidden",
+                    reason: format!("deciding needs role {role:?}"),
+                });
+            }
+        }
+        if approve && self.approvals.iter().any(|p| p == principal) {
+            return Some(Refusal {
+                code: "duplicate_approver",
+                reason: format!("{principal} already approved"),
+            });
+        }
+        None
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum InterruptStatus {

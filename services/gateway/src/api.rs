@@ -42,6 +42,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(crate::metrics::render))
         .route("/openapi.json", get(openapi_json))
         .route("/v1/runs", post(start_run).get(list_runs))
+        .route("/v1/inbox", get(crate::inbox::inbox))
         .route("/v1/runs/{run_id}", get(get_run))
         .route("/v1/runs/{run_id}/resume", post(resume_run))
         .route("/v1/runs/{run_id}/cancel", post(cancel_run))
@@ -190,7 +191,7 @@ fn written(command: &w::RunCommand, answer: &Answer, status: &str) -> Value {
 }
 
 /// Waits until the view has applied `?min_position=` / the `Sortie-Min-Position` header.
-async fn read_after(
+pub(crate) async fn read_after(
     app: &AppState,
     headers: &HeaderMap,
     query: Option<&str>,

@@ -9,6 +9,8 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use sortie_catalog::GraphTable;
+use sortie_core::graph::OnReject;
+use sortie_core::Graphs;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, Topics};
 use tokio::runtime::Handle;
@@ -20,6 +22,8 @@ const POLL: Duration = Duration::from_millis(500);
 #[derive(Debug)]
 pub struct Catalog {
     known: RwLock<BTreeMap<String, BTreeSet<u32>>>,
+    /// The published definitions (the inbox tells what rejecting a proposal does).
+    graphs: RwLock<Graphs>,
     /// The table caught up at least once; before that nothing is refused for its graph.
     loaded: AtomicBool,
     refresh: mpsc::Sender<oneshot::Sender<()>>,
@@ -37,6 +41,7 @@ impl Catalog {
         let (refresh, requests) = mpsc::channel();
         let catalog = Arc::new(Catalog {
             known: RwLock::new(BTreeMap::new()),
+            graphs: RwLock::new(Graphs::new()),
             loaded: AtomicBool::new(false),
             refresh,
         });
@@ -72,6 +77,15 @@ impl Catalog {
         }
     }
 
+    /// What rejecting an approval of `node` does, when the graph version is known here.
+    pub fn on_reject(&self, graph_id: &str, version: u32, node: &str) -> Option<OnReject> {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        graphs
+            .get(graph_id, Some(version))
+            .and_then(|g| g.node(node))
+            .map(|n| n.on_reject.clone())
+    }
+
     fn update(&self, table: &GraphTable) {
         let mut known = BTreeMap::<String, BTreeSet<u32>>::new();
         for graph in table.graphs().all() {
@@ -81,6 +95,7 @@ impl Catalog {
                 .insert(graph.version);
         }
         *self.known.write().unwrap_or_else(|e| e.into_inner()) = known;
+        *self.graphs.write().unwrap_or_else(|e| e.into_inner()) = table.graphs().clone();
     }
 }
 

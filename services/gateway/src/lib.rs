@@ -17,6 +17,7 @@ pub mod error;
 mod extract;
 pub mod fault;
 mod graphs;
+mod inbox;
 pub mod metrics;
 mod openapi;
 mod render;

@@ -84,7 +84,7 @@ fn read_errors(mut responses: Value) -> Value {
 /// The whole document.
 pub fn document() -> Value {
     let security = json!([{"bearer": []}]);
-    json!({
+    let mut doc = json!({
         "openapi": "3.1.0",
         "info": {
             "title": "Sortie gateway",
@@ -322,6 +322,55 @@ pub fn document() -> Value {
             "/openapi.json": {
                 "get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3.1"}}}
             }
+        }
+    });
+    doc["components"]["schemas"]["Inbox"] = inbox_schema();
+    doc["paths"]["/v1/inbox"] = json!({
+        "get": {
+            "summary": "The open approvals of the caller's tenant, with whether the caller may decide each and why not",
+            "security": security,
+            "parameters": [
+                param("limit", "query", "At most this many (1-500, default 100), oldest first.", json!({"type": "integer"})),
+                min_position()
+            ],
+            "responses": read_errors(json!({"200": ok("The open approvals.", "Inbox")}))
+        }
+    });
+    doc
+}
+
+fn inbox_schema() -> Value {
+    let text_or_null = json!({"type": ["string", "null"]});
+    json!({
+        "type": "object",
+        "required": ["items"],
+        "properties": {
+            "truncated": {"type": "boolean", "description": "More approvals are open than `limit`."},
+            "items": {"type": "array", "items": {
+                "type": "object",
+                "required": ["run_id", "graph_id", "tenant", "interrupt_id", "node", "proposal", "proposal_hash", "rationale", "on_reject", "opened_at", "expires_at", "may_decide", "why_not"],
+                "properties": {
+                    "run_id": {"type": "string"},
+                    "graph_id": {"type": "string"},
+                    "graph_version": {"type": "integer"},
+                    "tenant": {"type": "string"},
+                    "run_status": {"type": "string"},
+                    "interrupt_id": {"type": "string"},
+                    "node": {"type": "string"},
+                    "proposal": {"type": "object", "description": "node, step_id, tool and the proposed args."},
+                    "proposal_hash": {"type": "string", "description": "Pass it to /resume: a decision binds to this exact proposal."},
+                    "reason": {"type": "string", "description": "Why the graph gates this node."},
+                    "required_role": text_or_null,
+                    "quorum": {"type": "integer"},
+                    "approvals": {"type": "array", "items": {"type": "string"}},
+                    "rationale": {"type": ["string", "null"], "description": "The agent's rationale (`args.rationale` of the proposal), when it gave one."},
+                    "on_reject": {"type": ["string", "null"], "description": "What a rejection does, from the graph; null when this gateway does not know the graph."},
+                    "opened_at": {"type": "integer", "description": "Unix ms."},
+                    "expires_at": {"type": ["integer", "null"], "description": "Unix ms."},
+                    "may_decide": {"type": "boolean", "description": "The reducer's rule (expiry, role, one approval per principal) applied to the caller now."},
+                    "why_not": {"type": ["string", "null"], "description": "Why the caller may not decide."}
+                }
+            }}
         }
     })
 }

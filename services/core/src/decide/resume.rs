@@ -120,28 +120,10 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             ),
         );
     }
-    if interrupt.expires_at.is_some_and(|due| command.at >= due) {
-        return ctx.reject(
-            command,
-            "expired",
-            format!("interrupt {interrupt_id} expired"),
-        );
-    }
-    if let Some(role) = &interrupt.required_role {
-        if !command.roles.iter().any(|r| r == role) {
-            return ctx.reject(
-                command,
-                "forbidden",
-                format!("deciding needs role {role:?}"),
-            );
-        }
-    }
-    if *approve && interrupt.approvals.iter().any(|p| p == &command.principal) {
-        return ctx.reject(
-            command,
-            "duplicate_approver",
-            format!("{} already approved", command.principal),
-        );
+    if let Some(refusal) =
+        interrupt.refusal(&command.principal, &command.roles, *approve, command.at)
+    {
+        return ctx.reject(command, refusal.code, refusal.reason);
     }
     let Some(graph) = ctx.graph() else { return };
     let Some(node) = graph.node(&interrupt.node) else {
