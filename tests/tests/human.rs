@@ -36,6 +36,8 @@ edges:
 
 const TOKEN: &str = "tok-alice";
 const ALICE: &str = "acme:user:alice:approver:tok-alice";
+/// Same tenant, no roles: may see approvals, may not decide them.
+const BOB: &str = "acme:user:bob::tok-bob";
 const LONG: Duration = Duration::from_secs(90);
 
 /// A stack (reducer, executor, gateway) and one run of [`GRAPH`] that went through its
@@ -45,7 +47,7 @@ async fn finished_run(name: &str) -> (Stack, Vec<Process>, String, String) {
     let reducer = stack.reducer("0");
     let executor = stack.executor_process("executor", &["default"], &[]);
     let (gateway, url) = stack
-        .gateway_process(&stack.dir.join("gateway"), &[ALICE])
+        .gateway_process(&stack.dir.join("gateway"), &[ALICE, BOB])
         .await;
     let client = reqwest::Client::new();
     let started: Value = client
@@ -91,8 +93,12 @@ async fn finished_run(name: &str) -> (Stack, Vec<Process>, String, String) {
 }
 
 fn sortie(gateway: &str, args: &[&str]) -> std::process::Output {
+    sortie_as(TOKEN, gateway, args)
+}
+
+fn sortie_as(token: &str, gateway: &str, args: &[&str]) -> std::process::Output {
     Command::new(sortie_bin())
-        .args(["run", "--gateway", gateway, "--token", TOKEN])
+        .args(["run", "--gateway", gateway, "--token", token])
         .args(args)
         .env_remove("NO_COLOR")
         .output()
@@ -336,4 +342,79 @@ async fn piped_output_has_no_escapes_and_json_still_parses() {
     let run: Value = serde_json::from_slice(&sortie(&gateway, &["get", &run_id, "--json"]).stdout)
         .expect("get --json is JSON");
     assert_eq!(run["status"], "succeeded");
+}
+
+fn stdout(output: std::process::Output) -> String {
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8(output.stdout).expect("utf-8")
+}
+
+/// `run inbox` shows the approvals the caller may decide: alice (approver) sees the
+/// waiting run, bob (no role) sees nothing unless he asks for `--all`, which says why not;
+/// once decided it is gone.
+///
+/// Seen red: with the `may_decide` filter dropped, bob's inbox lists alice's approval.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_inbox_lists_what_the_caller_may_decide() {
+    let (_stack, _processes, gateway, _done) = finished_run("human-inbox").await;
+    let client = reqwest::Client::new();
+    let started: Value = client
+        .post(format!("{gateway}/v1/runs"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"graph_id": "human", "input": {"message": "again"}}))
+        .send()
+        .await
+        .expect("start")
+        .json()
+        .await
+        .expect("json");
+    let run_id = started["run_id"].as_str().expect("run id").to_owned();
+    let run_url = format!("{gateway}/v1/runs/{run_id}");
+    sortie_tests::wait_until("the second run's approval", LONG, || {
+        let request = client.get(&run_url).bearer_auth(TOKEN).send();
+        async move {
+            let Ok(response) = request.await else {
+                return false;
+            };
+            let run: Value = response.json().await.unwrap_or(Value::Null);
+            run["interrupt"]["interrupt_id"].is_string()
+        }
+    })
+    .await;
+
+    let alice = stdout(sortie(&gateway, &["inbox"]));
+    let row = alice
+        .lines()
+        .find(|l| l.starts_with(&run_id))
+        .unwrap_or_else(|| panic!("alice's inbox lacks {run_id}:\n{alice}"));
+    assert!(
+        row.contains(" finish ") && row.contains("a person looks first"),
+        "{row}"
+    );
+    assert!(
+        alice.contains(&format!(
+            "sortie run approve|reject {run_id} --interrupt int_"
+        )),
+        "{alice}"
+    );
+
+    let bob = stdout(sortie_as("tok-bob", &gateway, &["inbox"]));
+    assert_eq!(bob.trim(), "nothing waits for you");
+    let bob_all = stdout(sortie_as("tok-bob", &gateway, &["inbox", "--all"]));
+    let row = bob_all
+        .lines()
+        .find(|l| l.starts_with(&run_id))
+        .unwrap_or_else(|| panic!("bob's --all lacks {run_id}:\n{bob_all}"));
+    assert!(row.contains("approver"), "why not names the role: {row}");
+    let json: Value = serde_json::from_str(&stdout(sortie(&gateway, &["inbox", "--json"])))
+        .expect("inbox --json is JSON");
+    assert_eq!(json["items"][0]["run_id"], run_id.as_str());
+    assert_eq!(json["items"][0]["may_decide"], true);
+
+    stdout(sortie(&gateway, &["approve", &run_id]));
+    sortie_tests::wait_until("the approval to leave the inbox", LONG, || {
+        let text = stdout(sortie(&gateway, &["inbox"]));
+        async move { text.trim() == "nothing waits for you" }
+    })
+    .await;
 }

@@ -1,4 +1,4 @@
-//! `sortie run start|approve|reject|cancel|get|watch|list`: runs through the HTTP gateway,
+//! `sortie run start|approve|reject|cancel|get|watch|list|inbox`: runs through the HTTP gateway,
 //! as any client would. `get`, `watch` and `list` print for people (a timeline, a table;
 //! colour on a terminal only); `--json` prints what the gateway answered, as before, for
 //! scripts.
@@ -74,6 +74,18 @@ enum Sub {
         #[arg(long, default_value_t = 50)]
         limit: usize,
         /// Print the runs as JSON instead (for scripts).
+        #[arg(long)]
+        json: bool,
+    },
+    /// The open approvals you may decide (the gateway's `GET /v1/inbox`), oldest first.
+    Inbox {
+        /// Also show the ones you may not decide, and why not.
+        #[arg(long)]
+        all: bool,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Print the items as JSON instead (for scripts).
         #[arg(long)]
         json: bool,
     },
@@ -176,6 +188,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             limit,
             json,
         } => return list(&client, status, graph, &label, limit, json).await,
+        Sub::Inbox { all, limit, json } => return inbox(&client, all, limit, json).await,
     };
     println!("{}", serde_json::to_string_pretty(&answer)?);
     Ok(())
@@ -438,5 +451,93 @@ async fn list(
             &rows
         )
     );
+    Ok(())
+}
+
+/// `run inbox`: the open interrupts the caller may decide (`--all`: every open one, with
+/// why the caller may not decide it), as a table with the command that decides each.
+async fn inbox(client: &Client, all: bool, limit: usize, as_json: bool) -> anyhow::Result<()> {
+    let answer = client
+        .send(
+            client
+                .request(reqwest::Method::GET, "/v1/inbox")
+                .query(&[("limit", limit.clamp(1, 500).to_string())]),
+        )
+        .await?;
+    let items: Vec<Value> = answer["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|item| all || item["may_decide"].as_bool().unwrap_or(false))
+        .cloned()
+        .collect();
+    if as_json {
+        let body = json!({"items": items, "truncated": answer["truncated"]});
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(());
+    }
+    if items.is_empty() {
+        println!(
+            "{}",
+            if all {
+                "no open approvals"
+            } else {
+                "nothing waits for you"
+            }
+        );
+        return Ok(());
+    }
+    let style = Style::for_stdout();
+    let rows: Vec<Vec<String>> = items
+        .iter()
+        .map(|item| {
+            let mut row = vec![
+                item["run_id"].as_str().unwrap_or("?").to_owned(),
+                item["graph_id"].as_str().unwrap_or("?").to_owned(),
+                item["node"].as_str().unwrap_or("?").to_owned(),
+                human::date_time(item["opened_at"].as_i64().unwrap_or(0)),
+                item["expires_at"]
+                    .as_i64()
+                    .map_or_else(|| "never".to_owned(), human::date_time),
+                item["reason"].as_str().unwrap_or("").to_owned(),
+            ];
+            if all {
+                row.push(
+                    item["why_not"]
+                        .as_str()
+                        .unwrap_or("you may decide")
+                        .to_owned(),
+                );
+            }
+            row
+        })
+        .collect();
+    let mut header = vec![
+        "RUN",
+        "GRAPH",
+        "NODE",
+        "OPENED (UTC)",
+        "EXPIRES (UTC)",
+        "REASON",
+    ];
+    if all {
+        header.push("WHY NOT");
+    }
+    print!("{}", human::table(style, &header, &rows));
+    if answer["truncated"].as_bool().unwrap_or(false) {
+        println!("(more are open: raise --limit)");
+    }
+    if let Some(first) = items
+        .iter()
+        .find(|i| i["may_decide"].as_bool().unwrap_or(false))
+    {
+        println!();
+        println!(
+            "Decide with: sortie run approve|reject {} --interrupt {}   (see it first: sortie run get {})",
+            first["run_id"].as_str().unwrap_or("?"),
+            first["interrupt_id"].as_str().unwrap_or("?"),
+            first["run_id"].as_str().unwrap_or("?"),
+        );
+    }
     Ok(())
 }
