@@ -59,7 +59,7 @@ enum Sub {
         #[arg(long)]
         json: bool,
     },
-    /// List the tenant's runs, newest first, as a table.
+    /// List the tenant's runs as a table.
     List {
         /// Only runs with this status (running, waiting_approval, succeeded, ...).
         #[arg(long)]
