@@ -6,6 +6,7 @@
 //! stops at an approval. Ctrl-C stops
 //! everything cleanly; running it again resumes with the same data.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,6 +18,15 @@ use sortie_devkit::receiver;
 use sortie_kafka::topology::Topology;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, CodecConfig, Topics};
+
+/// `println!` that ignores a closed stdout: `sortie dev | tee log` stopped with Ctrl-C (or
+/// a test harness that died) must still stop every service and the broker, not panic on
+/// the first goodbye line and leave them running.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -96,7 +106,7 @@ impl Stack {
         let child = command
             .spawn()
             .with_context(|| format!("starting {name}"))?;
-        println!(
+        say!(
             "  {name:<9} started (pid {}, log {})",
             child.id(),
             log.display()
@@ -133,7 +143,7 @@ impl Stack {
                     Ok(None) => std::thread::sleep(Duration::from_millis(100)),
                 }
             }
-            println!("  {} stopped", service.name);
+            say!("  {} stopped", service.name);
         }
     }
 }
@@ -201,7 +211,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let logs = data_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     let token = dev_token(&data_dir, args.token)?;
-    println!(
+    say!(
         "Starting Sortie's local stack (data in {}).",
         data_dir.display()
     );
@@ -214,7 +224,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ));
     let running = tokio::task::spawn_blocking(move || broker.ensure_running()).await??;
     let bootstrap = running.bootstrap.clone();
-    println!(
+    say!(
         "  kafka     {bootstrap} ({})",
         if running.reused {
             "already running"
@@ -254,7 +264,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let report = Topology::load(repo_file("topology/topics.yaml")?)?
         .apply(&kafka)
         .await?;
-    println!(
+    say!(
         "  topics    {} created, {} already there",
         report.created.len(),
         report.unchanged.len()
@@ -271,7 +281,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             receiver::rebase_urls(&mut node.config, &receiver_url);
         }
         sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
-        println!("  graph     {} published", graph.key());
+        say!("  graph     {} published", graph.key());
     }
 
     // 5. The services, each its own process.
@@ -314,31 +324,31 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     )
     .await?;
 
-    println!();
-    println!("Sortie is running.");
-    println!("  gateway   {gateway_url}   (tenant \"dev\", token {token})");
-    println!("  registry  {registry_url}");
-    println!("  ledger    {receiver_url}/ledger   (every call the graphs' receivers answered)");
-    println!("  kafka     {bootstrap}");
+    say!();
+    say!("Sortie is running.");
+    say!("  gateway   {gateway_url}   (tenant \"dev\", token {token})");
+    say!("  registry  {registry_url}");
+    say!("  ledger    {receiver_url}/ledger   (every call the graphs' receivers answered)");
+    say!("  kafka     {bootstrap}");
 
     if !args.no_demo {
         demo(&gateway_url, &token).await?;
     }
     refund_story(&gateway_url, &receiver_url, &token);
-    println!("Ctrl-C stops everything; `sortie dev` again resumes with the same data.");
+    say!("Ctrl-C stops everything; `sortie dev` again resumes with the same data.");
 
     loop {
         tokio::select! {
             () = crate::shutdown_signal() => break,
             () = tokio::time::sleep(Duration::from_secs(1)) => {
                 if let Some((name, log, status)) = stack.exited() {
-                    eprintln!("{name} exited ({status}); see {}. Stopping the stack.", log.display());
+                    let _ = writeln!(std::io::stderr(), "{name} exited ({status}); see {}. Stopping the stack.", log.display());
                     break;
                 }
             }
         }
     }
-    println!("Stopping...");
+    say!("Stopping...");
     stack.stop();
     let broker = LocalBroker::new(BrokerConfig::new(
         data_dir.join("kafka"),
@@ -346,7 +356,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         repo_file("dev/kafka/pom.xml")?,
     ));
     tokio::task::spawn_blocking(move || broker.stop()).await??;
-    println!("  kafka     stopped (data kept)");
+    say!("  kafka     stopped (data kept)");
     Ok(())
 }
 
@@ -381,30 +391,30 @@ async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    println!();
-    println!("A demo mission is waiting for your approval: {run_id}");
-    println!("Approve it with curl:");
-    println!(
+    say!();
+    say!("A demo mission is waiting for your approval: {run_id}");
+    say!("Approve it with curl:");
+    say!(
         "  curl -s -X POST {gateway}/v1/runs/{run_id}/resume -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' -d '{{\"decision\": \"approve\", \"interrupt_id\": \"{interrupt}\"}}'"
     );
-    println!("or with the CLI:");
-    println!("  cargo run -q -p sortie -- run --token {token} approve {run_id}");
-    println!("Follow it:");
-    println!("  cargo run -q -p sortie -- run --token {token} watch {run_id}");
-    println!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");
-    println!();
+    say!("or with the CLI:");
+    say!("  cargo run -q -p sortie -- run --token {token} approve {run_id}");
+    say!("Follow it:");
+    say!("  cargo run -q -p sortie -- run --token {token} watch {run_id}");
+    say!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");
+    say!();
     Ok(())
 }
 
 /// How to run the refund story (`topology/graphs/refund.yaml`) against the dev receiver.
 fn refund_story(gateway: &str, receiver: &str, token: &str) {
     let sortie = format!("cargo run -q -p sortie -- run --gateway {gateway} --token {token}");
-    println!("The refund story (topology/graphs/refund.yaml): read the order, check the policy,");
-    println!("wait for an approver, refund (keyed by the operation id), notify the customer.");
-    println!("  {sortie} start refund --input '{{\"order_id\": \"ord-1001\", \"customer_id\": \"cus-42\", \"reason\": \"arrived damaged\"}}'");
-    println!("  {sortie} get <run_id>        # waiting_approval: a refund waits for an approver");
-    println!("  {sortie} approve <run_id>");
-    println!("  {sortie} watch <run_id>      # the timeline, until the run has succeeded");
-    println!("  curl -s {receiver}/ledger      # one refund per idempotency key");
-    println!();
+    say!("The refund story (topology/graphs/refund.yaml): read the order, check the policy,");
+    say!("wait for an approver, refund (keyed by the operation id), notify the customer.");
+    say!("  {sortie} start refund --input '{{\"order_id\": \"ord-1001\", \"customer_id\": \"cus-42\", \"reason\": \"arrived damaged\"}}'");
+    say!("  {sortie} get <run_id>        # waiting_approval: a refund waits for an approver");
+    say!("  {sortie} approve <run_id>");
+    say!("  {sortie} watch <run_id>      # the timeline, until the run has succeeded");
+    say!("  curl -s {receiver}/ledger      # one refund per idempotency key");
+    say!();
 }
