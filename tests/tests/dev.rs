@@ -296,6 +296,8 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
         assert_eq!(snapshot.effects(key), 1, "refund {key}: {snapshot:?}");
     }
 
+    reversal_undoes_a_refund(&client, gateway, receiver, token).await;
+
     // What an executor retrying after a lost answer sends: the same key, the same body.
     if let Some(first) = refunds.first() {
         let key = first.operation_id.clone().expect("key");
@@ -317,4 +319,95 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
             "a repeated key refunded again"
         );
     }
+}
+
+/// The refund story's unhappy end: the customer cannot be notified (the receiver refuses
+/// `cus-unreachable…` with 422, a permanent failure), so the run fails after its refund and
+/// the compensation reverses that refund, once, with the refund's id.
+///
+/// Seen red: with the receiver notifying unreachable customers anyway, the run succeeds
+/// and nothing is reversed; the stack was still stopped by the guard.
+async fn reversal_undoes_a_refund(
+    client: &reqwest::Client,
+    gateway: &str,
+    receiver: &str,
+    token: &str,
+) {
+    let input = json!({
+        "order_id": "ord-unhappy",
+        "customer_id": format!("{}-1", receiver::UNREACHABLE),
+        "reason": "arrived damaged",
+    });
+    let started: Value = client
+        .post(format!("{gateway}/v1/runs"))
+        .bearer_auth(token)
+        .json(&json!({"graph_id": "refund", "input": input}))
+        .send()
+        .await
+        .expect("start")
+        .json()
+        .await
+        .expect("json");
+    let run_id = started["run_id"].as_str().expect("run id").to_owned();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let run = loop {
+        let run: Value = client
+            .get(format!("{gateway}/v1/runs/{run_id}"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("get")
+            .json()
+            .await
+            .expect("json");
+        if matches!(
+            run["status"].as_str(),
+            Some("failed" | "cancelled" | "succeeded")
+        ) {
+            break run;
+        }
+        if let Some(id) = run["interrupt"]["interrupt_id"].as_str() {
+            let _ = client
+                .post(format!("{gateway}/v1/runs/{run_id}/resume"))
+                .bearer_auth(token)
+                .json(&json!({"decision": "approve", "interrupt_id": id}))
+                .send()
+                .await;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the unhappy refund did not end: {run}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(run["status"], "failed", "{run}");
+    let snapshot: Snapshot = client
+        .get(format!("{receiver}/ledger"))
+        .send()
+        .await
+        .expect("ledger")
+        .json()
+        .await
+        .expect("snapshot");
+    let refund = snapshot
+        .calls
+        .iter()
+        .find(|e| e.name == receiver::PAYMENTS_REFUND && e.body["order_id"] == "ord-unhappy")
+        .expect("the unhappy run refunded");
+    let reversals: Vec<&Entry> = snapshot
+        .calls
+        .iter()
+        .filter(|e| {
+            e.name == receiver::PAYMENTS_REVERSE
+                && e.body["refund_id"] == refund.answer["refund_id"]
+        })
+        .collect();
+    assert_eq!(
+        reversals.len(),
+        1,
+        "one reversal of {}: {snapshot:?}",
+        refund.answer
+    );
+    assert_eq!(reversals[0].body["amount"], refund.body["amount"]);
+    assert_eq!(reversals[0].answer["status"], "reversed");
 }

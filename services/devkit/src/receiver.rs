@@ -6,7 +6,7 @@
 //! | `POST /orders/read` | `pure` (a read: every call is recorded, none deduped) | the order: `order_id`, `customer_id`, `total`, `currency`, `status`, `items` |
 //! | `POST /payments/refund` | `keyed`: a repeated `Idempotency-Key` gets the first answer and refunds nothing | `refund_id`, `status: refunded`, `order_id`, `amount`, `currency` |
 //! | `POST /payments/reverse` | `keyed` | `reversal_id`, `refund_id`, `status: reversed`, `amount` |
-//! | `POST /notifications/refund` | `idempotent`: the same request again changes nothing | `notification_id`, `channel`, `status: sent`, `customer_id` |
+//! | `POST /notifications/refund` | `idempotent`: the same request again changes nothing | `notification_id`, `channel`, `status: sent`, `customer_id`; a customer id starting `cus-unreachable` is refused with 422 (nothing recorded), so a refund run can be made to fail after its refund and show the reversal |
 //! | `GET /status/{operation_id}` | `reconcilable` lookups, for any route | 200 `{"status": "succeeded", "output"}` or 404 |
 //!
 //! plus the ledger's own routes (`/ledger`, `/ledger/{operation_id}`, `/effects/{name}`,
@@ -38,6 +38,9 @@ pub const ORDERS_READ: &str = "orders/read";
 pub const PAYMENTS_REFUND: &str = "payments/refund";
 pub const PAYMENTS_REVERSE: &str = "payments/reverse";
 pub const NOTIFICATIONS_REFUND: &str = "notifications/refund";
+/// Customers whose ids start with this cannot be notified (a permanent 422): the refund
+/// story then fails after its refund and the refund is reversed.
+pub const UNREACHABLE: &str = "cus-unreachable";
 
 /// The dev receiver's routes, recording into `ledger`.
 pub fn router(ledger: Arc<Ledger>) -> Router {
@@ -244,6 +247,13 @@ async fn notify(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
         Ok(body) => body,
         Err(refused) => return *refused,
     };
+    if text(&body, "customer_id").starts_with(UNREACHABLE) {
+        return (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            Json(json!({"error": "the customer has no contact channel"})),
+        )
+            .into_response();
+    }
     let seed = body.to_string();
     answer(
         &ledger,
