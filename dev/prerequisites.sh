@@ -17,6 +17,7 @@ need mvn maven
 need python3 python3
 need chromium chromium
 need chromedriver chromium-driver
+need tmux tmux   # tests/tests/human.rs reads the CLI's output the way a person sees it
 [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
 [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)

@@ -1,11 +1,16 @@
 //! `sortie dev` on its own data dir and ports: it brings the whole stack up from nothing,
-//! stops at the demo's approval, the printed CLI approval finishes the run, and Ctrl-C
-//! stops every process cleanly.
+//! stops at the demo's approval, the printed CLI approval finishes the run, every graph in
+//! `topology/graphs/` runs to `succeeded` against the dev receiver (so an example can never
+//! rot), and Ctrl-C stops every process cleanly.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sortie_devkit::ledger::{Entry, Snapshot};
+use sortie_devkit::receiver;
 
 fn free_port() -> u16 {
     // Broker and controller need two consecutive free ports.
@@ -23,6 +28,28 @@ fn free_addr() -> String {
     listener.local_addr().expect("addr").to_string()
 }
 
+/// `sortie dev`, stopped with Ctrl-C (SIGINT) when a failed assertion unwinds, so a red
+/// test leaves no broker or service behind (the reader of its stdout is still alive then,
+/// so its goodbye lines do not meet a closed pipe).
+struct DevStack(std::process::Child);
+
+impl Drop for DevStack {
+    fn drop(&mut self) {
+        if !matches!(self.0.try_wait(), Ok(None)) {
+            return;
+        }
+        if let Some(pid) = rustix::process::Pid::from_raw(self.0.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
+        }
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
     let bin = sortie_tests::stack::sortie_bin();
@@ -30,8 +57,9 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
         .join("target/test-runs")
         .join(sortie_tests::unique_prefix("dev").trim_end_matches('.'));
     let gateway = free_addr();
+    let ledger = free_addr();
     let kafka_port = free_port();
-    let mut child = Command::new(&bin)
+    let child = Command::new(&bin)
         .args([
             "dev",
             "--data-dir",
@@ -43,7 +71,7 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
             "--registry-addr",
             &free_addr(),
             "--ledger-addr",
-            &free_addr(),
+            &ledger,
             "--token",
             "test-token",
         ])
@@ -52,7 +80,8 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
         .stderr(Stdio::null())
         .spawn()
         .expect("sortie dev starts");
-    let stdout = child.stdout.take().expect("stdout");
+    let mut child = DevStack(child);
+    let stdout = child.0.stdout.take().expect("stdout");
     let (lines, received) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -104,6 +133,8 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
             "test-token",
             "watch",
             &run_id,
+            // The old output, one JSON event per line: scripts keep working.
+            "--json",
         ])
         .output()
         .expect("watch runs");
@@ -113,9 +144,16 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
         "the demo did not finish: {history}"
     );
 
-    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("pid");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    runtime.block_on(every_example_graph_succeeds(
+        &gateway_url,
+        &format!("http://{ledger}"),
+        "test-token",
+    ));
+
+    let pid = rustix::process::Pid::from_raw(child.0.id() as i32).expect("pid");
     rustix::process::kill_process(pid, rustix::process::Signal::INT).expect("SIGINT");
-    let status = child.wait().expect("sortie dev exits");
+    let status = child.0.wait().expect("sortie dev exits");
     assert!(
         status.success(),
         "sortie dev did not stop cleanly: {status}"
@@ -125,4 +163,251 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
         rest.iter().any(|l| l.contains("kafka     stopped")),
         "{rest:?}"
     );
+    assert!(
+        rest.iter().any(|l| l.contains(" start refund --input ")),
+        "sortie dev did not print the refund story: {rest:?}"
+    );
+}
+
+/// The input a graph file asks for: every `$input.<name>` it mentions, as a string.
+fn example_input(text: &str) -> Value {
+    let mut input = serde_json::Map::new();
+    for (at, _) in text.match_indices("$input.") {
+        let name: String = text[at + "$input.".len()..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() {
+            input.insert(name.clone(), Value::String(format!("example-{name}")));
+        }
+    }
+    Value::Object(input)
+}
+
+/// Starts one run of every graph file in `topology/graphs/` (enumerated, so a new file is
+/// covered without touching this test), approves through the HTTP API whenever a run asks,
+/// and waits until every run has succeeded. Then the dev receiver's ledger must hold
+/// exactly one refund per idempotency key, and a repeated refund (what a retry after a
+/// lost answer sends) must get the first answer and refund nothing.
+///
+/// Seen red: with the receiver's refund route deduping nothing (`Mode::Plain`), the
+/// repeated refund below is a second effect.
+async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str) {
+    let client = reqwest::Client::new();
+    let dir = sortie_tests::workspace_root().join("topology/graphs");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("topology/graphs")
+        .map(|entry| entry.expect("entry").path())
+        .filter(|path| {
+            path.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
+        })
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no graph files in {}", dir.display());
+
+    let mut runs = Vec::new();
+    for file in &files {
+        let graph = sortie_catalog::load_file(file).expect("the graph file loads");
+        let text = std::fs::read_to_string(file).expect("read");
+        let started: Value = client
+            .post(format!("{gateway}/v1/runs"))
+            .bearer_auth(token)
+            .json(&json!({"graph_id": graph.id, "input": example_input(&text)}))
+            .send()
+            .await
+            .expect("start")
+            .json()
+            .await
+            .expect("json");
+        let run_id = started["run_id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{} did not start: {started}", file.display()))
+            .to_owned();
+        runs.push((file.display().to_string(), run_id));
+    }
+
+    for (file, run_id) in &runs {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let run: Value = client
+                .get(format!("{gateway}/v1/runs/{run_id}"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .expect("get")
+                .json()
+                .await
+                .expect("json");
+            match run["status"].as_str().unwrap_or_default() {
+                "succeeded" => break,
+                "failed" | "cancelled" => panic!("{file}: run {run_id} ended {run}"),
+                _ => {}
+            }
+            for interrupt in run["interrupts"].as_array().into_iter().flatten() {
+                let id = interrupt["interrupt_id"].as_str().expect("interrupt id");
+                let answer = client
+                    .post(format!("{gateway}/v1/runs/{run_id}/resume"))
+                    .bearer_auth(token)
+                    .json(&json!({"decision": "approve", "interrupt_id": id}))
+                    .send()
+                    .await
+                    .expect("resume");
+                assert!(
+                    answer.status().is_success() || answer.status().as_u16() == 409,
+                    "{file}: approving {id}: {}",
+                    answer.text().await.unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{file}: run {run_id} did not succeed: {run}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    let ledger = |client: reqwest::Client| async move {
+        client
+            .get(format!("{receiver}/ledger"))
+            .send()
+            .await
+            .expect("ledger")
+            .json::<Snapshot>()
+            .await
+            .expect("snapshot")
+    };
+    let snapshot = ledger(client.clone()).await;
+    let refunds: Vec<&Entry> = snapshot
+        .calls
+        .iter()
+        .filter(|e| e.name == receiver::PAYMENTS_REFUND)
+        .collect();
+    assert!(
+        !refunds.is_empty() || !files.iter().any(|f| f.ends_with("refund.yaml")),
+        "the refund story refunded nothing: {snapshot:?}"
+    );
+    for refund in &refunds {
+        let key = refund
+            .operation_id
+            .as_deref()
+            .expect("a refund carries its key");
+        assert_eq!(snapshot.effects(key), 1, "refund {key}: {snapshot:?}");
+    }
+
+    reversal_undoes_a_refund(&client, gateway, receiver, token).await;
+
+    // What an executor retrying after a lost answer sends: the same key, the same body.
+    if let Some(first) = refunds.first() {
+        let key = first.operation_id.clone().expect("key");
+        let repeat: Value = client
+            .post(format!("{receiver}/{}", receiver::PAYMENTS_REFUND))
+            .header("Idempotency-Key", &key)
+            .json(&first.body)
+            .send()
+            .await
+            .expect("repeat")
+            .json()
+            .await
+            .expect("json");
+        assert_eq!(repeat, first.answer, "a repeated key gets the first answer");
+        let after = ledger(client.clone()).await;
+        assert_eq!(
+            (after.effects(&key), after.calls(&key)),
+            (1, snapshot.calls(&key) + 1),
+            "a repeated key refunded again"
+        );
+    }
+}
+
+/// The refund story's unhappy end: the customer cannot be notified (the receiver refuses
+/// `cus-unreachable…` with 422, a permanent failure), so the run fails after its refund and
+/// the compensation reverses that refund, once, with the refund's id.
+///
+/// Seen red: with the receiver notifying unreachable customers anyway, the run succeeds
+/// and nothing is reversed; the stack was still stopped by the guard.
+async fn reversal_undoes_a_refund(
+    client: &reqwest::Client,
+    gateway: &str,
+    receiver: &str,
+    token: &str,
+) {
+    let input = json!({
+        "order_id": "ord-unhappy",
+        "customer_id": format!("{}-1", receiver::UNREACHABLE),
+        "reason": "arrived damaged",
+    });
+    let started: Value = client
+        .post(format!("{gateway}/v1/runs"))
+        .bearer_auth(token)
+        .json(&json!({"graph_id": "refund", "input": input}))
+        .send()
+        .await
+        .expect("start")
+        .json()
+        .await
+        .expect("json");
+    let run_id = started["run_id"].as_str().expect("run id").to_owned();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let run = loop {
+        let run: Value = client
+            .get(format!("{gateway}/v1/runs/{run_id}"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("get")
+            .json()
+            .await
+            .expect("json");
+        if matches!(
+            run["status"].as_str(),
+            Some("failed" | "cancelled" | "succeeded")
+        ) {
+            break run;
+        }
+        if let Some(id) = run["interrupt"]["interrupt_id"].as_str() {
+            let _ = client
+                .post(format!("{gateway}/v1/runs/{run_id}/resume"))
+                .bearer_auth(token)
+                .json(&json!({"decision": "approve", "interrupt_id": id}))
+                .send()
+                .await;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the unhappy refund did not end: {run}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(run["status"], "failed", "{run}");
+    let snapshot: Snapshot = client
+        .get(format!("{receiver}/ledger"))
+        .send()
+        .await
+        .expect("ledger")
+        .json()
+        .await
+        .expect("snapshot");
+    let refund = snapshot
+        .calls
+        .iter()
+        .find(|e| e.name == receiver::PAYMENTS_REFUND && e.body["order_id"] == "ord-unhappy")
+        .expect("the unhappy run refunded");
+    let reversals: Vec<&Entry> = snapshot
+        .calls
+        .iter()
+        .filter(|e| {
+            e.name == receiver::PAYMENTS_REVERSE
+                && e.body["refund_id"] == refund.answer["refund_id"]
+        })
+        .collect();
+    assert_eq!(
+        reversals.len(),
+        1,
+        "one reversal of {}: {snapshot:?}",
+        refund.answer
+    );
+    assert_eq!(reversals[0].body["amount"], refund.body["amount"]);
+    assert_eq!(reversals[0].answer["status"], "reversed");
 }

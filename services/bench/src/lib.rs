@@ -80,6 +80,9 @@ pub struct Options {
     pub timeout: Duration,
     /// Measure a rolling restart (`roll`) instead of throughput and restarts.
     pub roll: bool,
+    /// Called about once a second during a load with a line saying how it goes, and with
+    /// `""` when the load ends (the CLI rewrites one line on a terminal with it).
+    pub progress: Option<fn(&str)>,
 }
 
 impl Options {
@@ -113,6 +116,7 @@ impl Options {
             scale_load_runs: 500,
             timeout: Duration::from_secs(600),
             roll: false,
+            progress: None,
         }
     }
 
@@ -390,6 +394,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         bench.codec.clone(),
         bench.runtime.clone(),
     )?;
+    driver.progress = options.progress;
     let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
     eprintln!("sortie bench: calibration run");
     let pattern = {

@@ -99,6 +99,9 @@ pub struct Driver {
     codec: Arc<Codec>,
     runtime: Handle,
     pub pattern: Option<Pattern>,
+    /// Told how a load is going about once a second, and `""` when it ends
+    /// ([`crate::Options::progress`]).
+    pub progress: Option<fn(&str)>,
 }
 
 impl std::fmt::Debug for Driver {
@@ -162,6 +165,7 @@ impl Driver {
             codec,
             runtime,
             pattern: None,
+            progress: None,
         })
     }
 
@@ -336,6 +340,13 @@ impl Driver {
                     service.check_alive()?;
                 }
                 checked = Instant::now();
+                if let Some(progress) = self.progress {
+                    progress(&format!(
+                        "sortie bench: {ended}/{} runs ended, {} s",
+                        commands.len(),
+                        started.elapsed().as_secs()
+                    ));
+                }
             }
             let Some(message) = self.next(Duration::from_millis(50))? else {
                 continue;
@@ -394,6 +405,9 @@ impl Driver {
                 tracks.insert(run_id.clone(), new_track());
                 next += 1;
             }
+        }
+        if let Some(progress) = self.progress {
+            progress("");
         }
         outcome.elapsed = last_end.duration_since(started);
         Ok(outcome)

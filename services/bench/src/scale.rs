@@ -174,6 +174,7 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
         bench.codec.clone(),
         bench.runtime.clone(),
     )?;
+    driver.progress = options.progress;
     let probe = |name: &str| -> anyhow::Result<(String, Vec<u8>)> {
         let run_id = format!("probe-{name}");
         let bytes = bench.runtime.block_on(Driver::start_command(

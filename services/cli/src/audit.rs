@@ -42,7 +42,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         auto_register: false,
     });
     let runtime = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
+    let verify = replay.verify;
+    // The work runs on the blocking pool while a progress line (terminal only) ticks; what
+    // it found is printed afterwards, so the two never share a line.
+    let work = tokio::task::spawn_blocking(move || -> anyhow::Result<Outcome> {
         if let (Some(run), Some(version)) = (&replay.run, replay.at_version) {
             let histories = audit::histories(&kafka, &topics, &codec, &runtime)?;
             let history = histories
@@ -50,8 +53,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .with_context(|| format!("run {run} has no history"))?;
             let state = audit::state_at(history, version)
                 .with_context(|| format!("run {run} did not exist at version {version}"))?;
-            println!("{}", serde_json::to_string_pretty(&state)?);
-            return Ok(());
+            return Ok(Outcome::State(serde_json::to_string_pretty(&state)?));
         }
         let report = audit::replay(
             &kafka,
@@ -61,25 +63,47 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             replay.run.as_deref(),
             replay.verify,
         )?;
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        if report.diverged > 0 {
-            bail!(
-                "{} of {} runs diverge from their history",
-                report.diverged,
-                report.runs
+        Ok(Outcome::Report {
+            json: serde_json::to_string_pretty(&report)?,
+            runs: report.runs,
+            events: report.events,
+            diverged: report.diverged,
+        })
+    });
+    let outcome =
+        crate::progress::during("audit replay: reading and re-folding histories", work).await??;
+    match outcome {
+        Outcome::State(json) => println!("{json}"),
+        Outcome::Report {
+            json,
+            runs,
+            events,
+            diverged,
+        } => {
+            println!("{json}");
+            if diverged > 0 {
+                bail!("{diverged} of {runs} runs diverge from their history");
+            }
+            eprintln!(
+                "{runs} runs, {events} events: every history folds to its state{}",
+                if verify {
+                    " and every hash chain holds"
+                } else {
+                    ""
+                }
             );
         }
-        eprintln!(
-            "{} runs, {} events: every history folds to its state{}",
-            report.runs,
-            report.events,
-            if replay.verify {
-                " and every hash chain holds"
-            } else {
-                ""
-            }
-        );
-        Ok(())
-    })
-    .await?
+    }
+    Ok(())
+}
+
+/// What a replay found, printed once the progress line is gone.
+enum Outcome {
+    State(String),
+    Report {
+        json: String,
+        runs: usize,
+        events: usize,
+        diverged: usize,
+    },
 }

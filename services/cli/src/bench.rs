@@ -126,9 +126,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         },
         timeout: args.timeout_s.map_or(base.timeout, Duration::from_secs),
         roll: args.roll,
+        progress: Some(crate::progress::line),
         ..base
     };
-    let report = sortie_bench::run(options).await?;
+    let report = sortie_bench::run(options).await;
+    crate::progress::clear();
+    let report = report?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }

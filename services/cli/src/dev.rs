@@ -1,10 +1,12 @@
 //! `sortie dev`: the whole local stack in one command, on a fresh checkout.
 //!
 //! A real Apache Kafka (KRaft), the schema registry, the topology, the example graphs,
-//! then the services as their own processes — ledger (the demo's receiver), reducer,
-//! executor, gateway — and a demo mission that stops at an approval. Ctrl-C stops
+//! then the services as their own processes — ledger (the dev receiver every example
+//! graph calls, recording each call), reducer, executor, gateway — and a demo mission that
+//! stops at an approval. Ctrl-C stops
 //! everything cleanly; running it again resumes with the same data.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -12,9 +14,19 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use serde_json::{json, Value};
 use sortie_devkit::local::{BrokerConfig, LocalBroker};
+use sortie_devkit::receiver;
 use sortie_kafka::topology::Topology;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, CodecConfig, Topics};
+
+/// `println!` that ignores a closed stdout: `sortie dev | tee log` stopped with Ctrl-C (or
+/// a test harness that died) must still stop every service and the broker, not panic on
+/// the first goodbye line and leave them running.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -32,7 +44,8 @@ pub struct Args {
     kafka_port: u16,
     #[arg(long, default_value = "127.0.0.1:8081")]
     registry_addr: String,
-    /// The ledger (the demo's HTTP receiver).
+    /// The ledger and dev receiver: the example graphs' URLs (`http://127.0.0.1:8090/...`)
+    /// are rewritten to this address when they are published.
     #[arg(long, default_value = "127.0.0.1:8090")]
     ledger_addr: String,
     /// Do not start the demo mission.
@@ -93,7 +106,7 @@ impl Stack {
         let child = command
             .spawn()
             .with_context(|| format!("starting {name}"))?;
-        println!(
+        say!(
             "  {name:<9} started (pid {}, log {})",
             child.id(),
             log.display()
@@ -130,7 +143,7 @@ impl Stack {
                     Ok(None) => std::thread::sleep(Duration::from_millis(100)),
                 }
             }
-            println!("  {} stopped", service.name);
+            say!("  {} stopped", service.name);
         }
     }
 }
@@ -198,7 +211,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let logs = data_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     let token = dev_token(&data_dir, args.token)?;
-    println!(
+    say!(
         "Starting Sortie's local stack (data in {}).",
         data_dir.display()
     );
@@ -211,7 +224,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ));
     let running = tokio::task::spawn_blocking(move || broker.ensure_running()).await??;
     let bootstrap = running.bootstrap.clone();
-    println!(
+    say!(
         "  kafka     {bootstrap} ({})",
         if running.reused {
             "already running"
@@ -251,7 +264,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let report = Topology::load(repo_file("topology/topics.yaml")?)?
         .apply(&kafka)
         .await?;
-    println!(
+    say!(
         "  topics    {} created, {} already there",
         report.created.len(),
         report.unchanged.len()
@@ -262,9 +275,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     });
     let topics = Topics::default();
     let now = sortie_kafka::clock::now_ms();
-    for graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
+    let receiver_url = format!("http://{}", args.ledger_addr);
+    for mut graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
+        for node in &mut graph.nodes {
+            receiver::rebase_urls(&mut node.config, &receiver_url);
+        }
         sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
-        println!("  graph     {} published", graph.key());
+        say!("  graph     {} published", graph.key());
     }
 
     // 5. The services, each its own process.
@@ -279,6 +296,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &ledger_file,
             "--mode",
             "keyed",
+            "--dev-routes",
         ],
     )?;
     let reducer_dir = data_dir.join("reducer").display().to_string();
@@ -306,34 +324,32 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     )
     .await?;
 
-    println!();
-    println!("Sortie is running.");
-    println!("  gateway   {gateway_url}   (tenant \"dev\", token {token})");
-    println!("  console   {gateway_url}/ui/   (sign in with the token)");
-    println!("  registry  {registry_url}");
-    println!(
-        "  ledger    http://{}/ledger   (what the demo's receivers were asked to do)",
-        args.ledger_addr
-    );
-    println!("  kafka     {bootstrap}");
+    say!();
+    say!("Sortie is running.");
+    say!("  gateway   {gateway_url}   (tenant \"dev\", token {token})");
+    say!("  console   {gateway_url}/ui/   (sign in with the token)");
+    say!("  registry  {registry_url}");
+    say!("  ledger    {receiver_url}/ledger   (every call the graphs' receivers answered)");
+    say!("  kafka     {bootstrap}");
 
     if !args.no_demo {
         demo(&gateway_url, &token).await?;
     }
-    println!("Ctrl-C stops everything; `sortie dev` again resumes with the same data.");
+    refund_story(&gateway_url, &receiver_url, &token);
+    say!("Ctrl-C stops everything; `sortie dev` again resumes with the same data.");
 
     loop {
         tokio::select! {
             () = crate::shutdown_signal() => break,
             () = tokio::time::sleep(Duration::from_secs(1)) => {
                 if let Some((name, log, status)) = stack.exited() {
-                    eprintln!("{name} exited ({status}); see {}. Stopping the stack.", log.display());
+                    let _ = writeln!(std::io::stderr(), "{name} exited ({status}); see {}. Stopping the stack.", log.display());
                     break;
                 }
             }
         }
     }
-    println!("Stopping...");
+    say!("Stopping...");
     stack.stop();
     let broker = LocalBroker::new(BrokerConfig::new(
         data_dir.join("kafka"),
@@ -341,7 +357,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         repo_file("dev/kafka/pom.xml")?,
     ));
     tokio::task::spawn_blocking(move || broker.stop()).await??;
-    println!("  kafka     stopped (data kept)");
+    say!("  kafka     stopped (data kept)");
     Ok(())
 }
 
@@ -376,18 +392,31 @@ async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     };
-    println!();
-    println!("A demo mission is waiting for your approval: {run_id}");
-    println!("Approve it with curl:");
-    println!(
+    say!();
+    say!("A demo mission is waiting for your approval: {run_id}");
+    say!("Approve it with curl:");
+    say!(
         "  curl -s -X POST {gateway}/v1/runs/{run_id}/resume -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' -d '{{\"decision\": \"approve\", \"interrupt_id\": \"{interrupt}\"}}'"
     );
-    println!("or with the CLI:");
-    println!("  cargo run -q -p sortie -- run --token {token} approve {run_id}");
-    println!("or in the console's approval inbox: {gateway}/ui/#/inbox");
-    println!("Follow it:");
-    println!("  cargo run -q -p sortie -- run --token {token} watch {run_id}");
-    println!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");
-    println!();
+    say!("or with the CLI:");
+    say!("  cargo run -q -p sortie -- run --token {token} approve {run_id}");
+    say!("or in the console's approval inbox: {gateway}/ui/#/inbox");
+    say!("Follow it:");
+    say!("  cargo run -q -p sortie -- run --token {token} watch {run_id}");
+    say!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");
+    say!();
     Ok(())
+}
+
+/// How to run the refund story (`topology/graphs/refund.yaml`) against the dev receiver.
+fn refund_story(gateway: &str, receiver: &str, token: &str) {
+    let sortie = format!("cargo run -q -p sortie -- run --gateway {gateway} --token {token}");
+    say!("The refund story (topology/graphs/refund.yaml): read the order, check the policy,");
+    say!("wait for an approver, refund (keyed by the operation id), notify the customer.");
+    say!("  {sortie} start refund --input '{{\"order_id\": \"ord-1001\", \"customer_id\": \"cus-42\", \"reason\": \"arrived damaged\"}}'");
+    say!("  {sortie} get <run_id>        # waiting_approval: a refund waits for an approver");
+    say!("  {sortie} approve <run_id>");
+    say!("  {sortie} watch <run_id>      # the timeline, until the run has succeeded");
+    say!("  curl -s {receiver}/ledger      # one refund per idempotency key");
+    say!();
 }

@@ -1,12 +1,16 @@
 //! `sortie ledger`: the receiver that records every side effect (tests, demos). Prints
 //! `ledger listening on http://<addr>` on stdout once it accepts connections, so
-//! `--addr 127.0.0.1:0` works for callers that read the address back.
+//! `--addr 127.0.0.1:0` works for callers that read the address back. With
+//! `--dev-routes` it is also the dev receiver (`sortie_devkit::receiver`): it answers the
+//! example graphs' URLs (orders, payments, notifications, status lookups) and records
+//! every call it answers.
 
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use sortie_devkit::ledger::{self, Ledger, Mode};
+use sortie_devkit::receiver;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -23,6 +27,11 @@ pub struct Args {
     /// plain | keyed | idempotent | reconcilable.
     #[arg(long, env = "SORTIE__LEDGER__MODE", default_value = "keyed")]
     mode: Mode,
+    /// Also answer the example graphs' URLs (`topology/graphs/`): `POST /orders/read`,
+    /// `/payments/refund` and `/payments/reverse` (deduped by `Idempotency-Key`),
+    /// `/notifications/refund`, and `GET /status/{operation_id}` for any call.
+    #[arg(long, env = "SORTIE__LEDGER__DEV_ROUTES")]
+    dev_routes: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -35,6 +44,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         writeln!(stdout, "ledger listening on http://{addr}")?;
         stdout.flush()?;
     }
-    ledger::serve(listener, ledger, crate::shutdown_signal()).await?;
+    if args.dev_routes {
+        receiver::serve(listener, ledger, crate::shutdown_signal()).await?;
+    } else {
+        ledger::serve(listener, ledger, crate::shutdown_signal()).await?;
+    }
     Ok(())
 }

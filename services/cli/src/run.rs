@@ -1,8 +1,14 @@
-//! `sortie run start|approve|reject|cancel|get|watch`: runs through the HTTP gateway, as
-//! any client would.
+//! `sortie run start|approve|reject|cancel|get|watch|list|inbox`: runs through the HTTP gateway,
+//! as any client would. `get`, `watch` and `list` print for people (a timeline, a table;
+//! colour on a terminal only); `--json` prints what the gateway answered, as before, for
+//! scripts.
+
+use std::io::Write as _;
 
 use anyhow::{bail, Context as _};
 use serde_json::{json, Value};
+
+use crate::human::{self, Style, Timeline};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -39,10 +45,50 @@ enum Sub {
     Reject(Decision),
     /// Cancel a run: no new dispatches; in-flight outcomes are recorded; compensations run.
     Cancel { run_id: String },
-    /// Show a run: status, pending interrupt, steps done.
-    Get { run_id: String },
-    /// Follow a run's events live until it ends.
-    Watch { run_id: String },
+    /// Show a run: status, pending interrupt, and its timeline (one line per event).
+    Get {
+        run_id: String,
+        /// Print the gateway's JSON for the run instead (for scripts).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Follow a run's events live until it ends, one timeline line per event.
+    Watch {
+        run_id: String,
+        /// Print each event as one JSON line instead (for scripts).
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the tenant's runs as a table.
+    List {
+        /// Only runs with this status (running, waiting_approval, succeeded, ...).
+        #[arg(long)]
+        status: Option<String>,
+        /// Only runs of this graph.
+        #[arg(long)]
+        graph: Option<String>,
+        /// Only runs with this label (`key=value`; repeat for several).
+        #[arg(long)]
+        label: Vec<String>,
+        /// At most this many runs.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Print the runs as JSON instead (for scripts).
+        #[arg(long)]
+        json: bool,
+    },
+    /// The open approvals you may decide (the gateway's `GET /v1/inbox`), oldest first.
+    Inbox {
+        /// Also show the ones you may not decide, and why not.
+        #[arg(long)]
+        all: bool,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// Print the items as JSON instead (for scripts).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -124,12 +170,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .send(client.request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel")))
                 .await?
         }
-        Sub::Get { run_id } => {
-            client
+        Sub::Get { run_id, json } => {
+            let run = client
                 .send(client.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}")))
-                .await?
+                .await?;
+            if json {
+                run
+            } else {
+                return get(&client, &run_id, &run).await;
+            }
         }
-        Sub::Watch { run_id } => return watch(&client, &run_id).await,
+        Sub::Watch { run_id, json } => return watch(&client, &run_id, json).await,
+        Sub::List {
+            status,
+            graph,
+            label,
+            limit,
+            json,
+        } => return list(&client, status, graph, &label, limit, json).await,
+        Sub::Inbox { all, limit, json } => return inbox(&client, all, limit, json).await,
     };
     println!("{}", serde_json::to_string_pretty(&answer)?);
     Ok(())
@@ -170,8 +229,9 @@ async fn decide(client: &Client, d: Decision, decision: &str) -> anyhow::Result<
         .await
 }
 
-/// Prints each event (one JSON line) from the SSE stream until the run ends.
-async fn watch(client: &Client, run_id: &str) -> anyhow::Result<()> {
+/// Prints each event from the SSE stream until the run ends: a timeline line, or (with
+/// `--json`) the event as one JSON line.
+async fn watch(client: &Client, run_id: &str, as_json: bool) -> anyhow::Result<()> {
     let response = client
         .request(
             reqwest::Method::GET,
@@ -187,6 +247,7 @@ async fn watch(client: &Client, run_id: &str) -> anyhow::Result<()> {
             response.text().await.unwrap_or_default()
         );
     }
+    let mut timeline = Timeline::new(Style::for_stdout());
     let mut response = response;
     let mut buffer = String::new();
     while let Some(chunk) = response.chunk().await? {
@@ -198,7 +259,11 @@ async fn watch(client: &Client, run_id: &str) -> anyhow::Result<()> {
                     continue;
                 };
                 let event: Value = serde_json::from_str(data.trim()).unwrap_or(Value::Null);
-                println!("{}", serde_json::to_string(&event)?);
+                if as_json {
+                    println!("{}", serde_json::to_string(&event)?);
+                } else {
+                    print_event(&mut timeline, &event)?;
+                }
                 let status = event["body"]["RunStatusChanged"]["status"]
                     .as_str()
                     .unwrap_or_default();
@@ -207,6 +272,272 @@ async fn watch(client: &Client, run_id: &str) -> anyhow::Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// One timeline line for an event as the gateway renders it (an event this build does not
+/// know is shown by its kind, not dropped).
+fn print_event(timeline: &mut Timeline, event: &Value) -> anyhow::Result<()> {
+    let line = match serde_json::from_value::<sortie_core::Event>(event.clone()) {
+        Ok(event) => timeline.line(&event),
+        Err(_) => {
+            let kind = event["body"]
+                .as_object()
+                .and_then(|b| b.keys().next().cloned())
+                .unwrap_or_else(|| "event".into());
+            format!(
+                "{}  {:<18} {kind}",
+                human::clock(event["at"].as_i64().unwrap_or(0)),
+                "?"
+            )
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{line}")?;
+    stdout.flush()?;
+    Ok(())
+}
+
+/// `run get`: a header (run, graph, status, steps, open interrupts), then the timeline.
+async fn get(client: &Client, run_id: &str, run: &Value) -> anyhow::Result<()> {
+    let style = Style::for_stdout();
+    println!(
+        "{}  {}@{}  {}  ({} steps done)",
+        run["run_id"].as_str().unwrap_or(run_id),
+        run["graph_id"].as_str().unwrap_or("?"),
+        run["graph_version"],
+        human::paint_status(style, run["status"].as_str().unwrap_or("?")),
+        run["steps_done"],
+    );
+    for interrupt in run["interrupts"].as_array().into_iter().flatten() {
+        println!(
+            "waiting for approval: {} ({}){}: {}",
+            interrupt["node"].as_str().unwrap_or("?"),
+            interrupt["interrupt_id"].as_str().unwrap_or("?"),
+            interrupt["required_role"]
+                .as_str()
+                .map(|r| format!(", role {r}"))
+                .unwrap_or_default(),
+            interrupt["reason"].as_str().unwrap_or(""),
+        );
+    }
+    if let Some(reason) = run["ending"]["reason"].as_str() {
+        println!("ended: {reason}");
+    }
+    let mut timeline = Timeline::new(style);
+    let mut after = 0i64;
+    loop {
+        let page = client
+            .send(client.request(
+                reqwest::Method::GET,
+                &format!("/v1/runs/{run_id}/events?after={after}&limit=500"),
+            ))
+            .await?;
+        for event in page["events"].as_array().into_iter().flatten() {
+            print_event(&mut timeline, event)?;
+        }
+        let next = page["next_after"].as_i64().unwrap_or(after);
+        if !page["has_more"].as_bool().unwrap_or(false) || next <= after {
+            return Ok(());
+        }
+        after = next;
+    }
+}
+
+/// `run list`: the tenant's runs as a table. Status, graph and limit are the list
+/// route's filters; labels are matched here, on the rows the route returns.
+async fn list(
+    client: &Client,
+    status: Option<String>,
+    graph: Option<String>,
+    labels: &[String],
+    limit: usize,
+    as_json: bool,
+) -> anyhow::Result<()> {
+    let wanted: Vec<(&str, &str)> = labels
+        .iter()
+        .map(|l| {
+            l.split_once('=')
+                .with_context(|| format!("--label {l:?} is not key=value"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut runs: Vec<Value> = Vec::new();
+    let mut after: Option<String> = None;
+    while runs.len() < limit {
+        let mut query: Vec<(&str, String)> = vec![("limit", limit.clamp(1, 500).to_string())];
+        if let Some(status) = &status {
+            query.push(("status", status.clone()));
+        }
+        if let Some(graph) = &graph {
+            query.push(("graph_id", graph.clone()));
+        }
+        if let Some(after) = &after {
+            query.push(("after", after.clone()));
+        }
+        let page = client
+            .send(
+                client
+                    .request(reqwest::Method::GET, "/v1/runs")
+                    .query(&query),
+            )
+            .await?;
+        for run in page["runs"].as_array().into_iter().flatten() {
+            if wanted
+                .iter()
+                .all(|(k, v)| run["labels"][*k].as_str() == Some(*v))
+            {
+                runs.push(run.clone());
+            }
+        }
+        match page["next_after"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    runs.truncate(limit);
+    if as_json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "runs": runs }))?
+        );
+        return Ok(());
+    }
+    if runs.is_empty() {
+        println!("no runs");
+        return Ok(());
+    }
+    let style = Style::for_stdout();
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|run| {
+            let labels = run["labels"]
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .unwrap_or_default();
+            vec![
+                run["run_id"].as_str().unwrap_or("?").to_owned(),
+                format!(
+                    "{}@{}",
+                    run["graph_id"].as_str().unwrap_or("?"),
+                    run["graph_version"]
+                ),
+                human::paint_status(style, run["status"].as_str().unwrap_or("?")),
+                run["steps_done"].to_string(),
+                run["open_interrupts"].to_string(),
+                human::date_time(run["updated_at"].as_i64().unwrap_or(0)),
+                labels,
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        human::table(
+            style,
+            &[
+                "RUN",
+                "GRAPH",
+                "STATUS",
+                "STEPS",
+                "WAITING",
+                "UPDATED (UTC)",
+                "LABELS"
+            ],
+            &rows
+        )
+    );
+    Ok(())
+}
+
+/// `run inbox`: the open interrupts the caller may decide (`--all`: every open one, with
+/// why the caller may not decide it), as a table with the command that decides each.
+async fn inbox(client: &Client, all: bool, limit: usize, as_json: bool) -> anyhow::Result<()> {
+    let answer = client
+        .send(
+            client
+                .request(reqwest::Method::GET, "/v1/inbox")
+                .query(&[("limit", limit.clamp(1, 500).to_string())]),
+        )
+        .await?;
+    let items: Vec<Value> = answer["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|item| all || item["may_decide"].as_bool().unwrap_or(false))
+        .cloned()
+        .collect();
+    if as_json {
+        let body = json!({"items": items, "truncated": answer["truncated"]});
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(());
+    }
+    if items.is_empty() {
+        println!(
+            "{}",
+            if all {
+                "no open approvals"
+            } else {
+                "nothing waits for you"
+            }
+        );
+        return Ok(());
+    }
+    let style = Style::for_stdout();
+    let rows: Vec<Vec<String>> = items
+        .iter()
+        .map(|item| {
+            let mut row = vec![
+                item["run_id"].as_str().unwrap_or("?").to_owned(),
+                item["graph_id"].as_str().unwrap_or("?").to_owned(),
+                item["node"].as_str().unwrap_or("?").to_owned(),
+                human::date_time(item["opened_at"].as_i64().unwrap_or(0)),
+                item["expires_at"]
+                    .as_i64()
+                    .map_or_else(|| "never".to_owned(), human::date_time),
+                item["reason"].as_str().unwrap_or("").to_owned(),
+            ];
+            if all {
+                row.push(
+                    item["why_not"]
+                        .as_str()
+                        .unwrap_or("you may decide")
+                        .to_owned(),
+                );
+            }
+            row
+        })
+        .collect();
+    let mut header = vec![
+        "RUN",
+        "GRAPH",
+        "NODE",
+        "OPENED (UTC)",
+        "EXPIRES (UTC)",
+        "REASON",
+    ];
+    if all {
+        header.push("WHY NOT");
+    }
+    print!("{}", human::table(style, &header, &rows));
+    if answer["truncated"].as_bool().unwrap_or(false) {
+        println!("(more are open: raise --limit)");
+    }
+    if let Some(first) = items
+        .iter()
+        .find(|i| i["may_decide"].as_bool().unwrap_or(false))
+    {
+        println!();
+        println!(
+            "Decide with: sortie run approve|reject {} --interrupt {}   (see it first: sortie run get {})",
+            first["run_id"].as_str().unwrap_or("?"),
+            first["interrupt_id"].as_str().unwrap_or("?"),
+            first["run_id"].as_str().unwrap_or("?"),
+        );
     }
     Ok(())
 }

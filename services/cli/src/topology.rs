@@ -79,7 +79,8 @@ async fn check(topology: &Topology, kafka: &KafkaConfig) -> anyhow::Result<()> {
 }
 
 async fn apply(topology: &Topology, kafka: &KafkaConfig) -> anyhow::Result<()> {
-    let report = topology.apply(kafka).await?;
+    let label = format!("topology apply: {} topics", topology.topics().len());
+    let report = crate::progress::during(&label, topology.apply(kafka)).await?;
     for topic in &report.created {
         let partitions = topology
             .topics()

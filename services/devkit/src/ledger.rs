@@ -297,8 +297,30 @@ impl Ledger {
         name: &str,
         body: Value,
     ) -> Result<Entry, Error> {
+        self.record_as(self.mode, operation_id, name, body, |seq, operation_id| {
+            serde_json::json!({
+                "ledger_seq": seq,
+                "operation_id": operation_id,
+                "name": name,
+            })
+        })
+        .await
+    }
+
+    /// Records one call durably under `mode` (not necessarily the ledger's own: the dev
+    /// receiver dedupes payments by key and notifications by content). A repeat that
+    /// `mode` absorbs gets the first call's answer and adds no effect; otherwise `answer`
+    /// (given the call's seq and key) is the answer, stored with the call.
+    pub async fn record_as(
+        &self,
+        mode: Mode,
+        operation_id: Option<String>,
+        name: &str,
+        body: Value,
+        answer: impl FnOnce(u64, Option<&str>) -> Value,
+    ) -> Result<Entry, Error> {
         let mut records = self.state.lock().await;
-        let first = match self.mode {
+        let first = match mode {
             Mode::Keyed => operation_id
                 .as_ref()
                 .and_then(|key| records.by_key.get(key).copied()),
@@ -308,11 +330,7 @@ impl Ledger {
         let seq = records.calls.last().map_or(1, |e| e.seq + 1);
         let answer = match first {
             Some(i) => records.calls[i].answer.clone(),
-            None => serde_json::json!({
-                "ledger_seq": seq,
-                "operation_id": operation_id,
-                "name": name,
-            }),
+            None => answer(seq, operation_id.as_deref()),
         };
         let entry = Entry {
             seq,
@@ -355,13 +373,18 @@ impl Ledger {
 
 /// The ledger's HTTP routes.
 pub fn router(ledger: Arc<Ledger>) -> Router {
+    routes()
+        .route("/status/{operation_id}", get(status))
+        .with_state(ledger)
+}
+
+/// Every route but the status lookup (the dev receiver answers that one for any mode).
+pub(crate) fn routes() -> Router<Arc<Ledger>> {
     Router::new()
         .route("/effects/{name}", post(effect))
-        .route("/status/{operation_id}", get(status))
         .route("/ledger", get(all))
         .route("/ledger/{operation_id}", get(one_operation))
         .route("/faults", post(faults))
-        .with_state(ledger)
 }
 
 /// Serves the ledger on `listener` until `shutdown` resolves.

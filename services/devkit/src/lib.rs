@@ -10,3 +10,4 @@
 
 pub mod ledger;
 pub mod local;
+pub mod receiver;
