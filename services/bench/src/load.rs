@@ -86,6 +86,9 @@ pub struct Outcome {
     pub elapsed: Duration,
     /// Step round trips in milliseconds.
     pub round_trips: Vec<f64>,
+    /// When each round trip ended (its `StepSucceeded` record timestamp, epoch ms), in
+    /// the order of `round_trips`.
+    pub round_trip_ends: Vec<i64>,
     /// Run durations (command produced → terminal event seen) in milliseconds.
     pub run_durations: Vec<f64>,
 }
@@ -389,6 +392,7 @@ impl Driver {
                         for (dispatched, succeeded) in &pattern.pairs {
                             let ms = track.stamps[*succeeded] - track.stamps[*dispatched];
                             outcome.round_trips.push(ms as f64);
+                            outcome.round_trip_ends.push(track.stamps[*succeeded]);
                         }
                     }
                     outcome

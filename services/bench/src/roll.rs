@@ -88,6 +88,23 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
         )?;
     }
 
+    // A warm-up load (discarded): the group settles — the second member's join, the
+    // first cooperative moves — before anything is measured.
+    let warmup_ids: Vec<String> = (0..options.light_runs)
+        .map(|i| format!("warmup-{i:07}"))
+        .collect();
+    let warmup = bench.encode_commands(&topics, &warmup_ids)?;
+    eprintln!("sortie bench: roll: warm-up");
+    {
+        let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
+        driver.run(
+            &warmup,
+            options.light_concurrency,
+            options.timeout,
+            &mut all,
+        )?;
+    }
+
     // Steady: the light load with every instance up.
     let steady_ids: Vec<String> = (0..options.light_runs)
         .map(|i| format!("steady-{i:07}"))
@@ -115,6 +132,7 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
         let roller = scope.spawn(|| -> anyhow::Result<Vec<Value>> {
             std::thread::sleep(Duration::from_secs(2)); // runs in flight first
             let mut restarts = Vec::new();
+            let window_start = sortie_kafka::clock::now_ms();
             for instance in instances.iter_mut() {
                 let began = Instant::now();
                 instance.service.stop();
@@ -142,6 +160,8 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
                     instance.kind, instance.index, ready_ms
                 );
                 restarts.push(json!({
+                    "ready_at_ms": sortie_kafka::clock::now_ms(),
+                    "window_start_ms": window_start,
                     "instance": format!("{}-{}", instance.kind, instance.index),
                     "stop_ms": round(stopped_ms),
                     "stop_to_ready_ms": round(ready_ms),
@@ -169,6 +189,25 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
         .and_then(|r| r["at_s"].as_f64())
         .unwrap_or(0.0);
     let p99 = |o: &Outcome| summary(&o.round_trips)["p99"].clone();
+    // The round trips that ended while an instance was down or starting: from the first
+    // stop to the last instance ready.
+    let window = (
+        restarts
+            .first()
+            .and_then(|r| r["window_start_ms"].as_i64())
+            .unwrap_or(0),
+        restarts
+            .last()
+            .and_then(|r| r["ready_at_ms"].as_i64())
+            .unwrap_or(0),
+    );
+    let in_window: Vec<f64> = during
+        .round_trips
+        .iter()
+        .zip(&during.round_trip_ends)
+        .filter(|(_, end)| (window.0..=window.1).contains(*end))
+        .map(|(ms, _)| *ms)
+        .collect();
     Ok(json!({
         "roll": {
             "instances": {"reducers": REDUCERS, "executors": EXECUTORS},
@@ -176,7 +215,13 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
             "during_roll": phase_json(&during, options.light_concurrency),
             "restarts": restarts,
             "load_outlasted_roll": load_ended.as_secs_f64() >= roll_end_s,
-            "step_round_trip_p99_ms": {"steady": p99(&steady), "during_roll": p99(&during)},
+            "step_round_trip_p99_ms": {
+                "steady": p99(&steady),
+                "while_rolling": summary(&in_window)["p99"].clone(),
+                "whole_roll_load": p99(&during),
+            },
+            "step_round_trip_while_rolling_ms": summary(&in_window),
+            "rolling_window_s": round((window.1 - window.0) as f64 / 1000.0),
             "runs_failed_during_roll": during.runs_failed + during.runs_deviant + during.runs_unfinished,
         }
     }))
