@@ -85,3 +85,52 @@ fn bench_quick_runs_and_prints_its_figures_as_json() {
         .sum::<u64>();
     assert_eq!(accounted, 20, "every run of --quick is accounted for");
 }
+
+/// `sortie bench --quick --roll`: two reducers and two executors restarted in turn under
+/// the light load; the report has both p99s, every restart, and no failed run (a run lost
+/// in the roll shows up as failed, deviant or unfinished and turns this red).
+#[test]
+fn bench_roll_restarts_every_instance_and_fails_no_run() {
+    let bootstrap = sortie_tests::bootstrap_blocking();
+    let prefix = sortie_tests::unique_prefix("bench-roll");
+    let dir = sortie_tests::workspace_root()
+        .join("target")
+        .join("test-runs")
+        .join(prefix.trim_end_matches('.'));
+    let output = Command::new(sortie_bin())
+        .args([
+            "bench",
+            "--quick",
+            "--roll",
+            "--bootstrap",
+            &bootstrap,
+            "--prefix",
+            &prefix,
+        ])
+        .arg("--data-dir")
+        .arg(&dir)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("sortie bench runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "sortie bench --quick --roll failed ({}):\n{stderr}",
+        output.status
+    );
+    let report: Value = serde_json::from_slice(&output.stdout).expect("one JSON document");
+    let roll = &report["roll"];
+    for pointer in [
+        "/step_round_trip_p99_ms/steady",
+        "/step_round_trip_p99_ms/whole_roll_load",
+        "/rolling_window_s",
+    ] {
+        assert!(
+            roll.pointer(pointer).is_some_and(Value::is_number),
+            "roll{pointer} is not a number in:\n{roll:#}"
+        );
+    }
+    let restarts = roll["restarts"].as_array().expect("restarts");
+    assert_eq!(restarts.len(), 4, "every instance restarts once: {roll:#}");
+    assert_eq!(roll["runs_failed_during_roll"], 0, "{roll:#}");
+}

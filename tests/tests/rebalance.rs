@@ -848,18 +848,7 @@ async fn a_broker_sigkill_mid_run_loses_nothing() {
     let runs: Vec<String> = commands.iter().map(|c| c.run_id.clone()).collect();
     let (before, after) = commands.split_at(24);
     stack.send_many(before).await;
-    sortie_tests::wait_until(
-        "a receiver call on every ledger",
-        Duration::from_secs(90),
-        || async {
-            let mut all = true;
-            for ledger in ledgers.values() {
-                all &= !ledger.snapshot().await.calls.is_empty();
-            }
-            all
-        },
-    )
-    .await;
+    wait_calls_on_every_ledger(&ledgers).await;
     let mut calls_at_kill = 0;
     for ledger in ledgers.values() {
         calls_at_kill += ledger.snapshot().await.calls.len();
@@ -909,6 +898,32 @@ async fn a_broker_sigkill_mid_run_loses_nothing() {
     fail_with("broker sigkill", &problems);
 }
 
+/// Waits until every ledger has been called at least once: runs are mid-call.
+async fn wait_calls_on_every_ledger(ledgers: &BTreeMap<&'static str, LedgerProcess>) {
+    sortie_tests::wait_until(
+        "a receiver call on every ledger",
+        Duration::from_secs(120),
+        || async {
+            let mut all = true;
+            for ledger in ledgers.values() {
+                all &= !ledger.snapshot().await.calls.is_empty();
+            }
+            all
+        },
+    )
+    .await;
+}
+
+/// A problem line naming every run that did not succeed (none: nothing).
+fn not_succeeded(runs: &[String], states: &HashMap<String, RunState>) -> Option<String> {
+    let failed: Vec<String> = runs
+        .iter()
+        .filter(|r| states[*r].status != RunStatus::Succeeded)
+        .map(|r| format!("{r}: {:?}", states[r].status))
+        .collect();
+    (!failed.is_empty()).then(|| format!("runs that did not succeed: {failed:?}"))
+}
+
 /// Every topic of `stack`, for replication checks.
 fn all_topics(stack: &Stack) -> Vec<String> {
     let t = &stack.topics;
@@ -952,18 +967,7 @@ async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
     let runs: Vec<String> = commands.iter().map(|c| c.run_id.clone()).collect();
     let (before, after) = commands.split_at(24);
     stack.send_many(before).await;
-    sortie_tests::wait_until(
-        "a receiver call on every ledger",
-        Duration::from_secs(120),
-        || async {
-            let mut all = true;
-            for ledger in ledgers.values() {
-                all &= !ledger.snapshot().await.calls.is_empty();
-            }
-            all
-        },
-    )
-    .await;
+    wait_calls_on_every_ledger(&ledgers).await;
 
     // The node leading the most partitions of the run topics.
     let mut led: BTreeMap<i32, usize> = BTreeMap::new();
@@ -999,13 +1003,7 @@ async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
         },
     )
     .await;
-    let failed: Vec<&String> = runs
-        .iter()
-        .filter(|r| states[*r].status != RunStatus::Succeeded)
-        .collect();
-    if !failed.is_empty() {
-        problems.push(format!("runs that did not succeed: {failed:?}"));
-    }
+    problems.extend(not_succeeded(&runs, &states));
     println!(
         "cluster: {} runs {:?}; total {:.1}s",
         runs.len(),
@@ -1188,14 +1186,7 @@ async fn rolling_restarts_under_load_fail_no_run() {
         },
     )
     .await;
-    let failed: Vec<String> = runs
-        .iter()
-        .filter(|r| states[*r].status != RunStatus::Succeeded)
-        .map(|r| format!("{r}: {:?}", states[r].status))
-        .collect();
-    if !failed.is_empty() {
-        problems.push(format!("runs that did not succeed: {failed:?}"));
-    }
+    problems.extend(not_succeeded(&runs, &states));
     println!(
         "roll: {} runs {:?}; total {:.1}s",
         runs.len(),

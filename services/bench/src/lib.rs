@@ -164,6 +164,32 @@ impl Bench {
         args
     }
 
+    /// Creates the bench topics and publishes the echo graph; returns the topic names.
+    fn prepare(&self) -> anyhow::Result<Topics> {
+        let options = &self.options;
+        let topics = Topics::new(self.prefix.clone());
+        let queues = stack::queues(options.queues);
+        let graph = stack::graph(options.steps, &queues)?;
+        self.runtime.block_on(async {
+            stack::apply_topology(&self.kafka, &self.prefix, options.partitions, &queues).await?;
+            stack::publish_graph(&self.kafka, &self.codec, &topics, &graph).await
+        })?;
+        Ok(topics)
+    }
+
+    /// A load driver over `topics`, reporting progress as the options say.
+    fn driver(&self, topics: &Topics) -> anyhow::Result<Driver> {
+        let mut driver = Driver::new(
+            &self.kafka,
+            topics,
+            self.options.partitions,
+            self.codec.clone(),
+            self.runtime.clone(),
+        )?;
+        driver.progress = self.options.progress;
+        Ok(driver)
+    }
+
     /// A `sortie reducer` process (debug logs of the reducer: commits and restores).
     pub fn reducer(
         &self,
@@ -362,13 +388,7 @@ pub async fn run(options: Options) -> anyhow::Result<Value> {
 /// The measuring part, blocking.
 fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
     let options = &bench.options;
-    let topics = Topics::new(bench.prefix.clone());
-    let queues = stack::queues(options.queues);
-    let graph = stack::graph(options.steps, &queues)?;
-    bench.runtime.block_on(async {
-        stack::apply_topology(&bench.kafka, &bench.prefix, options.partitions, &queues).await?;
-        stack::publish_graph(&bench.kafka, &bench.codec, &topics, &graph).await
-    })?;
+    let topics = bench.prepare()?;
 
     // The services, and one calibration run through them (also warms them up).
     let data = bench.dir.join("reducer");
@@ -387,14 +407,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
     let mut executors = (0..options.executors.max(1))
         .map(|i| bench.executor(&bench.dir, &format!("executor-{i}"), &bench.prefix, i))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut driver = Driver::new(
-        &bench.kafka,
-        &topics,
-        options.partitions,
-        bench.codec.clone(),
-        bench.runtime.clone(),
-    )?;
-    driver.progress = options.progress;
+    let mut driver = bench.driver(&topics)?;
     let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
     eprintln!("sortie bench: calibration run");
     let pattern = {

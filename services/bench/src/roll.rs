@@ -5,10 +5,9 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use sortie_wire::Topics;
 
-use crate::load::{Driver, Outcome};
-use crate::stack::{self, Service};
+use crate::load::Outcome;
+use crate::stack::Service;
 use crate::stats::{round, summary};
 use crate::Bench;
 
@@ -34,13 +33,7 @@ struct Instance {
 
 pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
     let options = &bench.options;
-    let topics = Topics::new(bench.prefix.clone());
-    let queues = stack::queues(options.queues);
-    let graph = stack::graph(options.steps, &queues)?;
-    bench.runtime.block_on(async {
-        stack::apply_topology(&bench.kafka, &bench.prefix, options.partitions, &queues).await?;
-        stack::publish_graph(&bench.kafka, &bench.codec, &topics, &graph).await
-    })?;
+    let topics = bench.prepare()?;
     let spawn = |kind: &'static str, index: usize, generation: usize| -> anyhow::Result<Service> {
         let name = format!("{kind}-{index}-g{generation}");
         match kind {
@@ -69,13 +62,7 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
             service: spawn("executor", index, 0)?,
         });
     }
-    let mut driver = Driver::new(
-        &bench.kafka,
-        &topics,
-        options.partitions,
-        bench.codec.clone(),
-        bench.runtime.clone(),
-    )?;
+    let mut driver = bench.driver(&topics)?;
     let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
     eprintln!("sortie bench: roll: calibration run");
     {
@@ -89,37 +76,24 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
     }
 
     // A warm-up load (discarded): the group settles — the second member's join, the
-    // first cooperative moves — before anything is measured.
-    let warmup_ids: Vec<String> = (0..options.light_runs)
-        .map(|i| format!("warmup-{i:07}"))
-        .collect();
-    let warmup = bench.encode_commands(&topics, &warmup_ids)?;
-    eprintln!("sortie bench: roll: warm-up");
-    {
+    // first cooperative moves — before anything is measured. Then steady: the same load
+    // with every instance up.
+    let mut light = |name: &str| -> anyhow::Result<Outcome> {
+        let ids: Vec<String> = (0..options.light_runs)
+            .map(|i| format!("{name}-{i:07}"))
+            .collect();
+        let commands = bench.encode_commands(&topics, &ids)?;
+        eprintln!("sortie bench: roll: {name} light load");
         let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
         driver.run(
-            &warmup,
+            &commands,
             options.light_concurrency,
             options.timeout,
             &mut all,
-        )?;
-    }
-
-    // Steady: the light load with every instance up.
-    let steady_ids: Vec<String> = (0..options.light_runs)
-        .map(|i| format!("steady-{i:07}"))
-        .collect();
-    let steady_commands = bench.encode_commands(&topics, &steady_ids)?;
-    eprintln!("sortie bench: roll: steady light load");
-    let steady = {
-        let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
-        driver.run(
-            &steady_commands,
-            options.light_concurrency,
-            options.timeout,
-            &mut all,
-        )?
+        )
     };
+    light("warmup")?;
+    let steady = light("steady")?;
 
     // The same load, long enough to span the roll, while another thread rolls.
     let roll_ids: Vec<String> = (0..options.light_runs * 6)

@@ -167,14 +167,7 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
     let dir = bench.dir.join(format!("scale-{runs}"));
     std::fs::create_dir_all(&dir)?;
     let data = dir.join("reducer");
-    let mut driver = Driver::new(
-        &bench.kafka,
-        &topics,
-        options.partitions,
-        bench.codec.clone(),
-        bench.runtime.clone(),
-    )?;
-    driver.progress = options.progress;
+    let mut driver = bench.driver(&topics)?;
     let probe = |name: &str| -> anyhow::Result<(String, Vec<u8>)> {
         let run_id = format!("probe-{name}");
         let bytes = bench.runtime.block_on(Driver::start_command(

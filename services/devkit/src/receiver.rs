@@ -206,15 +206,9 @@ async fn read_order(
 }
 
 async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    let body = match json_body(&body) {
-        Ok(body) => body,
-        Err(refused) => return *refused,
-    };
-    let key = key_of(&headers);
-    let seed = key.clone().unwrap_or_default();
-    answer(&ledger, Mode::Keyed, key, PAYMENTS_REFUND, body, |body| {
+    payment(&ledger, &headers, &body, PAYMENTS_REFUND, |body, key| {
         json!({
-            "refund_id": stable_id("re", &seed),
+            "refund_id": stable_id("re", key),
             "status": "refunded",
             "order_id": body["order_id"],
             "amount": body["amount"],
@@ -225,19 +219,34 @@ async fn refund(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Byt
 }
 
 async fn reverse(State(ledger): State<Arc<Ledger>>, headers: HeaderMap, body: Bytes) -> Response {
-    let body = match json_body(&body) {
-        Ok(body) => body,
-        Err(refused) => return *refused,
-    };
-    let key = key_of(&headers);
-    let seed = key.clone().unwrap_or_default();
-    answer(&ledger, Mode::Keyed, key, PAYMENTS_REVERSE, body, |body| {
+    payment(&ledger, &headers, &body, PAYMENTS_REVERSE, |body, key| {
         json!({
-            "reversal_id": stable_id("rv", &seed),
+            "reversal_id": stable_id("rv", key),
             "refund_id": body["refund_id"],
             "status": "reversed",
             "amount": body["amount"],
         })
+    })
+    .await
+}
+
+/// A payment call: keyed by its `Idempotency-Key` (a repeat gets the first answer and no
+/// second effect); `make` builds the answer from the body and the key.
+async fn payment(
+    ledger: &Ledger,
+    headers: &HeaderMap,
+    body: &Bytes,
+    name: &str,
+    make: impl FnOnce(&Value, &str) -> Value,
+) -> Response {
+    let body = match json_body(body) {
+        Ok(body) => body,
+        Err(refused) => return *refused,
+    };
+    let key = key_of(headers);
+    let seed = key.clone().unwrap_or_default();
+    answer(ledger, Mode::Keyed, key, name, body, |body| {
+        make(body, &seed)
     })
     .await
 }
