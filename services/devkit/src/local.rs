@@ -747,15 +747,16 @@ impl LocalCluster {
             .join(",")
     }
 
+    /// Every node's data-dir lock, in node order (so two callers never deadlock).
+    fn lock_all(&self) -> Result<Vec<FileLock>> {
+        self.nodes.iter().map(LocalBroker::lock).collect()
+    }
+
     /// Starts every node that does not run (no node can be ready before a quorum of
     /// controllers is up, so all are spawned first, then awaited) and reuses the ones
     /// that do. Serialised per node by each data dir's lock.
     pub fn ensure_running(&self) -> Result<Vec<Running>> {
-        let locks = self
-            .nodes
-            .iter()
-            .map(LocalBroker::lock)
-            .collect::<Result<Vec<_>>>()?;
+        let locks = self.lock_all()?;
         let mut spawned = Vec::new();
         for node in &self.nodes {
             match node.read_pid() {
@@ -797,16 +798,11 @@ impl LocalCluster {
     }
 
     /// Stops every node (SIGTERM, then SIGKILL after the stop timeout); data is kept.
-    /// Returns the pids that were running.
-    /// All nodes are told at once: the last one of a KRaft quorum cannot finish a
-    /// controlled shutdown alone, so stopping them one after another would leave it
-    /// waiting for the SIGKILL.
+    /// Returns the pids that were running. All nodes are told at once: the last one of a
+    /// KRaft quorum cannot finish a controlled shutdown alone, so stopping them one after
+    /// another would leave it waiting for the SIGKILL.
     pub fn stop(&self) -> Result<Vec<u32>> {
-        let locks = self
-            .nodes
-            .iter()
-            .map(LocalBroker::lock)
-            .collect::<Result<Vec<_>>>()?;
+        let locks = self.lock_all()?;
         let mut live = Vec::new();
         for node in &self.nodes {
             if let Some(pid) = node.read_pid().filter(|&pid| node.is_alive(pid)) {
