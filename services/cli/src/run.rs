@@ -345,8 +345,8 @@ async fn get(client: &Client, run_id: &str, run: &Value) -> anyhow::Result<()> {
     }
 }
 
-/// `run list`: the tenant's runs as a table. Status, graph and limit are the list
-/// route's filters; labels are matched here, on the rows the route returns.
+/// `run list`: the tenant's runs as a table. Status, graph, the first label and limit
+/// are the list route's filters; further labels are matched here, on the rows it returns.
 async fn list(
     client: &Client,
     status: Option<String>,
@@ -371,6 +371,9 @@ async fn list(
         }
         if let Some(graph) = &graph {
             query.push(("graph_id", graph.clone()));
+        }
+        if let Some(label) = labels.first() {
+            query.push(("label", label.clone()));
         }
         if let Some(after) = &after {
             query.push(("after", after.clone()));
