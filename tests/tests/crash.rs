@@ -477,7 +477,7 @@ nodes:
     tool: http
     side_effect: reconcilable
     args: {{n: 1}}
-    config: {{url: "{l}/effects/book", status_url: "{l}/status"}}
+    config: {{url: "{l}/effects/book", status_url: "{l}/status", lookup_authoritative: true}}
     timeout: 1s
     retry: {{max_attempts: 5, initial_backoff: 100ms, max_backoff: 200ms, multiplier: 2.0, jitter: 0.1}}
 edges: []

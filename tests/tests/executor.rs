@@ -20,12 +20,13 @@ use sortie_wire::records as w;
 const LONG: Duration = Duration::from_secs(60);
 
 /// One `http` node of the given class calling the ledger, then an `echo` that reads its
-/// output. A 2 s timeout so the reducer notices a lost attempt quickly.
-fn pay_graph(id: &str, class: &str, ledger: &str) -> String {
-    pay_graph_with_timeout(id, class, ledger, "2s")
+/// output. Crash tests use a 2 s timeout so the reducer notices a lost attempt quickly.
+fn pay_graph_with_timeout(id: &str, class: &str, ledger: &str, timeout: &str) -> String {
+    pay_graph_configured(id, class, ledger, timeout, "")
 }
 
-fn pay_graph_with_timeout(id: &str, class: &str, ledger: &str, timeout: &str) -> String {
+/// `extra` is appended inside the `pay` node's config map (e.g. `, lookup_authoritative: true`).
+fn pay_graph_configured(id: &str, class: &str, ledger: &str, timeout: &str, extra: &str) -> String {
     format!(
         r#"
 id: {id}
@@ -35,7 +36,7 @@ nodes:
     tool: http
     side_effect: {class}
     args: {{amount: $input.amount}}
-    config: {{url: "{ledger}/effects/pay", status_url: "{ledger}/status"}}
+    config: {{url: "{ledger}/effects/pay", status_url: "{ledger}/status"{extra}}}
     timeout: {timeout}
     retry: {{max_attempts: 4, initial_backoff: 200ms, max_backoff: 1s, multiplier: 2.0, jitter: 0.1}}
   - {{id: receipt, tool: echo, side_effect: pure, args: {{seq: $steps.pay.output.ledger_seq}}}}
@@ -60,9 +61,28 @@ struct Crash {
 
 impl Crash {
     async fn start(name: &str, class: &str, mode: &str, fault: &str) -> Crash {
+        Crash::start_configured(name, class, mode, fault, "").await
+    }
+
+    /// [`Crash::start`] with `extra` in the `pay` node's config ([`pay_graph_configured`]).
+    async fn start_configured(
+        name: &str,
+        class: &str,
+        mode: &str,
+        fault: &str,
+        extra: &str,
+    ) -> Crash {
         let stack = Stack::start(name, &[]).await;
         let ledger = stack.ledger_process("ledger", mode).await;
-        stack.publish(&pay_graph("pay", class, &ledger.url)).await;
+        stack
+            .publish(&pay_graph_configured(
+                "pay",
+                class,
+                &ledger.url,
+                "2s",
+                extra,
+            ))
+            .await;
         let reducer = stack.reducer("0");
         let executor = stack.executor_process(
             "executor",
@@ -240,6 +260,102 @@ async fn reconcilable_killed_after_the_receiver_committed_is_looked_up_not_calle
             .iter()
             .any(|e| matches!(&e.body, EventBody::StepStarted { attempt: 1, .. })),
         "STARTED was recorded before the call"
+    );
+}
+
+/// reconcilable, outcome lost, and the receiver's lookup answers 404 for a call it did
+/// take (it lost its record, or its lookup lags): "not found" is not "never happened"
+/// (seed 001). Without `lookup_authoritative` the run waits for an operator, like an
+/// unsafe step whose outcome is unknown, and the receiver was called exactly once.
+///
+/// Red/green: with the check reverted (`settle` taking not found as "call", as before),
+/// this test failed: the later attempt called the receiver again and the run never
+/// reached `needs_reconciliation` (the wait timed out). Restored, it passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcilable_lookup_not_found_is_not_never_happened() {
+    let mut crash = Crash::start(
+        "exec-recon-forgot",
+        "reconcilable",
+        "reconcilable",
+        "executor.after_call",
+    )
+    .await;
+    assert_eq!(crash.wait_for_the_crash().await, 1);
+    // Every lookup from now on denies the call the ledger recorded.
+    crash
+        .ledger
+        .fault(json!({"forget": true, "times": 1000}))
+        .await;
+    crash.restart_executor();
+    let state = crash
+        .wait_for(
+            "the run to need reconciliation",
+            status_is(RunStatus::NeedsReconciliation),
+        )
+        .await;
+    let pay = &state.steps["pay#1"];
+    assert!(
+        pay.attempt >= 2,
+        "a later attempt asked (attempt {})",
+        pay.attempt
+    );
+    let ledger = crash.ledger.snapshot().await;
+    assert_eq!(
+        (
+            ledger.effects(&pay.operation_id),
+            ledger.calls(&pay.operation_id)
+        ),
+        (1, 1),
+        "called exactly once: {ledger:#?}"
+    );
+    let events = crash.stack.events().await;
+    assert!(
+        events[&crash.run].iter().any(|e| matches!(
+            &e.body,
+            EventBody::StepOutcomeUnknown { message, needs_operator: true, .. }
+                if message.contains("lookup_authoritative")
+        )),
+        "the lookup's 404 left the outcome unknown for an operator"
+    );
+}
+
+/// The same lost outcome and 404, but the node declares its lookup authoritative: not
+/// found means never happened, so the later attempt calls again and the run succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcilable_authoritative_lookup_not_found_calls_again() {
+    let mut crash = Crash::start_configured(
+        "exec-recon-authoritative",
+        "reconcilable",
+        "reconcilable",
+        "executor.after_call",
+        ", lookup_authoritative: true",
+    )
+    .await;
+    assert_eq!(crash.wait_for_the_crash().await, 1);
+    crash
+        .ledger
+        // Only the first lookup denies the call: if the restart is slow and attempts time
+        // out, later ones find the second call's record instead of calling a third time.
+        .fault(json!({"forget": true, "times": 1}))
+        .await;
+    crash.restart_executor();
+    let state = crash
+        .wait_for("the run to succeed", status_is(RunStatus::Succeeded))
+        .await;
+    let pay = &state.steps["pay#1"];
+    assert!(pay.attempt >= 2, "attempt {}", pay.attempt);
+    let ledger = crash.ledger.snapshot().await;
+    assert_eq!(
+        ledger.calls(&pay.operation_id),
+        2,
+        "the authoritative 404 let the later attempt call again: {ledger:#?}"
+    );
+    assert!(
+        ledger
+            .calls
+            .iter()
+            .any(|c| Some(&c.answer) == pay.output.as_ref()),
+        "the recorded output is the receiver's answer: {ledger:#?}"
     );
 }
 

@@ -245,6 +245,22 @@ async fn a_run_starts_completes_and_its_history_reads_back_in_pages() {
         event_kind(events.last().expect("events")),
         "RunStatusChanged"
     );
+    // The seed API's fields beside the raw event (additive: it still parses above).
+    for (shown, recorded) in events.iter().zip(&topic[&run_id]) {
+        assert_eq!(shown["ts"], sortie_gateway::rfc3339(recorded.at), "{shown}");
+        assert_eq!(shown["type"], snake(recorded.body.name()), "{shown}");
+    }
+    let ts = events[0]["ts"].as_str().expect("ts");
+    assert!(
+        ts.len() == 24 && ts.ends_with('Z') && ts.as_bytes()[10] == b'T',
+        "{ts}"
+    );
+    let succeeded = events
+        .iter()
+        .find(|e| e["type"] == "step_succeeded")
+        .expect("a step_succeeded event");
+    assert_eq!(succeeded["node"], "fetch", "{succeeded}");
+    assert_eq!(events[0]["node"], Value::Null, "{}", events[0]);
 
     // A checkpoint at an earlier version is the state at that version.
     let early = topic[&run_id]
@@ -263,6 +279,17 @@ async fn a_run_starts_completes_and_its_history_reads_back_in_pages() {
     assert_eq!(checkpoint["status"], "running");
     assert_eq!(checkpoint["nodes_completed"], json!(["fetch"]));
     assert_eq!(checkpoint["state"]["version"], early);
+    let made = topic[&run_id]
+        .iter()
+        .filter(|e| e.state_version == early)
+        .map(|e| e.at)
+        .max()
+        .expect("the version's events");
+    assert_eq!(
+        checkpoint["created_at"],
+        sortie_gateway::rfc3339(made),
+        "{checkpoint}"
+    );
     let (status, last) = api
         .get(
             &format!("/v1/runs/{run_id}/checkpoints/ckpt_{run_id}_{version}"),
@@ -924,4 +951,17 @@ async fn restarted_and_fresh_gateways_rebuild_their_views_from_kafka() {
         runs.len() + 1,
         "{listed}"
     );
+}
+
+/// `StepSucceeded` → `step_succeeded`, written out independently of the gateway's helper.
+fn snake(name: &str) -> String {
+    name.chars()
+        .enumerate()
+        .flat_map(|(i, c)| {
+            let under = (i > 0 && c.is_ascii_uppercase()).then_some('_');
+            under
+                .into_iter()
+                .chain(std::iter::once(c.to_ascii_lowercase()))
+        })
+        .collect()
 }

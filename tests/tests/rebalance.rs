@@ -70,6 +70,9 @@ const LEDGERS: [(&str, &str); 3] = [
 /// only when an executor died holding it: a `keyed` repeat is absorbed by the ledger; a
 /// `reconcilable` attempt 2 asks the receiver first (and stays clear of the known defect
 /// of two attempts running at once, see soak.rs); an `unsafe` one waits for an operator.
+/// The ledger's lookup reads the fsynced records its calls wrote, so the graphs declare
+/// it `lookup_authoritative`: an executor that died before its call leaves a 404 that
+/// means "never happened", and attempt 2 calls.
 fn graphs(keyed: &str, recon: &str, plain: &str) -> Vec<String> {
     let retry = "retry: {max_attempts: 8, initial_backoff: 200ms, max_backoff: 1s, multiplier: 2.0, jitter: 0.1}";
     let keyed_step = |id: &str| {
@@ -79,7 +82,7 @@ fn graphs(keyed: &str, recon: &str, plain: &str) -> Vec<String> {
     };
     let recon_step = |id: &str, after: &str| {
         format!(
-            "  - id: {id}\n    tool: http\n    side_effect: reconcilable\n    args: {{n: $input.n, after: $steps.{after}.output.ledger_seq}}\n    config: {{url: \"{recon}/effects/{id}\", status_url: \"{recon}/status\"}}\n    timeout: 25s\n    {retry}\n"
+            "  - id: {id}\n    tool: http\n    side_effect: reconcilable\n    args: {{n: $input.n, after: $steps.{after}.output.ledger_seq}}\n    config: {{url: \"{recon}/effects/{id}\", status_url: \"{recon}/status\", lookup_authoritative: true}}\n    timeout: 25s\n    {retry}\n"
         )
     };
     let unsafe_step = |id: &str| {

@@ -84,7 +84,8 @@ fn graphs(keyed: &str, recon: &str, plain: &str) -> Vec<String> {
             http(
                 "reconcilable",
                 format!("{recon}/effects/book"),
-                &format!(", status_url: \"{recon}/status\""),
+                // The ledger's lookup is authoritative (it reads the records its calls wrote).
+                &format!(", status_url: \"{recon}/status\", lookup_authoritative: true"),
             ),
         ),
         // An unsafe notification between a pure step and a sleep.

@@ -397,6 +397,16 @@ impl Graph {
             if !seen.insert(node.id.as_str()) {
                 problem(Some(&node.id), "declared twice".into());
             }
+            if node
+                .config
+                .get("lookup_authoritative")
+                .is_some_and(|v| !v.is_boolean())
+            {
+                problem(
+                    Some(&node.id),
+                    "config.lookup_authoritative must be true or false".into(),
+                );
+            }
         }
         let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
         let detached = self.detached();
@@ -697,6 +707,22 @@ edges:
         assert!(
             text.contains(r#"node "b": args refer to "c", which does not always run before it"#),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn lookup_authoritative_must_be_a_boolean() {
+        let graph = |value: &str| {
+            format!(
+                "id: g\nversion: 1\nnodes:\n  - {{id: a, tool: http, side_effect: reconcilable, config: {{status_url: x, lookup_authoritative: {value}}}}}\n"
+            )
+        };
+        assert_eq!(problems(&graph("true")), Vec::<String>::new());
+        assert_eq!(problems(&graph("false")), Vec::<String>::new());
+        let found = problems(&graph("\"yes\""));
+        assert!(
+            found.iter().any(|p| p.contains("lookup_authoritative")),
+            "{found:?}"
         );
     }
 

@@ -21,6 +21,8 @@
 //!   without recording, delay the answer after recording, or drop the connection after
 //!   recording (the receiver committed, the caller never hears). Specs queue up in the
 //!   order they were posted, so "a 429, then a 500, then a drop" is three posts.
+//!   `{"forget": true, "times": n}` instead makes the next `n` status lookups answer 404
+//!   even for operations the ledger recorded.
 //!
 //! On start the file is read back, so a restarted ledger remembers every effect.
 
@@ -152,6 +154,11 @@ pub struct FaultSpec {
     /// Record, then drop the connection without answering.
     #[serde(default)]
     pub drop_after_commit: bool,
+    /// Not an effect fault: the next `times` status lookups answer 404 `not_found` even
+    /// for operations the ledger recorded (a receiver that lost its record, or a lookup
+    /// that lags the call). Effect calls are untouched.
+    #[serde(default)]
+    pub forget: bool,
     #[serde(default = "one")]
     pub times: u32,
 }
@@ -178,6 +185,8 @@ pub struct Ledger {
     /// Held across the append and its fsync, so the file's order is the seq order.
     state: tokio::sync::Mutex<Records>,
     faults: std::sync::Mutex<VecDeque<FaultSpec>>,
+    /// How many more status lookups answer 404 whatever was recorded (`forget` faults).
+    forgetting: std::sync::atomic::AtomicU32,
 }
 
 #[derive(Debug, Default)]
@@ -250,6 +259,7 @@ impl Ledger {
             file: Arc::new(std::sync::Mutex::new(file)),
             state: tokio::sync::Mutex::new(records),
             faults: std::sync::Mutex::new(VecDeque::new()),
+            forgetting: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -271,12 +281,26 @@ impl Ledger {
     /// Queues `spec` for the next `spec.times` effect calls (after the specs already
     /// queued).
     pub fn add_fault(&self, spec: FaultSpec) {
-        if spec.times > 0 {
+        if spec.forget {
+            self.forgetting
+                .fetch_add(spec.times, std::sync::atomic::Ordering::SeqCst);
+        } else if spec.times > 0 {
             self.faults
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push_back(spec);
         }
+    }
+
+    /// Takes one armed `forget` fault, if any.
+    fn take_forget(&self) -> bool {
+        self.forgetting
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok()
     }
 
     fn take_fault(&self) -> Option<FaultSpec> {
@@ -476,7 +500,13 @@ async fn status(
         )
             .into_response();
     }
-    match ledger.status(&operation_id).await {
+    let known = if ledger.take_forget() {
+        tracing::info!(%operation_id, "Injected fault: answering the lookup as not found.");
+        None
+    } else {
+        ledger.status(&operation_id).await
+    };
+    match known {
         Some(entry) => Json(serde_json::json!({
             "status": "succeeded",
             "output": entry.answer,
@@ -665,6 +695,22 @@ mod tests {
         assert_eq!(code, 200);
         assert_eq!(body["status"], "succeeded");
         assert_eq!(body["output"], answer);
+        // `forget`: the next two lookups deny a recorded operation; effects are untouched.
+        ledger
+            .fault(serde_json::json!({"forget": true, "times": 2}))
+            .await;
+        for _ in 0..2 {
+            assert_eq!(
+                status("op-9").await,
+                (404, serde_json::json!({"status": "not_found"}))
+            );
+        }
+        ledger
+            .post(Some("op-10"), serde_json::json!({}))
+            .await
+            .expect("a forget fault leaves effect calls alone");
+        assert_eq!(status("op-9").await.0, 200);
+        assert_eq!(ledger.snapshot().await.calls("op-9"), 1);
     }
 
     #[tokio::test]

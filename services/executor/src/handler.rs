@@ -154,7 +154,10 @@ impl HandlerError {
 /// What a receiver knows about an operation (the `reconcilable` contract).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Lookup {
-    /// The receiver has never seen the operation: calling it is safe.
+    /// The receiver has no record of the operation. Calling is safe only on attempt 1 or
+    /// when the node's config declares `lookup_authoritative: true`; otherwise a later
+    /// attempt reports the outcome unknown (a lost record or a lagging lookup is not
+    /// proof the call never happened).
     NotFound,
     /// The operation took effect; this is its output. It is reported without calling.
     Succeeded(Value),

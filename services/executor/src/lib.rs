@@ -20,7 +20,9 @@
 //! So a crash after an `unsafe` or `reconcilable` call can never lead to a second, silent
 //! call: the intent is not redelivered, the reducer's step timeout notices the lost
 //! attempt, and either an operator (`unsafe`) or a status lookup (`reconcilable`) settles
-//! it. See [`runtime`] for the offset-commit design.
+//! it. A lookup that does not find the operation settles nothing on a later attempt (the
+//! outcome stays unknown, for an operator) unless the node's config says
+//! `lookup_authoritative: true`. See [`runtime`] for the offset-commit design.
 
 pub mod fault;
 pub mod handler;

@@ -25,6 +25,8 @@ pub mod store;
 mod ui;
 pub mod view;
 
+/// Epoch milliseconds as the API's RFC 3339 timestamps (`ts`, a checkpoint's `created_at`).
+pub use render::rfc3339;
 use std::future::Future;
 
 pub use api::{router, IDEMPOTENCY_HEADER, MIN_POSITION_HEADER};

@@ -186,9 +186,22 @@ pub fn document() -> Value {
                     "type": "object",
                     "properties": {
                         "run_id": {"type": "string"},
-                        "events": {"type": "array", "items": {"type": "object"}},
+                        "events": {"type": "array", "items": {"$ref": "#/components/schemas/Event"}},
                         "next_after": {"type": "integer"},
                         "has_more": {"type": "boolean"}
+                    }
+                },
+                "Event": {
+                    "type": "object",
+                    "description": "An event as recorded (seq, state_version, at, body, ...) plus ts, node and type.",
+                    "properties": {
+                        "seq": {"type": "integer"},
+                        "state_version": {"type": "integer"},
+                        "at": {"type": "integer", "description": "Epoch milliseconds."},
+                        "ts": {"type": "string", "format": "date-time", "description": "`at` as RFC 3339 (UTC)."},
+                        "node": {"type": ["string", "null"], "description": "The node of the step the event concerns, else null."},
+                        "type": {"type": "string", "description": "The event kind in snake_case, e.g. step_succeeded."},
+                        "body": {"type": "object", "description": "The recorded event, keyed by its kind."}
                     }
                 },
                 "Checkpoint": {
@@ -197,7 +210,9 @@ pub fn document() -> Value {
                         "checkpoint_id": {"type": "string"},
                         "version": {"type": "integer"},
                         "status": {"type": "string"},
-                        "nodes_completed": {"type": "array", "items": {"type": "string"}},
+                        "created_at": {"type": "string", "format": "date-time", "description": "When the checkpoint was made: its version's last event (RFC 3339)."},
+                        "run_created_at": {"type": "integer", "description": "When the run was created (epoch milliseconds)."},
+                        "nodes_completed": {"type": "array", "items": {"type": "string"}, "description": "The nodes completed at this checkpoint, in order."},
                         "state": {"type": "object"}
                     }
                 }

@@ -17,9 +17,16 @@ pub struct HttpConfig {
     pub url: String,
     /// Status lookups: `GET {status_url}/{operation_id}` answers 200
     /// `{"status": "succeeded", "output": ...}` or `{"status": "failed", "error"?: ...}`,
-    /// or 404 when the receiver never saw the operation. Needed by `reconcilable` nodes.
+    /// or 404 when the receiver has no record of the operation. Needed by `reconcilable`
+    /// nodes. See `lookup_authoritative` for what a 404 is taken to mean.
     #[serde(default)]
     pub status_url: Option<String>,
+    /// The receiver's "not found" (404, `unknown`, `not_found`) proves the operation
+    /// never reached it, so a later attempt may call. Without it "not found" leaves the
+    /// outcome unknown and the run waits for an operator: a receiver that lost its
+    /// record, or a lookup that lags the call, would otherwise cause a second effect.
+    #[serde(default)]
+    pub lookup_authoritative: bool,
     /// Extra request headers.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,

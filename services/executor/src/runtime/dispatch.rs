@@ -151,32 +151,167 @@ impl Worker {
     /// attempt without a call; `None` means calling is safe.
     ///
     /// - succeeded → that output, no call;
-    /// - never seen, or recorded as failed (so it had no effect) → call;
+    /// - recorded as failed (so it had no effect) → call;
+    /// - not found (404, `unknown`, `not_found`) on attempt 1 → call: no earlier attempt
+    ///   exists, and this one's offset is committed only just before its call;
+    /// - not found on a later attempt → unknown, unless the node's config says
+    ///   `lookup_authoritative: true`. An earlier attempt may have reached the receiver
+    ///   and its outcome was lost; a receiver that lost its record, or a lookup that is
+    ///   only eventually consistent, answers "not found" for a call that did happen, and
+    ///   calling again would be a second effect. So the run waits for an operator, like
+    ///   an `unsafe` step whose outcome is unknown. Only a receiver that declares its
+    ///   lookup authoritative turns "not found" into "never happened";
     /// - the handler cannot ask: call on attempt 1 (no earlier attempt can have reached
     ///   the receiver: its offset is committed only before a call), otherwise unknown;
     /// - the receiver could not be asked → unknown: the reducer pauses the run for an
     ///   operator rather than risk a second effect.
     pub(super) async fn ask_first(&self, call: &Call) -> Option<Result<Value, HandlerError>> {
-        match self.handlers.lookup(call).await {
-            Ok(Lookup::Succeeded(output)) => {
-                tracing::info!("The receiver already has the operation; recording its outcome without calling.");
-                Some(Ok(output))
-            }
-            Ok(Lookup::NotFound) => None,
-            Ok(Lookup::Failed { code, message }) => {
-                tracing::info!(%code, %message, "The receiver recorded the operation as failed; calling again.");
-                None
-            }
-            Ok(Lookup::Unsupported) if call.attempt <= 1 => None,
-            Ok(Lookup::Unsupported) => Some(Err(HandlerError::unknown(
-                "not_reconcilable",
-                "a later attempt of a reconcilable step, but its handler cannot ask the receiver (no status_url)",
-            ))),
-            Err(error @ HandlerError::Permanent { .. }) => Some(Err(error)),
-            Err(error) => Some(Err(HandlerError::unknown(
-                "lookup_failed",
-                format!("the receiver could not be asked: {error}"),
-            ))),
+        settle(call, self.handlers.lookup(call).await)
+    }
+}
+
+/// [`Worker::ask_first`]'s decision, given the lookup's answer.
+fn settle(
+    call: &Call,
+    lookup: Result<Lookup, HandlerError>,
+) -> Option<Result<Value, HandlerError>> {
+    match lookup {
+        Ok(Lookup::Succeeded(output)) => {
+            tracing::info!(
+                "The receiver already has the operation; recording its outcome without calling."
+            );
+            Some(Ok(output))
         }
+        Ok(Lookup::NotFound) if call.attempt <= 1 || lookup_authoritative(&call.config) => None,
+        Ok(Lookup::NotFound) => {
+            tracing::warn!(
+                "The receiver has no record of the operation, and its lookup is not authoritative: \
+                 the outcome of an earlier attempt stays unknown."
+            );
+            Some(Err(HandlerError::unknown(
+                "lookup_not_found",
+                "the receiver has no record of the operation, but an earlier attempt may have \
+                 reached it and its lookup is not declared authoritative \
+                 (config.lookup_authoritative): not calling again",
+            )))
+        }
+        Ok(Lookup::Failed { code, message }) => {
+            tracing::info!(%code, %message, "The receiver recorded the operation as failed; calling again.");
+            None
+        }
+        Ok(Lookup::Unsupported) if call.attempt <= 1 => None,
+        Ok(Lookup::Unsupported) => Some(Err(HandlerError::unknown(
+            "not_reconcilable",
+            "a later attempt of a reconcilable step, but its handler cannot ask the receiver \
+             (no status_url)",
+        ))),
+        Err(error @ HandlerError::Permanent { .. }) => Some(Err(error)),
+        Err(error) => Some(Err(HandlerError::unknown(
+            "lookup_failed",
+            format!("the receiver could not be asked: {error}"),
+        ))),
+    }
+}
+
+/// The node's `config.lookup_authoritative`: its receiver's "not found" means the
+/// operation never reached it (the receiver keeps every record, and its lookup reads
+/// what its calls wrote). Absent or not `true` → "not found" proves nothing.
+pub(crate) fn lookup_authoritative(config: &Value) -> bool {
+    config.get(LOOKUP_AUTHORITATIVE).and_then(Value::as_bool) == Some(true)
+}
+
+/// The node config key that declares a status lookup authoritative.
+pub(crate) const LOOKUP_AUTHORITATIVE: &str = "lookup_authoritative";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn call(attempt: u32, config: Value) -> Call {
+        Call {
+            operation_id: "op-1".into(),
+            attempt,
+            tenant: "t".into(),
+            run_id: "r".into(),
+            step_id: "pay#1".into(),
+            node: "pay".into(),
+            tool: "http".into(),
+            side_effect: SideEffectClass::Reconcilable,
+            args: json!({}),
+            config,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn plain() -> Value {
+        json!({"url": "http://x/effects", "status_url": "http://x/status"})
+    }
+
+    fn authoritative() -> Value {
+        json!({"url": "http://x/effects", "status_url": "http://x/status", "lookup_authoritative": true})
+    }
+
+    fn unknown_code(settled: Option<Result<Value, HandlerError>>) -> Option<String> {
+        match settled {
+            Some(Err(HandlerError::Unknown { code, .. })) => Some(code),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn not_found_after_an_earlier_attempt_stays_unknown() {
+        // Seed 001: "not found" may be a lost record or a lookup that lags the call.
+        for config in [
+            plain(),
+            json!({"status_url": "http://x/status", "lookup_authoritative": false}),
+            json!({"status_url": "http://x/status", "lookup_authoritative": "true"}),
+        ] {
+            assert_eq!(
+                unknown_code(settle(&call(2, config.clone()), Ok(Lookup::NotFound))).as_deref(),
+                Some("lookup_not_found"),
+                "{config}"
+            );
+        }
+    }
+
+    #[test]
+    fn not_found_calls_when_the_lookup_is_authoritative_or_no_attempt_came_before() {
+        assert!(settle(&call(2, authoritative()), Ok(Lookup::NotFound)).is_none());
+        assert!(settle(&call(5, authoritative()), Ok(Lookup::NotFound)).is_none());
+        assert!(settle(&call(1, plain()), Ok(Lookup::NotFound)).is_none());
+    }
+
+    #[test]
+    fn a_found_call_settles_without_calling() {
+        let out = json!({"ledger_seq": 7});
+        for config in [plain(), authoritative()] {
+            assert_eq!(
+                settle(&call(2, config), Ok(Lookup::Succeeded(out.clone()))),
+                Some(Ok(out.clone()))
+            );
+        }
+        let failed = Lookup::Failed {
+            code: "declined".into(),
+            message: "no".into(),
+        };
+        // A recorded failure had no effect: the attempt may call (unchanged).
+        assert!(settle(&call(2, plain()), Ok(failed)).is_none());
+    }
+
+    #[test]
+    fn unaskable_or_failed_lookups_stay_unknown() {
+        assert_eq!(
+            unknown_code(settle(&call(2, authoritative()), Ok(Lookup::Unsupported))).as_deref(),
+            Some("not_reconcilable")
+        );
+        assert_eq!(
+            unknown_code(settle(
+                &call(2, authoritative()),
+                Err(HandlerError::retryable("x", "503"))
+            ))
+            .as_deref(),
+            Some("lookup_failed")
+        );
     }
 }
