@@ -421,6 +421,23 @@ pub struct Process {
 }
 
 impl Process {
+    /// Every thread's backtrace of the running process (`gdb -batch`), for a test that
+    /// found it stalled; a note when gdb is missing or fails.
+    pub fn backtraces(&self) -> String {
+        match Command::new("gdb")
+            .args([
+                "-p",
+                &self.pid().to_string(),
+                "-batch",
+                "-ex",
+                "thread apply all bt",
+            ])
+            .output()
+        {
+            Ok(out) => String::from_utf8_lossy(&out.stdout).into_owned(),
+            Err(e) => format!("(no backtraces: gdb: {e})"),
+        }
+    }
     /// SIGKILL: no chance to finish anything.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
