@@ -302,6 +302,16 @@ async fn wait_settled(
     runs: &[String],
     deadline: Duration,
 ) -> HashMap<String, RunState> {
+    wait_settled_or(stack, runs, deadline, || {}).await
+}
+
+/// [`wait_settled`], calling `on_timeout` (e.g. to keep diagnostics) before it panics.
+async fn wait_settled_or(
+    stack: &Stack,
+    runs: &[String],
+    deadline: Duration,
+    on_timeout: impl FnOnce(),
+) -> HashMap<String, RunState> {
     let until = Instant::now() + deadline;
     loop {
         let states = stack.states().await;
@@ -309,6 +319,7 @@ async fn wait_settled(
             return states;
         }
         if Instant::now() > until {
+            on_timeout();
             let stuck: Vec<String> = runs
                 .iter()
                 .filter(|r| !states.get(*r).is_some_and(settled))
@@ -992,26 +1003,15 @@ async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
     let down = Instant::now();
     println!("cluster: node {victim} (pid {pid}, leader of {count} run partitions) SIGKILLed");
     stack.send_many(after).await;
-    let until = Instant::now() + Duration::from_secs(240);
-    let states = loop {
-        let states = stack.states().await;
-        if runs.iter().all(|r| states.get(r).is_some_and(settled)) {
-            break states;
+    let states = wait_settled_or(&stack, &runs, Duration::from_secs(240), || {
+        // Keep what the next person needs: where each reducer's threads are.
+        for (i, reducer) in reducers.iter().enumerate() {
+            let path = stack.dir.join(format!("reducer-{i}.backtraces"));
+            let _ = std::fs::write(&path, reducer.backtraces());
+            println!("cluster: reducer {i} backtraces in {}", path.display());
         }
-        if Instant::now() > until {
-            // Keep what the next person needs: where each reducer's threads are.
-            for (i, reducer) in reducers.iter().enumerate() {
-                let path = stack.dir.join(format!("reducer-{i}.backtraces"));
-                let _ = std::fs::write(&path, reducer.backtraces());
-                println!("cluster: reducer {i} backtraces in {}", path.display());
-            }
-            panic!(
-                "{:?} of the runs did not settle within 240 s of the kill (backtraces written)",
-                by_status(&states, &runs)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    })
+    .await;
     println!(
         "cluster: every run settled {:.1}s after the kill, with node {victim} down",
         down.elapsed().as_secs_f64()
