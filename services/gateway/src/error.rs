@@ -12,6 +12,8 @@ pub struct ApiError {
     pub message: String,
     /// Extra fields next to code and message (e.g. the `command_id` of a write that timed out).
     pub details: Option<Value>,
+    /// Answer with `Connection: close` (the request's body was left unread).
+    pub close: bool,
 }
 
 impl ApiError {
@@ -21,7 +23,14 @@ impl ApiError {
             code: code.into(),
             message: message.into(),
             details: None,
+            close: false,
         }
+    }
+
+    /// The same answer, telling the client the connection closes after it.
+    pub fn closing(mut self) -> Self {
+        self.close = true;
+        self
     }
 
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
@@ -77,7 +86,14 @@ impl IntoResponse for ApiError {
         if let (Value::Object(map), Some(Value::Object(extra))) = (&mut error, self.details) {
             map.extend(extra);
         }
-        (self.status, Json(json!({ "error": error }))).into_response()
+        let mut response = (self.status, Json(json!({ "error": error }))).into_response();
+        if self.close {
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }
 

@@ -79,12 +79,19 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
-        if declared.is_some_and(|n| n > cap) {
-            return Err(too_large());
+        if declared.is_some_and(|n| n > DRAIN_LIMIT) {
+            // Not worth reading: answered at once, and the connection closes.
+            return Err(too_large().closing());
         }
-        let bytes = axum::body::to_bytes(req.into_body(), cap)
+        let bytes = read_capped(req.into_body(), cap)
             .await
-            .map_err(|_| too_large())?;
+            .map_err(|complete| {
+                if complete {
+                    too_large()
+                } else {
+                    too_large().closing()
+                }
+            })?;
         let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
             b"null"
         } else {
@@ -101,6 +108,39 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
                 }
             }
         })
+    }
+}
+
+/// How much of an oversized body is read (and thrown away) before it is refused. A
+/// server that answers while the client is still sending and then closes makes the
+/// client's kernel see a reset, which can discard the answer before the client reads it
+/// (hyper reports `IncompleteMessage`): reading the rest first delivers the JSON error.
+const DRAIN_LIMIT: usize = 8 * 1024 * 1024;
+
+/// The body if it holds at most `cap` bytes. A larger one is read on to its end and
+/// thrown away, up to [`DRAIN_LIMIT`]: `Err(true)` when it was read whole, `Err(false)`
+/// when it was cut off (or failed) and the connection should close.
+async fn read_capped(body: axum::body::Body, cap: usize) -> Result<Vec<u8>, bool> {
+    use futures::StreamExt;
+    let mut stream = body.into_data_stream();
+    let mut kept = Vec::new();
+    let mut seen = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else {
+            return Err(false);
+        };
+        seen += chunk.len();
+        if seen > DRAIN_LIMIT {
+            return Err(false);
+        }
+        if seen <= cap {
+            kept.extend_from_slice(&chunk);
+        }
+    }
+    if seen > cap {
+        Err(true)
+    } else {
+        Ok(kept)
     }
 }
 
