@@ -963,14 +963,14 @@ fn all_topics(stack: &Stack) -> Vec<String> {
 /// same kill leaves the node's partitions without a leader: producing the remaining runs'
 /// commands timed out (`MessageTimedOut`) and the test went red.
 ///
-/// Ignored in CI: in 1 of 3 runs (a CI rehearsal, 2026-11-30) one reducer stopped
-/// logging and committing right after the kill — its last line a consumer transport
-/// error — while the other reducer went on, and its runs never settled. Not reproduced
-/// in the next run. When it stalls, this test writes each reducer's thread backtraces
-/// (gdb) to `reducer-<i>.backtraces` in its test dir. Run it with
-/// `cargo test -p sortie-tests --test rebalance a_cluster_leader -- --ignored`.
+/// In 1 of 3 runs of a CI rehearsal (2026-11-30) one reducer went quiet right after the
+/// kill — its last line a consumer transport error — and its runs did not settle within
+/// the wait. Every wait of the reducer's assignment and transaction paths is now bounded
+/// in total and logged (watermarks, stable offsets, a restore with no progress, each
+/// transactional retry), so a repeat says where it waits; and if runs do not settle,
+/// this test writes each reducer's thread backtraces (gdb) to `reducer-<i>.backtraces`
+/// in its test dir.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a reducer stalled after the leader kill in 1 of 3 runs; see the doc comment"]
 async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
     let _turn = HEAVY.lock().await;
     let began = Instant::now();

@@ -22,6 +22,9 @@ use rdkafka::Offset;
 
 use crate::fetch_watermarks;
 
+/// How long a read may go without a record before it logs what it waits for.
+const QUIET: Duration = Duration::from_secs(10);
+
 /// Why a read ended early.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError<E> {
@@ -109,7 +112,20 @@ where
         .filter(|(_, &(from, end))| from < end)
         .map(|(&p, &(_, end))| (p, end))
         .collect();
+    // When nothing has been read for a while (a partition's leader gone, a transaction
+    // left open), say which partitions are waited for: a wait is never silent.
+    let mut quiet_since = Instant::now();
     while !open.is_empty() {
+        if quiet_since.elapsed() >= QUIET {
+            tracing::warn!(
+                topic,
+                behind = ?open.keys().collect::<Vec<_>>(),
+                waited_ms = started.elapsed().as_millis() as u64,
+                left_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64,
+                "Reading to the end of a topic: nothing read for a while; still waiting."
+            );
+            quiet_since = Instant::now();
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(ReadError::Timeout {
@@ -128,6 +144,7 @@ where
                 if message.offset() < *at {
                     continue;
                 }
+                quiet_since = Instant::now();
                 match handle(&message).map_err(ReadError::Handler)? {
                     Next::More => {
                         *at = message.offset() + 1;

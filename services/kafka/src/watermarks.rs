@@ -35,6 +35,8 @@ where
     X: ConsumerContext,
 {
     let mut pause = Duration::from_millis(50);
+    let started = Instant::now();
+    let mut warned = false;
     loop {
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -42,7 +44,21 @@ where
         match consumer.fetch_watermarks(topic, partition, left) {
             Ok(marks) => return Ok(marks),
             Err(e) if is_transient(&e) && Instant::now() + pause < deadline => {
-                tracing::debug!(topic, partition, error = %e, "Watermarks not available yet; retrying.");
+                // A moment after a topic is created this is normal; seconds of it mean a
+                // leader is gone (a broker died): say so once, so a wait is never silent.
+                if !warned && started.elapsed() >= Duration::from_secs(2) {
+                    warned = true;
+                    tracing::warn!(
+                        topic,
+                        partition,
+                        error = %e,
+                        waited_ms = started.elapsed().as_millis() as u64,
+                        left_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64,
+                        "Watermarks still not available (a leader moving?); retrying until the deadline."
+                    );
+                } else {
+                    tracing::debug!(topic, partition, error = %e, "Watermarks not available yet; retrying.");
+                }
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_secs(1));
             }

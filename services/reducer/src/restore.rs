@@ -32,9 +32,15 @@ use crate::store::{Batch, Store};
 /// Records written to sled per atomic batch during a restore.
 const CHUNK: usize = 4_000;
 
-/// How long one assignment's restore may take before it is given up (and retried with
-/// rebuilt clients).
-const DEADLINE: Duration = Duration::from_secs(600);
+/// How long one assignment's restore may take before it is given up and retried with
+/// rebuilt clients. It runs inside the rebalance callback, so it must end well inside
+/// `max.poll.interval.ms` (300 s): past that the member would be dropped from the group
+/// while still restoring. Giving up loses no work: every chunk is stored with its
+/// changelog offset, so the next assignment goes on from there.
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// How often a long restore says how far it is.
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
 /// The outcome of restoring an assignment.
 #[derive(Debug, Default)]
@@ -144,7 +150,19 @@ pub fn partitions(
         .iter()
         .map(|(&k, p)| (k, (p.next, p.high)))
         .collect();
+    let mut said = Instant::now();
+    let mut read = 0usize;
     let reached = sortie_kafka::read::to_end(&consumer, &topic, &spans, deadline, |message| {
+        read += 1;
+        if said.elapsed() >= PROGRESS_EVERY {
+            said = Instant::now();
+            let behind: Vec<i32> = progress
+                .iter()
+                .filter(|(_, p)| p.next < p.high)
+                .map(|(partition, _)| *partition)
+                .collect();
+            tracing::info!(records = read, ?behind, "Restoring: still reading the changelog.");
+        }
         let partition = message.partition();
         let Some(p) = progress.get_mut(&partition) else {
             return Ok(Next::More);

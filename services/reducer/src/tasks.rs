@@ -231,6 +231,10 @@ impl Engine {
                 }
             }
         }
+        // One deadline for every partition's watermark: a dead leader costs this once, not
+        // once per partition, and the whole assignment stays well inside
+        // `max.poll.interval.ms` (this runs inside poll).
+        let watermarks_by = Instant::now() + WATERMARKS_WAIT;
         let gauges = &mut self.gauges;
         let sources = crate::restore::Sources {
             kafka: &self.config.kafka,
@@ -247,8 +251,7 @@ impl Engine {
                 gauges.update(partition, run_id, before, after)
             },
             &|topic, partition| {
-                let deadline = Instant::now() + Duration::from_secs(30);
-                sortie_kafka::fetch_watermarks(consumer, topic, partition, deadline)
+                sortie_kafka::fetch_watermarks(consumer, topic, partition, watermarks_by)
                     .map(|(_, high)| high)
             },
         ) {
@@ -344,16 +347,28 @@ impl Engine {
     }
 }
 
+/// How long an assignment waits for the changelog partitions' watermarks, all together.
+const WATERMARKS_WAIT: Duration = Duration::from_secs(30);
+
+/// How long an assignment waits for stable committed offsets, all tries together.
+const OFFSETS_WAIT: Duration = Duration::from_secs(60);
+
 /// The committed offsets of `tpl`, stable (see the module doc). Retried while the
-/// coordinator settles.
+/// coordinator settles, within [`OFFSETS_WAIT`] in all: every step of an assignment is
+/// bounded and logs when it waits, and together they stay inside `max.poll.interval.ms`.
 fn stable_offsets<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     tpl: &TopicPartitionList,
 ) -> Result<TopicPartitionList, KafkaError> {
     let mut pause = Duration::from_millis(100);
     let mut tries = 0;
+    let deadline = Instant::now() + OFFSETS_WAIT;
     loop {
-        match consumer.committed_offsets(tpl.clone(), Duration::from_secs(30)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match consumer.committed_offsets(
+            tpl.clone(),
+            left.clamp(Duration::from_secs(1), Duration::from_secs(15)),
+        ) {
             Ok(committed) => {
                 let mut assignment = TopicPartitionList::new();
                 for element in committed.elements() {
@@ -370,7 +385,7 @@ fn stable_offsets<C: ConsumerContext>(
                 }
                 return Ok(assignment);
             }
-            Err(e) if tries < 10 => {
+            Err(e) if Instant::now() + pause < deadline => {
                 tries += 1;
                 tracing::warn!(error = %e, tries, "Committed offsets not available yet; retrying.");
                 std::thread::sleep(pause);

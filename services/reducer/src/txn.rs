@@ -118,7 +118,9 @@ fn retrying<T>(
         match call() {
             Err(e) if is_retriable(&e) && tries < RETRIES => {
                 tries += 1;
-                tracing::debug!(what, error = %e, tries, "Retriable transactional error; retrying.");
+                // Each try can block for its whole timeout (a coordinator that died): a
+                // retry is always logged, so a slow transaction is never a silent one.
+                tracing::warn!(what, error = %e, tries, "Retriable transactional error; retrying.");
                 std::thread::sleep(pause);
                 pause *= 2;
             }
