@@ -61,6 +61,13 @@ enum Command {
     Bench(bench::Args),
 }
 
+/// Every service allocates per record (decoded inputs, run states, encoded outputs);
+/// glibc's allocator spent ~30 % of the reducer's CPU under load in a profile
+/// (`perf record` during `sortie bench`, README "Performance"). mimalloc's thread-local
+/// free lists cost a fraction of that.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();

@@ -135,7 +135,14 @@ impl Engine {
             _ => {}
         }
         let _entered = span.enter();
-        let state = self.state_of(&run_id)?;
+        // The batch's own latest state of the run is taken, not copied (a state carries
+        // the run's whole history): it goes back below, or the fold's answer replaces it.
+        let mine = self.batch.after.remove(&run_id);
+        let from_batch = mine.is_some();
+        let state = match mine {
+            Some(state) => Some(state),
+            None => self.state_of(&run_id)?,
+        };
         if let Input::Command(c) = input {
             if let sortie_core::CommandBody::StartRun {
                 graph_id,
@@ -149,10 +156,40 @@ impl Engine {
                 }
             }
         }
-        let applied = apply(state.as_ref(), input, self.graphs.graphs());
+        let mut applied = apply(state.as_ref(), input, self.graphs.graphs());
+        let changed = applied
+            .effects
+            .iter()
+            .any(|e| matches!(e, Effect::WriteState(_)));
+        let events: Vec<&sortie_core::Event> = applied
+            .effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Emit(event) => Some(event),
+                _ => None,
+            })
+            .collect();
+        self.batch
+            .counts
+            .applied(input, applied.ignored, &events, applied.state.as_ref());
+        // Back before anything can fail: the batch never loses its view of a run.
+        match (changed, state) {
+            (true, _) => {
+                if let Some(after) = applied.state.take() {
+                    self.batch.after.insert(run_id.clone(), after);
+                }
+            }
+            (false, Some(state)) if from_batch => {
+                self.batch.after.insert(run_id.clone(), state);
+            }
+            (false, _) => {}
+        }
+        // The fold's copy for the state write is the same state: not kept twice.
+        applied
+            .effects
+            .retain(|e| !matches!(e, Effect::WriteState(_)));
         let partition = self.partition_of(&run_id);
         let mut outputs = Vec::new();
-        let mut write = None;
         for effect in &applied.effects {
             match effect {
                 Effect::Emit(event) => {
@@ -179,29 +216,15 @@ impl Engine {
                             .header()],
                     });
                 }
-                Effect::WriteState(state) => write = Some(state),
+                Effect::WriteState(_) => {} // taken above
                 Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {} // derived from states at commit
             }
         }
-        let events: Vec<&sortie_core::Event> = applied
-            .effects
-            .iter()
-            .filter_map(|e| match e {
-                Effect::Emit(event) => Some(event),
-                _ => None,
-            })
-            .collect();
-        self.batch
-            .counts
-            .applied(input, applied.ignored, &events, applied.state.as_ref());
         if applied.ignored.is_some() {
             self.batch.ignored += 1;
             tracing::debug!(run_id, reason = applied.ignored, "Input changed nothing.");
         }
         self.batch.outputs.extend(outputs);
-        if let Some(state) = write {
-            self.batch.after.insert(run_id, (**state).clone());
-        }
         Ok(())
     }
 }

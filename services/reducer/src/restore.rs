@@ -14,6 +14,7 @@
 //! rather than being skipped while the marker moves past it.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -38,6 +39,10 @@ const CHUNK: usize = 4_000;
 /// while still restoring. Giving up loses no work: every chunk is stored with its
 /// changelog offset, so the next assignment goes on from there.
 const DEADLINE: Duration = Duration::from_secs(120);
+
+/// Records per chunk handed to the decoder thread, and chunks it may be behind.
+const DECODE_CHUNK: usize = 256;
+const DECODE_AHEAD: usize = 16;
 
 /// How often a long restore says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
@@ -150,121 +155,86 @@ pub fn partitions(
         .iter()
         .map(|(&k, p)| (k, (p.next, p.high)))
         .collect();
-    let mut said = Instant::now();
-    let mut read = 0usize;
-    let reached = sortie_kafka::read::to_end(&consumer, &topic, &spans, deadline, |message| {
-        read += 1;
-        if said.elapsed() >= PROGRESS_EVERY {
-            said = Instant::now();
-            let behind: Vec<i32> = progress
-                .iter()
-                .filter(|(_, p)| p.next < p.high)
-                .map(|(partition, _)| *partition)
-                .collect();
-            tracing::info!(records = read, ?behind, "Restoring: still reading the changelog.");
-        }
-        let partition = message.partition();
-        let Some(p) = progress.get_mut(&partition) else {
-            return Ok(Next::More);
-        };
-        p.next = message.offset() + 1;
-        *restored.records.entry(partition).or_default() += 1;
-        let Some(key) = message
-            .key()
-            .map(|k| String::from_utf8_lossy(k).into_owned())
-        else {
-            return Ok(Next::More);
-        };
-        if let Some(armed) = p.armed.remove(&key) {
-            // An earlier record of this restore armed these.
-            for (timer, due) in &armed {
-                p.batch.disarm_timer(partition, &key, timer, *due);
-            }
-        }
-        let tracked = track.contains(&partition);
-        let mut before = if tracked { p.prior.remove(&key) } else { None };
-        if p.warm {
-            // The cache holds an older state of this run: its timers go.
-            if let Some(old) = store.get_run(&key)? {
-                let old: RunState = serde_json::from_slice(&old).map_err(|e| {
-                    crate::store::Error::Corrupt(format!("cached state of run {key}: {e}"))
-                })?;
-                for (timer, due) in &old.timers {
-                    p.batch.disarm_timer(partition, &key, timer, *due);
-                }
-                if tracked && before.is_none() {
-                    before = Some(old);
+    let mut applier = Applier {
+        topic: &topic,
+        store,
+        track,
+        observe,
+        progress: &mut progress,
+        restored: &mut restored,
+    };
+    // Decoding (Avro, then the state's JSON) runs on a second thread, a chunk at a time,
+    // while this one reads and writes sled: records come back in the order they were
+    // read, so every run's records are still applied in offset order.
+    let (to_decoder, decoder_in) = mpsc::sync_channel::<Vec<Raw>>(DECODE_AHEAD);
+    let (decoder_out, from_decoder) = mpsc::channel::<Vec<Decoded>>();
+    let reached = std::thread::scope(|scope| -> Result<BTreeMap<i32, i64>, Error> {
+        scope.spawn(move || {
+            for chunk in decoder_in {
+                let decoded = chunk
+                    .into_iter()
+                    .map(|raw| decode(raw, codec, runtime))
+                    .collect();
+                if decoder_out.send(decoded).is_err() {
+                    return;
                 }
             }
-        }
-        match message.payload() {
-            None => {
-                p.batch.remove_run(&key);
-                if tracked {
-                    observe((partition, &key, before.as_ref(), None));
-                }
+        });
+        let mut said = Instant::now();
+        let mut read = 0usize;
+        let mut pending: Vec<Raw> = Vec::with_capacity(DECODE_CHUNK);
+        let reached = sortie_kafka::read::to_end(&consumer, &topic, &spans, deadline, |message| {
+            read += 1;
+            if said.elapsed() >= PROGRESS_EVERY {
+                said = Instant::now();
+                let behind: Vec<i32> = applier.progress.keys().copied().collect();
+                tracing::info!(
+                    records = read,
+                    ?behind,
+                    "Restoring: still reading the changelog."
+                );
             }
-            Some(payload) => {
-                let state = runtime.block_on(codec.decode_patiently::<w::RunState>(Some(payload), None))
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| {
-                        let state = convert::state_from_wire(&r).map_err(|e| e.0)?;
-                        Ok((r.state, state))
-                    });
-                match state {
-                    Ok((json, state)) => {
-                        for (timer, due) in &state.timers {
-                            p.batch.arm_timer(partition, &key, timer, *due);
-                        }
-                        if !state.timers.is_empty() {
-                            p.armed.insert(key.clone(), state.timers.clone());
-                        }
-                        // The changelog's JSON is exactly what sled stores.
-                        p.batch.put_run(&key, json.into_bytes());
-                        if tracked {
-                            observe((partition, &key, before.as_ref(), Some(&state)));
-                            p.prior.insert(key.clone(), state);
-                        }
-                    }
-                    Err(e) => {
-                        let reason = format!(
-                            "{topic}[{partition}] offset {}: the record of run {key} does not decode: {e}",
-                            message.offset()
-                        );
-                        tracing::error!(
-                            topic,
-                            partition,
-                            offset = message.offset(),
-                            run_id = key,
-                            error = %e,
-                            "A changelog record does not decode: the partition stops here and is not consumed until this is fixed."
-                        );
-                        // Keep what came before it; the marker stops at the record.
-                        let mut batch = std::mem::take(&mut p.batch);
-                        batch.set_changelog_offset(partition, message.offset() as u64);
-                        store.apply(batch)?;
-                        restored.stopped.insert(partition, reason);
-                        progress.remove(&partition);
-                        return Ok(Next::StopPartition);
-                    }
-                }
+            let partition = message.partition();
+            if !applier.progress.contains_key(&partition) {
+                // Stopped at a record that does not decode (or not ours).
+                return Ok(Next::StopPartition);
             }
+            *applier.restored.records.entry(partition).or_default() += 1;
+            pending.push(Raw {
+                partition,
+                offset: message.offset(),
+                key: message
+                    .key()
+                    .map(|k| String::from_utf8_lossy(k).into_owned()),
+                payload: message.payload().map(<[u8]>::to_vec),
+            });
+            if pending.len() >= DECODE_CHUNK {
+                let chunk = std::mem::replace(&mut pending, Vec::with_capacity(DECODE_CHUNK));
+                // Blocks when the decoder is DECODE_AHEAD chunks behind: memory stays
+                // bounded.
+                to_decoder
+                    .send(chunk)
+                    .map_err(|_| Error::Setup("the restore's decoder thread stopped".into()))?;
+            }
+            for decoded in from_decoder.try_iter() {
+                applier.apply_all(decoded)?;
+            }
+            Ok::<_, Error>(Next::More)
+        })
+        .map_err(|e| match e {
+            ReadError::Handler(e) => e,
+            ReadError::Kafka(e) => Error::from(e),
+            timeout @ ReadError::Timeout { .. } => Error::Setup(format!("restoring: {timeout}")),
+        });
+        if !pending.is_empty() {
+            let _ = to_decoder.send(pending);
         }
-        p.pending += 1;
-        if p.pending >= CHUNK {
-            let mut batch = std::mem::take(&mut p.batch);
-            batch.set_changelog_offset(partition, p.next as u64);
-            store.apply(batch)?;
-            p.pending = 0;
-            p.armed.clear();
-            p.prior.clear();
+        drop(to_decoder);
+        let reached = reached?;
+        for decoded in from_decoder.iter() {
+            applier.apply_all(decoded)?;
         }
-        Ok::<_, Error>(Next::More)
-    })
-    .map_err(|e| match e {
-        ReadError::Handler(e) => e,
-        ReadError::Kafka(e) => Error::from(e),
-        timeout @ ReadError::Timeout { .. } => Error::Setup(format!("restoring: {timeout}")),
+        Ok(reached)
     })?;
     for (partition, p) in progress {
         // Transaction markers past the last record count as read.
@@ -280,4 +250,153 @@ pub fn partitions(
     // Closing a consumer takes librdkafka ~100 ms; nothing waits for it.
     std::thread::spawn(move || drop(consumer));
     Ok(restored)
+}
+
+/// One changelog record as read, before decoding.
+struct Raw {
+    partition: i32,
+    offset: i64,
+    key: Option<String>,
+    payload: Option<Vec<u8>>,
+}
+
+/// One changelog record after the decoder thread.
+struct Decoded {
+    partition: i32,
+    offset: i64,
+    key: Option<String>,
+    /// `None`: a tombstone. Else the state's JSON and the state, or why it does not decode.
+    value: Option<Result<(String, RunState), String>>,
+}
+
+/// Decodes a record fully — Avro, then the state's JSON into a [`RunState`] — so a state
+/// this build cannot read stops its partition here, at the restore, not at the run's
+/// next input.
+fn decode(raw: Raw, codec: &Codec, runtime: &Handle) -> Decoded {
+    let value = raw.payload.map(|payload| {
+        runtime
+            .block_on(codec.decode_patiently::<w::RunState>(Some(&payload), None))
+            .map_err(|e| e.to_string())
+            .and_then(|r| {
+                let state = convert::state_from_wire(&r).map_err(|e| e.0)?;
+                Ok((r.state, state))
+            })
+    });
+    Decoded {
+        partition: raw.partition,
+        offset: raw.offset,
+        key: raw.key,
+        value,
+    }
+}
+
+/// Applies decoded records to sled, in the order they were read.
+struct Applier<'a> {
+    topic: &'a str,
+    store: &'a Store,
+    track: &'a std::collections::BTreeSet<i32>,
+    observe: &'a mut dyn FnMut(Change<'_>),
+    progress: &'a mut BTreeMap<i32, Progress>,
+    restored: &'a mut Restored,
+}
+
+impl Applier<'_> {
+    fn apply_all(&mut self, decoded: Vec<Decoded>) -> Result<(), Error> {
+        for record in decoded {
+            self.apply(record)?;
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, record: Decoded) -> Result<(), Error> {
+        let Decoded {
+            partition,
+            offset,
+            key,
+            value,
+        } = record;
+        let store = self.store;
+        let Some(p) = self.progress.get_mut(&partition) else {
+            return Ok(()); // stopped at an earlier record
+        };
+        p.next = offset + 1;
+        let Some(key) = key else {
+            return Ok(());
+        };
+        if let Some(armed) = p.armed.remove(&key) {
+            // An earlier record of this restore armed these.
+            for (timer, due) in &armed {
+                p.batch.disarm_timer(partition, &key, timer, *due);
+            }
+        }
+        let tracked = self.track.contains(&partition);
+        let mut before = if tracked { p.prior.remove(&key) } else { None };
+        if p.warm {
+            // The cache holds an older state of this run: its timers go.
+            if let Some(old) = store.get_run(&key)? {
+                let old: RunState = serde_json::from_slice(&old).map_err(|e| {
+                    crate::store::Error::Corrupt(format!("cached state of run {key}: {e}"))
+                })?;
+                for (timer, due) in &old.timers {
+                    p.batch.disarm_timer(partition, &key, timer, *due);
+                }
+                if tracked && before.is_none() {
+                    before = Some(old);
+                }
+            }
+        }
+        match value {
+            None => {
+                p.batch.remove_run(&key);
+                if tracked {
+                    (self.observe)((partition, &key, before.as_ref(), None));
+                }
+            }
+            Some(Ok((json, state))) => {
+                for (timer, due) in &state.timers {
+                    p.batch.arm_timer(partition, &key, timer, *due);
+                }
+                if !state.timers.is_empty() {
+                    p.armed.insert(key.clone(), state.timers.clone());
+                }
+                // The changelog's JSON is exactly what sled stores.
+                p.batch.put_run(&key, json.into_bytes());
+                if tracked {
+                    (self.observe)((partition, &key, before.as_ref(), Some(&state)));
+                    p.prior.insert(key.clone(), state);
+                }
+            }
+            Some(Err(e)) => {
+                let topic = self.topic;
+                let reason = format!(
+                    "{topic}[{partition}] offset {offset}: the record of run {key} does not decode: {e}"
+                );
+                tracing::error!(
+                    topic,
+                    partition,
+                    offset,
+                    run_id = key,
+                    error = %e,
+                    "A changelog record does not decode: the partition stops here and is not consumed until this is fixed."
+                );
+                // Keep what came before it; the marker stops at the record.
+                let mut batch = std::mem::take(&mut p.batch);
+                batch.set_changelog_offset(partition, offset as u64);
+                store.apply(batch)?;
+                self.restored.stopped.insert(partition, reason);
+                self.progress.remove(&partition);
+                return Ok(());
+            }
+        }
+        p.pending += 1;
+        if p.pending >= CHUNK {
+            let mut batch = std::mem::take(&mut p.batch);
+            batch.set_changelog_offset(partition, p.next as u64);
+            store.apply(batch)?;
+            p.pending = 0;
+            p.armed.clear();
+            p.prior.clear();
+        }
+        Ok(())
+    }
 }
