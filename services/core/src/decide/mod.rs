@@ -23,7 +23,7 @@ use crate::{
     status::RunStatus,
 };
 
-pub(crate) use advance::{advance, begin_failure};
+pub(crate) use advance::{advance, begin_failure, is_tool_call};
 
 /// What applying one input produced.
 #[derive(Debug, Clone, PartialEq)]
