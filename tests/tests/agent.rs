@@ -67,13 +67,31 @@ async fn serve_model() -> (Arc<FakeModel>, String) {
 }
 
 async fn decide(stack: &Stack, run_id: &str, approve: bool) -> RunState {
+    decide_on(stack, run_id, "refund", approve, None).await
+}
+
+/// Waits for an open interrupt of `node` and decides it.
+async fn decide_on(
+    stack: &Stack,
+    run_id: &str,
+    node: &str,
+    approve: bool,
+    payload: Option<Value>,
+) -> RunState {
     let states = stack
-        .wait_for_states("the refund's approval", &[run_id.to_owned()], LONG, |s| {
-            s.open_interrupts().any(|i| i.node == "refund")
-        })
+        .wait_for_states(
+            &format!("an approval of {node}"),
+            &[run_id.to_owned()],
+            LONG,
+            |s| s.open_interrupts().any(|i| i.node == node),
+        )
         .await;
     let state = states[run_id].clone();
-    let interrupt = state.open_interrupts().next().expect("open").clone();
+    let interrupt = state
+        .open_interrupts()
+        .find(|i| i.node == node)
+        .expect("open")
+        .clone();
     let decision = if approve {
         w::Decision::Approve
     } else {
@@ -82,12 +100,12 @@ async fn decide(stack: &Stack, run_id: &str, approve: bool) -> RunState {
     stack
         .send(&command(
             run_id,
-            &format!("decide-{run_id}"),
+            &format!("decide-{}", interrupt.interrupt_id),
             w::CommandBody::ResumeRun(w::ResumeRun {
                 interrupt_id: interrupt.interrupt_id.clone(),
                 proposal_hash: interrupt.proposal_hash.clone(),
                 decision,
-                payload: None,
+                payload: payload.map(|p| p.to_string()),
                 comment: None,
             }),
         ))
@@ -241,4 +259,86 @@ async fn a_rejected_tool_call_is_told_to_the_model() {
     let refund_call = exchanges[1].message["tool_calls"][0]["id"].clone();
     assert_eq!(json!(told[1].0), refund_call);
     assert_eq!(told[1].1["rejected"], true, "{told:?}");
+}
+
+/// A spend budget as run state: the run starts with a 1-token limit, so after the model's
+/// first answer the next dispatch would exceed it and the graph says `pause`: a budget
+/// interrupt asks to raise it, the approval's payload raises it, and the run goes on to
+/// succeed. The usage of every model call is charged to the run, priced per model.
+///
+/// Seen red: with the approved raise not applied to the limits (evolve), the run asked
+/// for a raise again at once and never reached the refund's approval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_pause_is_raised_by_approval_and_the_run_goes_on() {
+    let (fake, url) = serve_model().await;
+    let stack = Stack::start("agent-budget", &[]).await;
+    let text = graph("agent", &url).replace(
+        "max_steps: 20\n",
+        "max_steps: 20\non_budget_exceeded: pause\n",
+    );
+    stack.publish(&text).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let run_id = "run-agent-budget";
+    let mut start = start_run(run_id, "agent", r#"{"request": "refund ord-3"}"#);
+    if let w::CommandBody::StartRun(body) = &mut start.body {
+        body.budget = Some(
+            json!({
+                "limits": {"tokens": 1},
+                "prices": {"fake-agent": {"input_per_1k": 1.0, "output_per_1k": 2.0}}
+            })
+            .to_string(),
+        );
+    }
+    stack.send(&start).await;
+
+    let paused = decide_on(
+        &stack,
+        run_id,
+        "$budget",
+        true,
+        Some(json!({"raise": {"tokens": 1000000}})),
+    )
+    .await;
+    assert_eq!(paused.status, RunStatus::WaitingApproval);
+    assert!(
+        !paused.steps.contains_key("lookup_order#1"),
+        "the tool call waited for the budget"
+    );
+    assert_eq!(paused.spend.llm_calls, 1);
+    assert!(!paused.steps.contains_key("assistant#2"));
+
+    decide(&stack, run_id, true).await;
+    let states = stack
+        .wait_for_states("the run to end", &[run_id.to_owned()], LONG, |s| {
+            s.status.is_terminal()
+        })
+        .await;
+    let state = &states[run_id];
+    assert_eq!(state.status, RunStatus::Succeeded, "{state:#?}");
+    assert_eq!(
+        state.budget.as_ref().and_then(|b| b.limits.tokens),
+        Some(1_000_001)
+    );
+    let exchanges = fake.exchanges();
+    let prompt: u64 = exchanges
+        .iter()
+        .map(|e| e.usage["prompt_tokens"].as_u64().unwrap_or(0))
+        .sum();
+    let completion: u64 = exchanges
+        .iter()
+        .map(|e| e.usage["completion_tokens"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        (state.spend.prompt_tokens, state.spend.completion_tokens),
+        (prompt, completion)
+    );
+    assert_eq!(state.spend.llm_calls, 3);
+    assert_eq!(state.spend.tool_calls, 2);
+    let cost = (prompt as f64 * 1.0 + completion as f64 * 2.0) / 1000.0;
+    assert!(
+        (state.spend.cost_usd - cost).abs() < 1e-9,
+        "{:?}",
+        state.spend
+    );
 }

@@ -57,9 +57,31 @@ pub struct Graph {
     /// Wall-clock cap for a run, from its start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_duration: Option<Millis>,
+    /// What a run does when its next dispatch would exceed its spend budget.
+    #[serde(default, skip_serializing_if = "OnBudgetExceeded::is_default")]
+    pub on_budget_exceeded: OnBudgetExceeded,
     pub nodes: Vec<Node>,
     #[serde(default)]
     pub edges: Vec<Edge>,
+}
+
+/// `on_budget_exceeded: pause | fail | cancel`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBudgetExceeded {
+    /// An interrupt asks an approver to raise the budget (`{"raise": {...}}`).
+    Pause,
+    /// The run fails (compensations run).
+    #[default]
+    Fail,
+    /// The run is cancelled (compensations run).
+    Cancel,
+}
+
+impl OnBudgetExceeded {
+    fn is_default(&self) -> bool {
+        *self == OnBudgetExceeded::default()
+    }
 }
 
 fn default_max_steps() -> u32 {

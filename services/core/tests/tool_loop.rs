@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
+use sortie_core::budget::{Budget, Limits, Price};
 use sortie_core::{
     apply, input::Command, CommandBody, Effect, Graph, Graphs, Input, Intent, RunState, RunStatus,
     StepOutcome, StepReport,
@@ -53,8 +54,12 @@ struct Run {
 
 impl Run {
     fn start() -> Run {
+        Run::start_with(GRAPH, None)
+    }
+
+    fn start_with(graph: &str, budget: Option<Budget>) -> Run {
         let mut graphs = Graphs::new();
-        graphs.insert(Graph::parse(GRAPH).unwrap()).unwrap();
+        graphs.insert(Graph::parse(graph).unwrap()).unwrap();
         let mut run = Run {
             graphs,
             state: None,
@@ -66,6 +71,7 @@ impl Run {
             graph_version: None,
             input: json!({"question": "refund order 7"}),
             labels: BTreeMap::new(),
+            budget,
         });
         run
     }
@@ -117,13 +123,17 @@ impl Run {
     }
 
     fn decide(&mut self, approve: bool) {
+        self.decide_with(approve, None);
+    }
+
+    fn decide_with(&mut self, approve: bool, payload: Option<Value>) {
         let state = self.state.as_ref().unwrap();
         let interrupt = state.open_interrupts().next().expect("an open interrupt");
         let body = CommandBody::ResumeRun {
             interrupt_id: interrupt.interrupt_id.clone(),
             proposal_hash: interrupt.proposal_hash.clone(),
             approve,
-            payload: None,
+            payload,
             comment: None,
         };
         self.command(body);
@@ -276,4 +286,145 @@ fn a_tool_not_in_may_request_is_refused() {
         error.contains("must also be listed in may_request"),
         "{error}"
     );
+}
+
+// ---------------------------------------------------------------- spend budgets
+
+fn budgeted(on_exceeded: &str, limits: Limits) -> Run {
+    let graph = GRAPH.replace(
+        "version: 1\n",
+        &format!("version: 1\non_budget_exceeded: {on_exceeded}\n"),
+    );
+    let prices = BTreeMap::from([(
+        "fake".to_owned(),
+        Price {
+            input_per_1k: 2.0,
+            output_per_1k: 4.0,
+        },
+    )]);
+    Run::start_with(&graph, Some(Budget { limits, prices }))
+}
+
+fn tokens(max: u64) -> Limits {
+    Limits {
+        tokens: Some(max),
+        ..Limits::default()
+    }
+}
+
+#[test]
+fn usage_is_charged_to_the_run_with_the_price_table() {
+    let mut run = budgeted("fail", Limits::default());
+    let first = run.next("assistant");
+    run.succeed(&first, model(Some("hi"), vec![]));
+    let spend = &run.state().spend;
+    assert_eq!((spend.prompt_tokens, spend.completion_tokens), (10, 5));
+    // 10 × 2.0 / 1000 + 5 × 4.0 / 1000
+    assert!((spend.cost_usd - 0.04).abs() < 1e-9, "{spend:?}");
+    assert_eq!(spend.llm_calls, 1);
+}
+
+#[test]
+fn pause_asks_to_raise_the_budget_and_an_approved_raise_goes_on() {
+    let mut run = budgeted("pause", tokens(15));
+    let first = run.next("assistant");
+    run.succeed(
+        &first,
+        model(
+            None,
+            vec![call("call_a", "lookup_order", json!({"order_id": "7"}))],
+        ),
+    );
+    // 15 tokens spent of 15: the tool call is not dispatched, an approver is asked.
+    assert!(run.intents.is_empty(), "{:#?}", run.intents);
+    let state = run.state();
+    assert_eq!(state.status, RunStatus::WaitingApproval);
+    let interrupt = state.open_interrupts().next().expect("a budget interrupt");
+    assert_eq!(interrupt.node, "$budget");
+    assert_eq!(interrupt.proposal["kind"], "budget");
+    assert!(interrupt.reason.contains("tokens"), "{}", interrupt.reason);
+
+    // An approval that raises nothing is refused; the interrupt stays open.
+    run.decide_with(true, Some(json!({"note": "go"})));
+    assert_eq!(run.state().open_interrupts().count(), 1);
+    assert!(run.intents.is_empty());
+
+    run.decide_with(true, Some(json!({"raise": {"tokens": 100}})));
+    assert_eq!(
+        run.state().budget.as_ref().and_then(|b| b.limits.tokens),
+        Some(115)
+    );
+    let lookup = run.next("lookup_order");
+    run.succeed(&lookup, json!({"total": 30}));
+    let second = run.next("assistant");
+    run.succeed(&second, model(Some("done"), vec![]));
+    let done = run.next("done");
+    run.succeed(&done, json!({}));
+    assert_eq!(run.state().status, RunStatus::Succeeded);
+    assert_eq!(run.state().spend.tokens(), 30);
+}
+
+#[test]
+fn a_rejected_raise_fails_the_run() {
+    let mut run = budgeted("pause", tokens(1));
+    let first = run.next("assistant");
+    run.succeed(&first, model(Some("hi"), vec![]));
+    assert_eq!(run.state().status, RunStatus::WaitingApproval);
+    run.decide(false);
+    assert_eq!(run.state().status, RunStatus::Failed);
+}
+
+#[test]
+fn fail_and_cancel_end_the_run_instead() {
+    let mut run = budgeted("fail", tokens(1));
+    let first = run.next("assistant");
+    run.succeed(&first, model(Some("hi"), vec![]));
+    assert!(run.intents.is_empty());
+    assert_eq!(run.state().status, RunStatus::Failed);
+
+    let mut run = budgeted("cancel", tokens(1));
+    let first = run.next("assistant");
+    run.succeed(&first, model(Some("hi"), vec![]));
+    assert!(run.intents.is_empty());
+    assert_eq!(run.state().status, RunStatus::Cancelled);
+    assert!(run.state().ending.as_ref().is_some_and(|e| e.cancelled));
+}
+
+#[test]
+fn tool_calls_and_wall_time_are_limits_too() {
+    let mut run = budgeted(
+        "fail",
+        Limits {
+            tool_calls: Some(1),
+            ..Limits::default()
+        },
+    );
+    let first = run.next("assistant");
+    run.succeed(
+        &first,
+        model(
+            None,
+            vec![
+                call("a", "lookup_order", json!({"order_id": "7"})),
+                call("b", "lookup_order", json!({"order_id": "8"})),
+            ],
+        ),
+    );
+    assert!(run.intents.is_empty());
+    assert_eq!(
+        run.state().status,
+        RunStatus::Failed,
+        "two calls, one allowed"
+    );
+
+    let mut run = budgeted(
+        "fail",
+        Limits {
+            wall_time: Some(sortie_core::duration::Millis(1)),
+            ..Limits::default()
+        },
+    );
+    let first = run.next("assistant");
+    run.succeed(&first, model(Some("hi"), vec![]));
+    assert_eq!(run.state().status, RunStatus::Failed);
 }

@@ -162,6 +162,8 @@ pub async fn serve(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::*;
 
     fn tool(name: &str) -> Value {

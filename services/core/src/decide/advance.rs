@@ -58,6 +58,14 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
         );
         return begin_failure(ctx, reason);
     }
+    let new_tool_calls = proposals
+        .iter()
+        .filter(|p| matches!(p.role, StepRole::Requested { .. }))
+        .count() as u64;
+    match super::budget::check(ctx, proposals.len(), new_tool_calls) {
+        super::budget::Verdict::Go => {}
+        super::budget::Verdict::Hold => return hold(ctx),
+    }
     for p in proposals {
         ctx.propose(p.node, p.step_id, p.args, p.role);
     }
@@ -84,6 +92,18 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
         RunStatus::Running
     };
     ctx.set_status(status, None, None);
+}
+
+/// Nothing new is proposed (a budget holds the run): it waits on its open interrupts, or
+/// has begun to end.
+fn hold(ctx: &mut Ctx<'_>) {
+    let run = ctx.run();
+    if run.status.is_terminal() || run.ending.is_some() {
+        return;
+    }
+    if run.open_interrupts().next().is_some() {
+        ctx.set_status(RunStatus::WaitingApproval, None, None);
+    }
 }
 
 /// A terminal failure among the forward steps, if any.

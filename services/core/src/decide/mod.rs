@@ -2,6 +2,7 @@
 //! file; `advance` is the engine they share, moving a run forward after any change.
 
 mod advance;
+mod budget;
 mod cancel;
 mod reconcile;
 mod report;

@@ -125,6 +125,9 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     {
         return ctx.reject(command, refusal.code, refusal.reason);
     }
+    if interrupt.node == crate::budget::BUDGET_NODE {
+        return super::budget::decide(ctx, command, &interrupt);
+    }
     let Some(graph) = ctx.graph() else { return };
     let Some(node) = graph.node(&interrupt.node) else {
         return;
