@@ -251,6 +251,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_runs_budget_is_its_own_limits_over_its_tenants_default_with_the_prices() {
+        let budgets: Budgets = serde_yaml::from_str(
+            "default: {tokens: 100}\ntenants:\n  acme: {tokens: 500, tool_calls: 3}\nprices:\n  m: {input_per_1k: 1.0, output_per_1k: 2.0}\n",
+        )
+        .expect("budgets");
+        let acme = budgets.for_run("acme", None).expect("a budget");
+        assert_eq!(
+            (acme.limits.tokens, acme.limits.tool_calls),
+            (Some(500), Some(3))
+        );
+        assert_eq!(acme.prices.len(), 1);
+        let own = Limits {
+            tokens: Some(7),
+            ..Limits::default()
+        };
+        let other = budgets.for_run("other", Some(&own)).expect("a budget");
+        assert_eq!(
+            (other.limits.tokens, other.limits.tool_calls),
+            (Some(7), None)
+        );
+        assert_eq!(Budgets::default().for_run("acme", None), None);
+        assert!(
+            serde_yaml::from_str::<Budgets>("tokens: 5\n").is_err(),
+            "unknown fields"
+        );
+    }
+
+    #[test]
     fn dev_tokens_are_hashed_and_principals_may_hold_colons() {
         let entry = TokenEntry::from_dev_spec("acme:user:alice:approver,viewer:s3cret")
             .expect("valid spec");
