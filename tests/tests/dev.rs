@@ -169,6 +169,17 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
     );
 }
 
+/// The agent example ran the fake model's script (two tool calls, then an answer) under
+/// the dev budgets file: its budget and spend are in the run's state.
+fn agent_spent(run: &Value) {
+    let spend = &run["spend"];
+    assert_eq!(spend["llm_calls"], 3, "{run}");
+    assert_eq!(spend["tool_calls"], 2, "{run}");
+    assert!(spend["cost_usd"].as_f64().unwrap_or(0.0) > 0.0, "{run}");
+    assert_eq!(run["budget"]["limits"]["tokens"], 200_000, "{run}");
+    assert!(run["budget"]["prices"]["fake-agent"].is_object(), "{run}");
+}
+
 /// The input a graph file asks for: every `$input.<name>` it mentions, as a string.
 fn example_input(text: &str) -> Value {
     let mut input = serde_json::Map::new();
@@ -241,6 +252,10 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
                 .await
                 .expect("json");
             match run["status"].as_str().unwrap_or_default() {
+                "succeeded" if file.ends_with("agent.yaml") => {
+                    agent_spent(&run);
+                    break;
+                }
                 "succeeded" => break,
                 "failed" | "cancelled" => panic!("{file}: run {run_id} ended {run}"),
                 _ => {}

@@ -248,6 +248,7 @@ fn regenerate_golden_histories() {
                 graph_version: Some(1),
                 input: json!({"order_id": "o-42", "customer_id": "c-7", "reason": "damaged"}),
                 labels: BTreeMap::from([("channel".to_owned(), "support".to_owned())]),
+                budget: None,
             },
         );
     };
@@ -328,6 +329,7 @@ fn regenerate_golden_histories() {
             graph_version: None,
             input: json!({}),
             labels: BTreeMap::new(),
+            budget: None,
         },
     );
     story.report("send#1", StepOutcome::Started);

@@ -209,6 +209,15 @@ async fn every_service_reports_metrics_health_and_the_callers_trace() {
         2.0
     );
     assert_eq!(sum("sortie_steps_retried_total", &[]), 0.0);
+    // What the ended run spent (no model steps here: one observation of 0 USD).
+    assert_eq!(
+        sum("sortie_run_cost_usd_count", &[("status", "succeeded")]),
+        1.0
+    );
+    assert_eq!(
+        sum("sortie_run_cost_usd_sum", &[("status", "succeeded")]),
+        0.0
+    );
     assert_eq!(
         sum("sortie_interrupts_closed_total", &[("outcome", "approved")]),
         1.0

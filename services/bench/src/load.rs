@@ -194,6 +194,7 @@ impl Driver {
                 graph_version: Some(1),
                 input,
                 labels: Default::default(),
+                budget: None,
             }),
         };
         Ok(codec.encode(&topics.commands(), &command).await?)

@@ -304,6 +304,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     stack.spawn("executor", &["executor", "--queue", "default,http,llm"])?;
     let gateway_dir = data_dir.join("gateway").display().to_string();
     let dev_token = format!("dev:dev-user:approver,operator:{token}");
+    let budgets = repo_file("topology/budgets.yaml")?.display().to_string();
     stack.spawn(
         "gateway",
         &[
@@ -314,6 +315,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &gateway_dir,
             "--token",
             &dev_token,
+            "--budgets-file",
+            &budgets,
         ],
     )?;
     wait_http(

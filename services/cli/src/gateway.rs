@@ -45,6 +45,10 @@ pub struct Args {
     /// Largest request body accepted.
     #[arg(long, env = "SORTIE__GATEWAY__MAX_BODY_BYTES", default_value_t = 256 * 1024)]
     max_body_bytes: usize,
+    /// YAML file of spend budgets: `default` and per-`tenants` limits (tokens, cost_usd,
+    /// tool_calls, wall_time) and `prices` per model (input_per_1k, output_per_1k, USD).
+    #[arg(long, env = "SORTIE__GATEWAY__BUDGETS_FILE")]
+    budgets_file: Option<PathBuf>,
     /// Crash tests only: die on purpose at this point (gateway.after_publish).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
@@ -64,6 +68,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.read_wait_timeout = Duration::from_millis(args.read_wait_timeout_ms);
     config.max_body_bytes = args.max_body_bytes;
     config.fault = args.fault;
+    if let Some(path) = &args.budgets_file {
+        config.budgets = sortie_gateway::config::Budgets::load(path)?;
+    }
     if let Some(path) = &args.tokens_file {
         config
             .tokens

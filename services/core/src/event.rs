@@ -64,6 +64,9 @@ pub enum EventBody {
         started_by: String,
         labels: BTreeMap<String, String>,
         deadline_at: Option<i64>,
+        /// The run's spend limits and price table (`None`: no limits, no prices).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        budget: Option<crate::budget::Budget>,
     },
     StepDispatched {
         step_id: String,

@@ -18,6 +18,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 started_by,
                 labels,
                 deadline_at,
+                budget,
             },
             None,
         ) => {
@@ -45,6 +46,8 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 output: None,
                 buffered: Vec::new(),
                 rejected: Default::default(),
+                budget: budget.clone(),
+                spend: Default::default(),
             };
             if let Some(due) = deadline_at {
                 state.timers.insert(TimerKey::RunDeadline.encode(), *due);
@@ -128,6 +131,9 @@ fn apply_body(state: &mut RunState, event: &Event) {
             timeout_at,
         } => {
             let operation_id = event.operation_id.clone().unwrap_or_default();
+            if *attempt == 1 && matches!(role, crate::event::StepRole::Requested { .. }) {
+                state.spend.tool_calls += 1;
+            }
             let step = state.steps.entry(step_id.clone()).or_insert_with(|| Step {
                 step_id: step_id.clone(),
                 node: node.clone(),
@@ -171,6 +177,16 @@ fn apply_body(state: &mut RunState, event: &Event) {
         EventBody::StepSucceeded {
             step_id, output, ..
         } => {
+            if state
+                .steps
+                .get(step_id)
+                .is_some_and(|s| s.status != StepStatus::Succeeded)
+            {
+                let prices = state.budget.as_ref().map(|b| &b.prices);
+                state
+                    .spend
+                    .charge(output, prices.unwrap_or(&Default::default()));
+            }
             succeed(state, step_id, output.clone());
         }
         EventBody::StepFailed {
@@ -293,11 +309,21 @@ fn apply_body(state: &mut RunState, event: &Event) {
             approve,
             decided_by,
             is_final,
+            payload,
             ..
         } => {
             if let Some(interrupt) = state.interrupts.get_mut(interrupt_id) {
                 if *approve {
                     interrupt.approvals.push(decided_by.clone());
+                }
+                if *approve && *is_final && interrupt.node == crate::budget::BUDGET_NODE {
+                    // An approved budget interrupt raises the limits by what its payload says.
+                    if let (Some(budget), Ok(raise)) = (
+                        state.budget.as_mut(),
+                        crate::budget::raise_of(payload.as_ref()),
+                    ) {
+                        budget.limits = budget.limits.raised(&raise);
+                    }
                 }
                 if *is_final {
                     interrupt.status = if *approve {

@@ -57,9 +57,31 @@ pub struct Graph {
     /// Wall-clock cap for a run, from its start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_duration: Option<Millis>,
+    /// What a run does when its next dispatch would exceed its spend budget.
+    #[serde(default, skip_serializing_if = "OnBudgetExceeded::is_default")]
+    pub on_budget_exceeded: OnBudgetExceeded,
     pub nodes: Vec<Node>,
     #[serde(default)]
     pub edges: Vec<Edge>,
+}
+
+/// `on_budget_exceeded: pause | fail | cancel`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBudgetExceeded {
+    /// An interrupt asks an approver to raise the budget (`{"raise": {...}}`).
+    Pause,
+    /// The run fails (compensations run).
+    #[default]
+    Fail,
+    /// The run is cancelled (compensations run).
+    Cancel,
+}
+
+impl OnBudgetExceeded {
+    fn is_default(&self) -> bool {
+        *self == OnBudgetExceeded::default()
+    }
 }
 
 fn default_max_steps() -> u32 {
@@ -97,6 +119,13 @@ pub struct Node {
     /// Detached nodes this node may ask for in its output's `next_steps`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub may_request: Vec<String>,
+    /// A tool loop: these `may_request` nodes are offered to the model as tools (see
+    /// [`Graph::tool_specs`]) and the model's `tool_calls` become their steps.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<String>,
+    /// What the node does, in a sentence; a tool's description for the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
 }
 
 fn default_queue() -> String {
@@ -303,6 +332,52 @@ impl Graph {
         self.nodes.iter().find(|n| n.id == id)
     }
 
+    /// The OpenAI-style `tools` a tool-loop node offers its model: one function per name
+    /// in its `tools`, named after the node, with JSON-schema parameters from that node's
+    /// declared `args`: an object value is the property's schema as written, a string its
+    /// description (a string property), any other literal gives its type. Every declared
+    /// argument is required.
+    pub fn tool_specs(&self, node: &Node) -> Value {
+        let specs = node
+            .tools
+            .iter()
+            .filter_map(|name| self.node(name))
+            .map(|tool| {
+                let mut properties = serde_json::Map::new();
+                let mut required = Vec::new();
+                if let Value::Object(args) = &tool.args {
+                    for (name, declared) in args {
+                        let schema = match declared {
+                            Value::Object(_) => declared.clone(),
+                            Value::String(text) => {
+                                serde_json::json!({"type": "string", "description": text})
+                            }
+                            Value::Bool(_) => serde_json::json!({"type": "boolean"}),
+                            Value::Number(_) => serde_json::json!({"type": "number"}),
+                            Value::Array(_) => serde_json::json!({"type": "array"}),
+                            Value::Null => serde_json::json!({}),
+                        };
+                        properties.insert(name.clone(), schema);
+                        required.push(Value::String(name.clone()));
+                    }
+                }
+                serde_json::json!({
+                    "type": "function",
+                    "function": {
+                        "name": tool.id,
+                        "description": tool.description.clone().unwrap_or_else(|| format!("Runs step {}.", tool.id)),
+                        "parameters": {
+                            "type": "object",
+                            "properties": properties,
+                            "required": required,
+                        },
+                    },
+                })
+            })
+            .collect();
+        Value::Array(specs)
+    }
+
     pub fn key(&self) -> String {
         format!("{}@{}", self.id, self.version)
     }
@@ -506,6 +581,14 @@ impl Graph {
                     problem(
                         Some(id),
                         format!("may_request names unknown node {target:?}"),
+                    );
+                }
+            }
+            for tool in &node.tools {
+                if !node.may_request.contains(tool) {
+                    problem(
+                        Some(id),
+                        format!("tool {tool:?} must also be listed in may_request"),
                     );
                 }
             }

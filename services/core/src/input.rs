@@ -55,6 +55,10 @@ pub enum CommandBody {
         graph_version: Option<u32>,
         input: Value,
         labels: BTreeMap<String, String>,
+        /// The run's own spend limits, over its tenant's default, with the price table
+        /// (resolved where the run is started).
+        #[serde(default)]
+        budget: Option<crate::budget::Budget>,
     },
     ResumeRun {
         interrupt_id: String,

@@ -43,6 +43,12 @@ pub struct RunState {
     /// bad commands cannot grow the run without bound.
     #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
     pub rejected: VecDeque<String>,
+    /// The run's spend limits and prices, raised by budget approvals.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::budget::Budget>,
+    /// What the run has spent: model usage charged from recorded outputs, tool calls.
+    #[serde(default, skip_serializing_if = "crate::budget::Spend::is_zero")]
+    pub spend: crate::budget::Spend,
 }
 
 /// A decision waiting for its interrupt.

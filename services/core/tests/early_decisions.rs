@@ -59,6 +59,7 @@ fn started(graphs: &Graphs) -> RunState {
             graph_version: None,
             input: json!({}),
             labels: BTreeMap::new(),
+            budget: None,
         },
     );
     apply(None, &start, graphs).state.unwrap()

@@ -48,6 +48,7 @@ fn start(graph: &str, input: serde_json::Value) -> Input {
             graph_version: None,
             input,
             labels: Default::default(),
+            budget: None,
         },
     )
 }

@@ -34,6 +34,7 @@ macro_rules! scenarios {
 
 scenarios!(
     sequence_completes,
+    tool_loop_feeds_results_back,
     conditions_fan_out_and_join,
     retry_with_backoff,
     terminal_failure_compensates_in_reverse,

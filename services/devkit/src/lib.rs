@@ -1,7 +1,8 @@
 //! Sortie's dev and test machinery: the local single-node Kafka broker launcher
 //! ([`local`]), the ledger that records every side effect a receiver is asked for
 //! ([`ledger`]), and the dev receiver that answers the example graphs' URLs
-//! ([`receiver`]). `sortie dev`, `sortie broker`, `sortie ledger`, the bench and the
+//! ([`receiver`]), with the scripted fake OpenAI-compatible model the `llm` examples
+//! call ([`model`]). `sortie dev`, `sortie broker`, `sortie ledger`, the bench and the
 //! test suites use it.
 //!
 //! Production services (`sortie-executor`, `sortie-gateway`, `sortie-reducer`,
@@ -10,4 +11,5 @@
 
 pub mod ledger;
 pub mod local;
+pub mod model;
 pub mod receiver;

@@ -247,6 +247,9 @@ struct StartRequest {
     run_id: Option<String>,
     #[serde(default)]
     labels: BTreeMap<String, String>,
+    /// The run's own spend limits, over its tenant's default.
+    #[serde(default)]
+    budget: Option<sortie_core::budget::Limits>,
 }
 
 async fn start_run(
@@ -314,6 +317,13 @@ async fn start_run(
             graph_version: body.graph_version.map(|v| v as i32),
             input: sortie_core::json::canonical(&input),
             labels: body.labels,
+            budget: app
+                .inner
+                .config
+                .budgets
+                .for_run(&caller.tenant, body.budget.as_ref())
+                .as_ref()
+                .map(sortie_model::budget_text),
         }),
     );
     let answer = app.submit(&command).await?;

@@ -1,10 +1,12 @@
 //! The gateway's configuration and its bearer tokens (only their SHA-256 hashes are held).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use sortie_core::budget::{Budget, Limits, Price};
 use sortie_kafka::KafkaConfig;
 
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +25,8 @@ pub enum Error {
     DevToken(String),
     #[error("token entry for {principal}: {problem}")]
     Invalid { principal: String, problem: String },
+    #[error("budgets: {problem}")]
+    Budgets { problem: String },
 }
 
 /// How a gateway runs.
@@ -53,6 +57,53 @@ pub struct GatewayConfig {
     /// Die on purpose at this point (crash tests only; never set by default).
     #[serde(default)]
     pub fault: Option<crate::fault::FaultPoint>,
+    /// Spend budgets: tenants' default limits and the price table runs are started with.
+    #[serde(default)]
+    pub budgets: Budgets,
+}
+
+/// Spend budgets (a `budgets` file): the limits a run gets when its start names none (per
+/// tenant, else `default`) and the USD price per 1k tokens of each model. The gateway
+/// resolves a run's budget when it starts the run and the run records it, so changing
+/// this file never changes a run that already started.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budgets {
+    #[serde(default)]
+    pub default: Limits,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, Limits>,
+    #[serde(default)]
+    pub prices: BTreeMap<String, Price>,
+}
+
+impl Budgets {
+    /// Reads a budgets YAML file.
+    pub fn load(path: &Path) -> Result<Budgets, Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Budgets {
+            problem: format!("cannot read {}: {e}", path.display()),
+        })?;
+        serde_yaml::from_str(&text).map_err(|e| Error::Budgets {
+            problem: format!("{}: {e}", path.display()),
+        })
+    }
+
+    /// The budget a run of `tenant` starts with: the limits its start gives over the
+    /// tenant's default, and the price table. `None` when there is neither.
+    pub fn for_run(&self, tenant: &str, own: Option<&Limits>) -> Option<Budget> {
+        let base = self.tenants.get(tenant).unwrap_or(&self.default);
+        let limits = match own {
+            Some(own) => base.overridden_by(own),
+            None => base.clone(),
+        };
+        if limits.is_empty() && self.prices.is_empty() {
+            return None;
+        }
+        Some(Budget {
+            limits,
+            prices: self.prices.clone(),
+        })
+    }
 }
 
 fn yes() -> bool {
@@ -98,6 +149,7 @@ impl GatewayConfig {
             read_wait_timeout: default_answer_timeout(),
             max_body_bytes: default_max_body(),
             fault: None,
+            budgets: Budgets::default(),
         }
     }
 }
@@ -197,6 +249,34 @@ pub fn load_tokens(path: impl AsRef<Path>) -> Result<Vec<TokenEntry>, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runs_budget_is_its_own_limits_over_its_tenants_default_with_the_prices() {
+        let budgets: Budgets = serde_yaml::from_str(
+            "default: {tokens: 100}\ntenants:\n  acme: {tokens: 500, tool_calls: 3}\nprices:\n  m: {input_per_1k: 1.0, output_per_1k: 2.0}\n",
+        )
+        .expect("budgets");
+        let acme = budgets.for_run("acme", None).expect("a budget");
+        assert_eq!(
+            (acme.limits.tokens, acme.limits.tool_calls),
+            (Some(500), Some(3))
+        );
+        assert_eq!(acme.prices.len(), 1);
+        let own = Limits {
+            tokens: Some(7),
+            ..Limits::default()
+        };
+        let other = budgets.for_run("other", Some(&own)).expect("a budget");
+        assert_eq!(
+            (other.limits.tokens, other.limits.tool_calls),
+            (Some(7), None)
+        );
+        assert_eq!(Budgets::default().for_run("acme", None), None);
+        assert!(
+            serde_yaml::from_str::<Budgets>("tokens: 5\n").is_err(),
+            "unknown fields"
+        );
+    }
 
     #[test]
     fn dev_tokens_are_hashed_and_principals_may_hold_colons() {

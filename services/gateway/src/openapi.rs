@@ -172,7 +172,9 @@ pub fn document() -> Value {
                         "nodes_completed": {"type": "array", "items": {"type": "string"}},
                         "interrupt": {"type": ["object", "null"]},
                         "interrupts": {"type": "array", "items": {"type": "object"}},
-                        "steps": {"type": "array", "items": {"type": "object"}}
+                        "steps": {"type": "array", "items": {"type": "object"}},
+                        "budget": {"type": ["object", "null"], "description": "Spend limits (tokens, cost_usd, tool_calls, wall_time) and the price table, as started and raised."},
+                        "spend": {"type": "object", "description": "What the run spent: prompt_tokens, completion_tokens, cost_usd, llm_calls, tool_calls."}
                     }
                 },
                 "RunList": {

@@ -52,6 +52,8 @@ fn common(state: &RunState) -> serde_json::Map<String, Value> {
         "input": state.input,
         "output": state.output,
         "ending": state.ending,
+        "budget": state.budget,
+        "spend": state.spend,
     });
     match body {
         Value::Object(map) => map,

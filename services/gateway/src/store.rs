@@ -303,6 +303,7 @@ mod tests {
                 input: serde_json::json!({}),
                 started_by: "me".into(),
                 labels: Default::default(),
+                budget: None,
                 deadline_at: None,
             },
         };

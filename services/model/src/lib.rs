@@ -32,6 +32,19 @@ fn id(field: &str, value: &str) -> Result<(), Invalid> {
     sortie_core::limits::check_id(field, value).map_err(Invalid)
 }
 
+/// A budget's JSON text on the wire.
+pub fn budget_text(budget: &sortie_core::budget::Budget) -> String {
+    serde_json::to_string(budget).unwrap_or_default()
+}
+
+fn budget_of(text: &Option<String>) -> Result<Option<sortie_core::budget::Budget>, Invalid> {
+    text.as_deref()
+        .map(|t| {
+            serde_json::from_str(t).map_err(|e| Invalid(format!("budget is not a budget: {e}")))
+        })
+        .transpose()
+}
+
 pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
     id("run_id", &command.run_id)?;
     id("command_id", &command.command_id)?;
@@ -47,6 +60,7 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
                 .transpose()?,
             input: json("input", &start.input)?,
             labels: start.labels,
+            budget: budget_of(&start.budget)?,
         },
         w::CommandBody::ResumeRun(resume) => CommandBody::ResumeRun {
             interrupt_id: resume.interrupt_id,
@@ -214,6 +228,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             started_by,
             labels,
             deadline_at,
+            budget,
         } => w::EventBody::RunStarted(w::RunStarted {
             graph_id: graph_id.clone(),
             graph_version: *graph_version as i32,
@@ -221,6 +236,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             started_by: started_by.clone(),
             labels: labels.clone(),
             deadline_at: *deadline_at,
+            budget: budget.as_ref().map(budget_text),
         }),
         EventBody::StepDispatched {
             step_id,
@@ -444,6 +460,7 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             started_by: e.started_by,
             labels: e.labels,
             deadline_at: e.deadline_at,
+            budget: budget_of(&e.budget)?,
         },
         w::EventBody::StepDispatched(e) => EventBody::StepDispatched {
             step_id: e.step_id,
@@ -632,6 +649,7 @@ mod tests {
                 graph_version: None,
                 input: serde_json::json!({"x": [1, "two"]}),
                 labels: [("k".to_owned(), "v".to_owned())].into(),
+                budget: None,
             },
         });
         let applied = apply(None, &start, &graphs);

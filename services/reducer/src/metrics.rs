@@ -66,6 +66,10 @@ pub const INTERRUPT_OLDEST_AGE: &str = "sortie_interrupts_oldest_open_age_second
 /// Operations whose outcome is unknown and waits for an operator (gauge).
 pub const AWAITING_OPERATOR: &str = "sortie_operations_awaiting_operator";
 
+/// What each run spent, recorded once when it ends, by final status (histograms).
+pub const RUN_COST_USD: &str = "sortie_run_cost_usd";
+pub const RUN_TOKENS: &str = "sortie_run_tokens";
+
 /// Explicit buckets: without them the exporter renders histograms as summaries.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (
@@ -82,6 +86,13 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
         RESTORE_SECONDS,
         &[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0],
     ),
+    (
+        RUN_COST_USD,
+        &[
+            0.0, 0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 50.0, 100.0,
+        ],
+    ),
+    (RUN_TOKENS, &[0.0, 100.0, 1e3, 1e4, 5e4, 1e5, 5e5, 1e6, 1e7]),
 ];
 
 /// Describes every metric (call once, after the recorder is installed).
@@ -96,6 +107,7 @@ pub fn describe() {
         "Records produced on a partition other than their run's, forwarded to it."
     );
     describe_counter!(BATCHES, "Committed reducer transactions.");
+    describe_run_spend();
     describe_histogram!(
         BATCH_SIZE,
         Unit::Count,
@@ -188,6 +200,8 @@ type Labels = Vec<(&'static str, String)>;
 #[derive(Debug, Default)]
 pub(crate) struct BatchCounts {
     counters: BTreeMap<(&'static str, Labels), u64>,
+    /// Runs that ended in this batch: final status, cost (USD) and tokens.
+    ended: Vec<(&'static str, f64, u64)>,
 }
 
 impl BatchCounts {
@@ -232,10 +246,15 @@ impl BatchCounts {
                     RUN_TRANSITIONS,
                     vec![("status", RunStatus::Running.as_str().to_owned())],
                 ),
-                EventBody::RunStatusChanged { status, .. } => self.add(
-                    RUN_TRANSITIONS,
-                    vec![("status", status.as_str().to_owned())],
-                ),
+                EventBody::RunStatusChanged { status, .. } => {
+                    self.add(
+                        RUN_TRANSITIONS,
+                        vec![("status", status.as_str().to_owned())],
+                    );
+                    if status.is_terminal() {
+                        self.run_ended(status.as_str(), state);
+                    }
+                }
                 EventBody::StepDispatched { tool, attempt, .. } => {
                     self.add(STEPS_DISPATCHED, vec![("tool", tool.clone())]);
                     if *attempt > 1 {
@@ -288,6 +307,13 @@ impl BatchCounts {
         for ((name, labels), n) in self.counters {
             counter!(name, labels.as_slice()).increment(n);
         }
+        record_run_spend(&self.ended);
+    }
+
+    /// A run ended: what it spent is recorded when the batch commits.
+    fn run_ended(&mut self, status: &'static str, state: Option<&RunState>) {
+        let spend = state.map(|s| s.spend.clone()).unwrap_or_default();
+        self.ended.push((status, spend.cost_usd, spend.tokens()));
     }
 }
 
@@ -544,6 +570,26 @@ impl RunGauges {
         gauge!(AWAITING_OPERATOR).set(awaiting.max(0) as f64);
         let age = oldest.map_or(0.0, |at| (now_ms - at).max(0) as f64 / 1000.0);
         gauge!(INTERRUPT_OLDEST_AGE).set(age);
+    }
+}
+
+fn describe_run_spend() {
+    describe_histogram!(
+        RUN_COST_USD,
+        Unit::Count,
+        "What each ended run spent on models, in USD (its usage priced with its budget's price table), by final status."
+    );
+    describe_histogram!(
+        RUN_TOKENS,
+        Unit::Count,
+        "Model tokens (prompt plus completion) each ended run used, by final status."
+    );
+}
+
+fn record_run_spend(ended: &[(&'static str, f64, u64)]) {
+    for (status, cost, tokens) in ended {
+        metrics::histogram!(RUN_COST_USD, "status" => *status).record(*cost);
+        metrics::histogram!(RUN_TOKENS, "status" => *status).record(*tokens as f64);
     }
 }
 

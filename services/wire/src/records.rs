@@ -65,6 +65,9 @@ pub struct StartRun {
     pub graph_version: Option<i32>,
     pub input: String,
     pub labels: BTreeMap<String, String>,
+    /// The run's spend limits and price table (JSON), if any.
+    #[serde(default)]
+    pub budget: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -250,6 +253,9 @@ pub struct RunStarted {
     pub started_by: String,
     pub labels: BTreeMap<String, String>,
     pub deadline_at: Option<Millis>,
+    /// The run's spend limits and price table (JSON), if any.
+    #[serde(default)]
+    pub budget: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

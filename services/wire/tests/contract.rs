@@ -182,12 +182,14 @@ fn every_command_round_trips() {
         graph_version: Some(3),
         input: r#"{"order":42}"#.into(),
         labels: BTreeMap::from([("team".to_owned(), "support".to_owned())]),
+        budget: None,
     })));
     round_trip(command(CommandBody::StartRun(StartRun {
         graph_id: "refund".into(),
         graph_version: None,
         input: "{}".into(),
         labels: BTreeMap::new(),
+        budget: None,
     })));
     round_trip(command(CommandBody::ResumeRun(ResumeRun {
         interrupt_id: "int-1".into(),
@@ -319,6 +321,7 @@ fn every_event_kind_round_trips() {
             input: "{}".into(),
             started_by: "svc".into(),
             labels: BTreeMap::new(),
+            budget: None,
             deadline_at: Some(5),
         }),
         EventBody::StepDispatched(StepDispatched {

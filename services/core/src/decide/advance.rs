@@ -58,6 +58,14 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
         );
         return begin_failure(ctx, reason);
     }
+    let new_tool_calls = proposals
+        .iter()
+        .filter(|p| matches!(p.role, StepRole::Requested { .. }))
+        .count() as u64;
+    match super::budget::check(ctx, proposals.len(), new_tool_calls) {
+        super::budget::Verdict::Go => {}
+        super::budget::Verdict::Hold => return hold(ctx),
+    }
     for p in proposals {
         ctx.propose(p.node, p.step_id, p.args, p.role);
     }
@@ -86,6 +94,18 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
     ctx.set_status(status, None, None);
 }
 
+/// Nothing new is proposed (a budget holds the run): it waits on its open interrupts, or
+/// has begun to end.
+fn hold(ctx: &mut Ctx<'_>) {
+    let run = ctx.run();
+    if run.status.is_terminal() || run.ending.is_some() {
+        return;
+    }
+    if run.open_interrupts().next().is_some() {
+        ctx.set_status(RunStatus::WaitingApproval, None, None);
+    }
+}
+
 /// A terminal failure among the forward steps, if any.
 fn failure(run: &RunState, graph: &Graph) -> Option<String> {
     if let Some(step) = run.steps.values().find(|s| {
@@ -99,6 +119,7 @@ fn failure(run: &RunState, graph: &Graph) -> Option<String> {
     }
     for interrupt in run.interrupts.values() {
         let rejected_to_fail = interrupt.status == InterruptStatus::Rejected
+            && !is_tool_call(run, graph, &interrupt.role)
             && graph
                 .node(&interrupt.node)
                 .is_some_and(|n| n.on_reject == OnReject::Fail);
@@ -214,7 +235,12 @@ fn progress<'g>(
             .iter()
             .any(|i| i.status == InterruptStatus::Approved);
         if !pending_approval {
-            let args = render(run, node, None, &node.args);
+            let mut args = render(run, node, None, &node.args);
+            if !node.tools.is_empty() {
+                if let Value::Object(map) = &mut args {
+                    map.entry("tools").or_insert_with(|| graph.tool_specs(node));
+                }
+            }
             out.push(Proposal {
                 node,
                 step_id: run.next_step_id(&node.id),
@@ -228,7 +254,11 @@ fn progress<'g>(
         return Ok(NodeState::Active);
     }
     let output = latest.output.clone().unwrap_or(Value::Null);
-    let requests = next_steps(&output);
+    let requests = if node.tools.is_empty() {
+        next_steps(&output)
+    } else {
+        tool_calls(&output).map_err(|e| format!("step {}: {e}", latest.step_id))?
+    };
     if requests.is_empty() || node.may_request.is_empty() {
         return Ok(NodeState::Done(output));
     }
@@ -237,11 +267,11 @@ fn progress<'g>(
     let by = StepRole::Requested {
         by: latest.step_id.clone(),
     };
-    let children: Vec<&Step> = run.steps.values().filter(|s| s.role == by).collect();
-    let reserved = run.interrupts.values().filter(|i| i.role == by).count();
-    if children.is_empty() && reserved == 0 {
+    let slots = requested(run, &by);
+    if slots.is_empty() {
         let mut taken: BTreeMap<String, u32> = BTreeMap::new();
-        for (name, args) in requests {
+        for request in requests {
+            let name = request.node;
             if !node.may_request.iter().any(|m| m == &name) {
                 return Err(format!(
                     "step {} asked for node {name:?}, which node {} may not request",
@@ -258,16 +288,17 @@ fn progress<'g>(
             out.push(Proposal {
                 node: target,
                 step_id,
-                args,
+                args: request.args,
                 role: by.clone(),
             });
         }
         return Ok(NodeState::Active);
     }
-    if children.len() >= reserved.max(1)
-        && children.iter().all(|c| c.status == StepStatus::Succeeded)
-    {
-        let mut ordered = children.clone();
+    if !slots.values().all(|slot| slot.is_done()) {
+        return Ok(NodeState::Active);
+    }
+    let args = if node.tools.is_empty() {
+        let mut ordered: Vec<&Step> = slots.values().filter_map(|slot| slot.step()).collect();
         ordered.sort_by_key(|c| (c.node.clone(), iteration(&c.step_id)));
         let results: Vec<Value> = ordered
             .iter()
@@ -286,18 +317,175 @@ fn progress<'g>(
             map.insert("previous_output".into(), output);
             map.insert("results".into(), Value::Array(results));
         }
-        out.push(Proposal {
-            node,
-            step_id: run.next_step_id(&node.id),
-            args,
-            role: StepRole::Node,
-        });
-    }
+        args
+    } else {
+        // A tool loop: the conversation so far (the previous call's messages), the
+        // model's answer, and one tool message per call, in the order the model asked.
+        let mut args = latest.args.clone();
+        let mut messages = args
+            .get("messages")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        messages.push(json!({
+            "role": "assistant",
+            "content": output.get("content").cloned().unwrap_or(Value::Null),
+            "tool_calls": output.get("tool_calls").cloned().unwrap_or_else(|| json!([])),
+        }));
+        messages.extend(tool_messages(&output, &slots)?);
+        if let Value::Object(map) = &mut args {
+            map.insert("messages".into(), Value::Array(messages));
+        }
+        args
+    };
+    out.push(Proposal {
+        node,
+        step_id: run.next_step_id(&node.id),
+        args,
+        role: StepRole::Node,
+    });
     Ok(NodeState::Active)
 }
 
+/// One step an agent step asked for.
+struct Request {
+    node: String,
+    args: Value,
+}
+
+/// Where one requested step stands: its step, or an approval that never became one.
+enum Slot<'r> {
+    Step(&'r Step),
+    /// Its approval is still open (or was approved in this very input).
+    Waiting,
+    /// Its approval was rejected: no step will run.
+    Rejected,
+}
+
+impl<'r> Slot<'r> {
+    fn is_done(&self) -> bool {
+        match self {
+            Slot::Step(step) => step.status == StepStatus::Succeeded,
+            Slot::Waiting => false,
+            Slot::Rejected => true,
+        }
+    }
+
+    fn step(&self) -> Option<&'r Step> {
+        match self {
+            Slot::Step(step) => Some(step),
+            Slot::Waiting | Slot::Rejected => None,
+        }
+    }
+}
+
+/// The steps requested by one agent step, by step id (an interrupt counts until its
+/// decision: an edited and re-proposed call keeps its step id, so it counts once).
+fn requested<'r>(run: &'r RunState, by: &StepRole) -> BTreeMap<&'r str, Slot<'r>> {
+    let mut slots: BTreeMap<&str, Slot<'_>> = BTreeMap::new();
+    for interrupt in run.interrupts.values().filter(|i| &i.role == by) {
+        let slot = slots
+            .entry(interrupt.step_id.as_str())
+            .or_insert(Slot::Waiting);
+        match interrupt.status {
+            InterruptStatus::Rejected => *slot = Slot::Rejected,
+            InterruptStatus::Open => *slot = Slot::Waiting,
+            _ => {}
+        }
+    }
+    for step in run.steps.values().filter(|s| &s.role == by) {
+        slots.insert(step.step_id.as_str(), Slot::Step(step));
+    }
+    slots
+}
+
+/// Whether a step in `role` answers a model's tool call, so that a rejection of its
+/// approval is told to the model instead of following the tool node's `on_reject`.
+pub(crate) fn is_tool_call(run: &RunState, graph: &Graph, role: &StepRole) -> bool {
+    let StepRole::Requested { by } = role else {
+        return false;
+    };
+    run.steps
+        .get(by)
+        .and_then(|step| graph.node(&step.node))
+        .is_some_and(|node| !node.tools.is_empty())
+}
+
+/// The `tool_calls` of a model's answer as requested steps: the function name is the
+/// node, its `arguments` (a JSON text, or an object) the step's args.
+fn tool_calls(output: &Value) -> Result<Vec<Request>, String> {
+    let Some(calls) = output.get("tool_calls").and_then(Value::as_array) else {
+        return Ok(Vec::new());
+    };
+    calls
+        .iter()
+        .map(|call| {
+            let function = &call["function"];
+            let node = function["name"]
+                .as_str()
+                .ok_or_else(|| format!("a tool call without a function name: {call}"))?
+                .to_owned();
+            let args = match &function["arguments"] {
+                Value::String(text) if text.trim().is_empty() => json!({}),
+                Value::String(text) => serde_json::from_str(text).map_err(|e| {
+                    format!("the model's arguments for {node} are not JSON ({e}): {text}")
+                })?,
+                Value::Null => json!({}),
+                other => other.clone(),
+            };
+            if !args.is_object() {
+                return Err(format!(
+                    "the model's arguments for {node} are not an object: {args}"
+                ));
+            }
+            Ok(Request { node, args })
+        })
+        .collect()
+}
+
+/// One `role: tool` message per tool call of `output`, in the model's order, carrying the
+/// output of the step that answered it (a call's steps of one node are numbered in the
+/// order the model asked), or that an approver rejected it.
+fn tool_messages(output: &Value, slots: &BTreeMap<&str, Slot<'_>>) -> Result<Vec<Value>, String> {
+    let mut by_node: BTreeMap<&str, Vec<(&str, &Slot<'_>)>> = BTreeMap::new();
+    for (step_id, slot) in slots {
+        let node = step_id.rsplit_once('#').map_or(*step_id, |(n, _)| n);
+        by_node.entry(node).or_default().push((step_id, slot));
+    }
+    for answered in by_node.values_mut() {
+        answered.sort_by_key(|(step_id, _)| iteration(step_id));
+        answered.reverse(); // popped from the back: lowest iteration first
+    }
+    let calls = output
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let mut messages = Vec::new();
+    for call in &calls {
+        let name = call["function"]["name"].as_str().unwrap_or_default();
+        let Some((step_id, slot)) = by_node.get_mut(name).and_then(Vec::pop) else {
+            return Err(format!("no step answered the model's call to {name}"));
+        };
+        let content = match slot {
+            Slot::Step(step) => j::canonical(step.output.as_ref().unwrap_or(&Value::Null)),
+            Slot::Rejected => j::canonical(&json!({
+                "rejected": true,
+                "message": format!("an approver rejected this call ({step_id}); it did not run"),
+            })),
+            Slot::Waiting => return Err(format!("step {step_id} has not answered")),
+        };
+        messages.push(json!({
+            "role": "tool",
+            "tool_call_id": call.get("id").cloned().unwrap_or(Value::Null),
+            "content": content,
+        }));
+    }
+    Ok(messages)
+}
+
 /// `next_steps` an agent step asked for: `[{"node": ..., "args": {...}}]`.
-fn next_steps(output: &Value) -> Vec<(String, Value)> {
+fn next_steps(output: &Value) -> Vec<Request> {
     output
         .get("next_steps")
         .and_then(Value::as_array)
@@ -307,7 +495,7 @@ fn next_steps(output: &Value) -> Vec<(String, Value)> {
                 .filter_map(|item| {
                     let node = item.get("node")?.as_str()?.to_owned();
                     let args = item.get("args").cloned().unwrap_or_else(|| json!({}));
-                    Some((node, args))
+                    Some(Request { node, args })
                 })
                 .collect()
         })

@@ -2,6 +2,7 @@
 //! file; `advance` is the engine they share, moving a run forward after any change.
 
 mod advance;
+mod budget;
 mod cancel;
 mod reconcile;
 mod report;
@@ -23,7 +24,7 @@ use crate::{
     status::RunStatus,
 };
 
-pub(crate) use advance::{advance, begin_failure};
+pub(crate) use advance::{advance, begin_failure, is_tool_call};
 
 /// What applying one input produced.
 #[derive(Debug, Clone, PartialEq)]

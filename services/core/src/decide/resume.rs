@@ -1,6 +1,6 @@
 //! ResumeRun: a human decision on an interrupt, bound to the exact proposal.
 
-use super::{advance, begin_failure, Ctx};
+use super::{advance, begin_failure, is_tool_call, Ctx};
 use crate::{
     event::EventBody,
     graph::OnReject,
@@ -125,6 +125,9 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     {
         return ctx.reject(command, refusal.code, refusal.reason);
     }
+    if interrupt.node == crate::budget::BUDGET_NODE {
+        return super::budget::decide(ctx, command, &interrupt);
+    }
     let Some(graph) = ctx.graph() else { return };
     let Some(node) = graph.node(&interrupt.node) else {
         return;
@@ -149,6 +152,8 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     );
     if !*approve {
         match &node.on_reject {
+            // A rejected tool call is told to the model (a tool message), which goes on.
+            _ if is_tool_call(ctx.run(), graph, &interrupt.role) => advance(ctx),
             OnReject::Fail => {
                 begin_failure(ctx, format!("approval rejected by {}", command.principal))
             }

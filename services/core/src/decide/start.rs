@@ -12,6 +12,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         graph_version,
         input,
         labels,
+        budget,
     } = &command.body
     else {
         return;
@@ -65,6 +66,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             started_by: command.principal.clone(),
             labels: labels.clone(),
             deadline_at: graph.max_duration.map(|d| ctx.at + d.0),
+            budget: budget.clone(),
         },
         None,
     );
