@@ -522,6 +522,7 @@ pub fn command(run_id: &str, command_id: &str, body: w::CommandBody) -> w::RunCo
         issuer: w::Issuer {
             principal: "svc:test".into(),
             roles: vec!["approver".into()],
+            groups: vec![],
         },
         issued_at: now_ms(),
         body,

@@ -156,6 +156,7 @@ impl Story {
             roles: roles.iter().map(|r| (*r).to_owned()).collect(),
             at: self.at,
             body,
+            groups: vec![],
         }));
     }
 
@@ -195,6 +196,7 @@ impl Story {
                 approve: true,
                 payload: None,
                 comment: Some("checked".into()),
+                edited_args: None,
             },
         );
     }

@@ -19,6 +19,7 @@ fn start_run(run_id: &str) -> RunCommand {
         issuer: Issuer {
             principal: "svc:orders".into(),
             roles: vec![],
+            groups: vec![],
         },
         issued_at: 1_764_400_000_000,
         body: CommandBody::StartRun(StartRun {

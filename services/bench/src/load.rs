@@ -187,6 +187,7 @@ impl Driver {
             issuer: w::Issuer {
                 principal: "svc:bench".into(),
                 roles: vec![],
+                groups: Vec::new(),
             },
             issued_at: crate::now_ms(),
             body: w::CommandBody::StartRun(w::StartRun {

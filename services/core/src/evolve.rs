@@ -103,6 +103,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
             roles,
             payload,
             comment,
+            groups,
+            edited_args,
         } => {
             state.buffered.push(crate::state::BufferedDecision {
                 command_id: event.command_id.clone().unwrap_or_default(),
@@ -114,6 +116,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
                 payload: payload.clone(),
                 comment: comment.clone(),
                 at: event.at,
+                groups: groups.clone(),
+                edited_args: edited_args.clone(),
             });
         }
         EventBody::StepDispatched {
@@ -246,6 +250,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
             quorum,
             expires_at,
             role,
+            context,
+            members_only,
         } => {
             // A new proposal for the same step supersedes any earlier one (an edited payload).
             for earlier in state.interrupts.values_mut() {
@@ -275,6 +281,10 @@ fn apply_body(state: &mut RunState, event: &Event) {
                     round: 0,
                     approvals: Vec::new(),
                     status: InterruptStatus::Open,
+                    context: context.clone(),
+                    members_only: *members_only,
+                    payload: None,
+                    edited_args: None,
                 },
             );
             if let Some(due) = expires_at {
@@ -293,6 +303,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
             approve,
             decided_by,
             is_final,
+            payload,
+            edited_args,
             ..
         } => {
             if let Some(interrupt) = state.interrupts.get_mut(interrupt_id) {
@@ -300,6 +312,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
                     interrupt.approvals.push(decided_by.clone());
                 }
                 if *is_final {
+                    interrupt.payload = payload.clone();
+                    interrupt.edited_args = edited_args.clone();
                     interrupt.status = if *approve {
                         InterruptStatus::Approved
                     } else {

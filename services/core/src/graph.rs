@@ -87,10 +87,16 @@ pub struct Node {
     /// Per-attempt timeout; when it passes without a result the outcome is unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout: Option<Millis>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The approval gate (`approval:` is accepted as another name for it).
+    #[serde(default, alias = "approval", skip_serializing_if = "Option::is_none")]
     pub interrupt_before: Option<Approval>,
     #[serde(default)]
     pub on_reject: OnReject,
+    /// A detached node run after the approval and before the approved call, to check the
+    /// business state again ("is the order still refundable?"). The call runs only when the
+    /// check succeeds with `ok: true` in its output; otherwise the run follows `on_reject`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precheck: Option<String>,
     /// A detached node that undoes this one on cancellation or terminal failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compensate_with: Option<String>,
@@ -147,10 +153,13 @@ impl RetryPolicy {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Approval {
+    #[serde(default = "default_approval_reason")]
     pub reason: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub required_role: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Only members of this group (from the approver's token) may decide (`group:` is
+    /// another name for it). Escalation replaces it with the next group of `escalation`.
+    #[serde(default, alias = "group", skip_serializing_if = "Option::is_none")]
     pub approver_group: Option<String>,
     /// How long the approval may wait. Nothing waits forever by default: 7 days.
     #[serde(default = "default_approval_timeout")]
@@ -166,6 +175,10 @@ pub struct Approval {
     /// Whether an approver's edited payload may replace the arguments without a new approval.
     #[serde(default)]
     pub allow_edits: bool,
+}
+
+fn default_approval_reason() -> String {
+    "a person approves this step".to_owned()
 }
 
 fn default_approval_timeout() -> Millis {
@@ -324,7 +337,12 @@ impl Graph {
     pub fn detached(&self) -> BTreeSet<&str> {
         self.nodes
             .iter()
-            .flat_map(|n| n.compensate_with.iter().chain(n.may_request.iter()))
+            .flat_map(|n| {
+                n.compensate_with
+                    .iter()
+                    .chain(n.may_request.iter())
+                    .chain(n.precheck.iter())
+            })
             .chain(self.nodes.iter().filter_map(|n| match &n.on_reject {
                 OnReject::Goto(target) => Some(target),
                 OnReject::Fail => None,
@@ -406,6 +424,21 @@ impl Graph {
                     Some(&node.id),
                     "config.lookup_authoritative must be true or false".into(),
                 );
+            }
+            if let Some(check) = &node.precheck {
+                if node.interrupt_before.is_none() {
+                    problem(
+                        Some(&node.id),
+                        "a precheck runs after an approval, so the node needs interrupt_before"
+                            .into(),
+                    );
+                }
+                if check == &node.id || !self.nodes.iter().any(|n| &n.id == check) {
+                    problem(
+                        Some(&node.id),
+                        format!("precheck {check:?} must name another node of the graph"),
+                    );
+                }
             }
         }
         let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);

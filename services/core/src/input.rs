@@ -44,6 +44,9 @@ pub struct Command {
     pub run_id: String,
     pub principal: String,
     pub roles: Vec<String>,
+    /// Approver groups the principal belongs to (from the issuer's token claims).
+    #[serde(default)]
+    pub groups: Vec<String>,
     pub at: i64,
     pub body: CommandBody,
 }
@@ -60,8 +63,12 @@ pub enum CommandBody {
         interrupt_id: String,
         proposal_hash: String,
         approve: bool,
+        /// The human's input, delivered to the node (`$interrupt.payload`).
         payload: Option<Value>,
         comment: Option<String>,
+        /// Arguments to run instead of the proposal's.
+        #[serde(default)]
+        edited_args: Option<Value>,
     },
     CancelRun {
         reason: Option<String>,

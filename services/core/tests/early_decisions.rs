@@ -29,6 +29,7 @@ fn command(id: &str, at: i64, body: CommandBody) -> Input {
         roles: vec![],
         at,
         body,
+        groups: vec![],
     })
 }
 
@@ -103,6 +104,7 @@ fn an_early_approval_is_applied_when_its_interrupt_appears() {
             approve: true,
             payload: None,
             comment: None,
+            edited_args: None,
         },
     );
     let buffered = apply(Some(&state), &early, &graphs);
@@ -144,6 +146,7 @@ fn an_early_decision_for_another_proposal_is_rejected_when_the_interrupt_appears
             approve: true,
             payload: None,
             comment: None,
+            edited_args: None,
         },
     );
     let state = apply(Some(&state), &early, &graphs).state.unwrap();

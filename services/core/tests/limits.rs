@@ -37,6 +37,7 @@ fn command(id: &str, body: CommandBody) -> Input {
         roles: vec![],
         at: 1,
         body,
+        groups: vec![],
     })
 }
 
@@ -134,6 +135,7 @@ fn only_the_last_rejected_commands_are_remembered() {
                 approve: true,
                 payload: None,
                 comment: None,
+                edited_args: None,
             },
         );
         state = apply(Some(&state), &resume, &graphs).state.unwrap();

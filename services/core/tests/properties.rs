@@ -157,6 +157,7 @@ impl Sim {
             roles,
             at: self.now,
             body,
+            groups: vec![],
         }));
     }
 
@@ -265,6 +266,7 @@ impl Sim {
                             approve: *approve,
                             payload: None,
                             comment: None,
+                            edited_args: None,
                         },
                         &format!("user{principal}"),
                         vec![],
@@ -279,6 +281,7 @@ impl Sim {
                         approve: *approve,
                         payload: None,
                         comment: None,
+                        edited_args: None,
                     },
                     &format!("user{principal}"),
                     vec![],

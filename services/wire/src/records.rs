@@ -37,6 +37,9 @@ impl Record for RunCommand {
 pub struct Issuer {
     pub principal: String,
     pub roles: Vec<String>,
+    /// Approver groups the principal belongs to (added in 0.2; default empty).
+    #[serde(default)]
+    pub groups: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -74,6 +77,13 @@ pub struct ResumeRun {
     pub decision: Decision,
     pub payload: Option<String>,
     pub comment: Option<String>,
+    /// Arguments the approver edited (added in 0.2).
+    #[serde(default)]
+    pub edited_args: Option<String>,
+    /// `payload` is the human's input (true), not edited arguments (false: the 0.1
+    /// meaning, kept for producers written against 0.1).
+    #[serde(default)]
+    pub payload_is_input: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +235,10 @@ pub struct DecisionBuffered {
     pub roles: Vec<String>,
     pub payload: Option<String>,
     pub comment: Option<String>,
+    #[serde(default)]
+    pub groups: Vec<String>,
+    #[serde(default)]
+    pub edited_args: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -265,6 +279,9 @@ pub struct StepDispatched {
     pub timeout_at: Option<Millis>,
     pub requested_by: Option<String>,
     pub substitute_for: Option<String>,
+    /// The approved step this step prechecks (added in 0.2).
+    #[serde(default)]
+    pub precheck_for: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -321,6 +338,12 @@ pub struct Interrupted {
     pub expires_at: Option<Millis>,
     pub requested_by: Option<String>,
     pub substitute_for: Option<String>,
+    /// JSON: rationale, affects, on_reject (added in 0.2).
+    #[serde(default)]
+    pub context: Option<String>,
+    /// Only members of approver_group may decide (added in 0.2).
+    #[serde(default)]
+    pub members_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -333,6 +356,8 @@ pub struct InterruptDecided {
     pub comment: Option<String>,
     #[serde(rename = "final")]
     pub is_final: bool,
+    #[serde(default)]
+    pub edited_args: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -154,6 +154,7 @@ fn command(body: CommandBody) -> RunCommand {
         issuer: Issuer {
             principal: "svc:orders".into(),
             roles: vec!["approver".into()],
+            groups: vec![],
         },
         issued_at: 1_764_400_000_000,
         body,
@@ -195,6 +196,8 @@ fn every_command_round_trips() {
         decision: Decision::Reject,
         payload: Some("{}".into()),
         comment: None,
+        edited_args: None,
+        payload_is_input: false,
     })));
     round_trip(command(CommandBody::CancelRun(CancelRun {
         reason: Some("customer asked".into()),
@@ -333,6 +336,7 @@ fn every_event_kind_round_trips() {
             timeout_at: Some(9),
             requested_by: None,
             substitute_for: None,
+            precheck_for: None,
         }),
         EventBody::StepStarted(StepStarted {
             step_id: "s".into(),
@@ -377,6 +381,8 @@ fn every_event_kind_round_trips() {
             expires_at: Some(1000),
             requested_by: Some("agent#1".into()),
             substitute_for: None,
+            context: None,
+            members_only: false,
         }),
         EventBody::InterruptDecided(InterruptDecided {
             interrupt_id: "i".into(),
@@ -386,6 +392,7 @@ fn every_event_kind_round_trips() {
             payload: None,
             comment: Some("ok".into()),
             is_final: false,
+            edited_args: None,
         }),
         EventBody::InterruptEscalated(InterruptEscalated {
             interrupt_id: "i".into(),
@@ -413,6 +420,8 @@ fn every_event_kind_round_trips() {
             roles: vec!["approver".into()],
             payload: None,
             comment: None,
+            groups: vec![],
+            edited_args: None,
         }),
     ];
     let schema: Json = serde_json::from_str(RecordKind::RunEvent.schema_text()).expect("json");
@@ -463,6 +472,8 @@ fn a_record_written_with_an_older_schema_reads_with_defaults() {
         decision: Decision::Approve,
         payload: None,
         comment: None,
+        edited_args: None,
+        payload_is_input: false,
     }));
     // Encode with the old writer schema: the serializer skips nothing, so encode through a
     // struct shaped like the old schema.
@@ -549,6 +560,7 @@ fn union_branches_resolve_by_name_not_by_shape() {
         issuer: Issuer {
             principal: "ops".into(),
             roles: vec![],
+            groups: vec![],
         },
         issued_at: 5,
         body: Reversed::ReconcileOperation(op.clone()),

@@ -3,6 +3,7 @@
 
 mod advance;
 mod cancel;
+mod context;
 mod reconcile;
 mod report;
 mod resume;
@@ -328,6 +329,19 @@ impl<'g> Ctx<'g> {
 
     /// Either asks for approval (the node has `interrupt_before`) or dispatches attempt 1.
     pub fn propose(&mut self, node: &Node, step_id: String, args: Value, role: StepRole) {
+        self.propose_edited(node, step_id, args, role, None)
+    }
+
+    /// [`Ctx::propose`], for arguments an approver edited from `edited_from`: the new
+    /// interrupt shows the arguments it replaces and the difference.
+    pub fn propose_edited(
+        &mut self,
+        node: &Node,
+        step_id: String,
+        args: Value,
+        role: StepRole,
+        edited_from: Option<&Value>,
+    ) {
         match (&node.interrupt_before, &role) {
             (Some(approval), role) if !matches!(role, StepRole::Compensation { .. }) => {
                 let proposal = serde_json::json!({
@@ -338,6 +352,7 @@ impl<'g> Ctx<'g> {
                 });
                 let proposal_hash = ids::proposal_hash(&proposal);
                 let interrupt_id = ids::interrupt_id(&self.run_id, &step_id, &proposal_hash);
+                let context = context::of(self.run(), node, &args, role, edited_from);
                 self.emit(
                     EventBody::Interrupted {
                         interrupt_id: interrupt_id.clone(),
@@ -351,6 +366,9 @@ impl<'g> Ctx<'g> {
                         quorum: approval.quorum,
                         expires_at: Some(self.at + approval.timeout.0),
                         role: role.clone(),
+                        context: Some(context),
+                        members_only: approval.approver_group.is_some()
+                            || !approval.escalation.is_empty(),
                     },
                     None,
                 );

@@ -186,6 +186,7 @@ pub fn summary(event: &Event) -> String {
                 sortie_core::event::StepRole::Substitute { for_node } => {
                     format!(" instead of {for_node}")
                 }
+                sortie_core::event::StepRole::Precheck { of } => format!(" prechecking {of}"),
             };
             format!("StepDispatched {step_id} a{attempt}{role}")
         }
@@ -260,6 +261,7 @@ fn command(s: &Scenario, cmd: &Cmd, n: usize, at: i64, body: CommandBody) -> Inp
         roles: cmd.roles.clone(),
         at,
         body,
+        groups: vec![],
     })
 }
 
@@ -301,6 +303,7 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
                     approve,
                     payload: d.payload.clone(),
                     comment: None,
+                    edited_args: None,
                 },
             )];
         }
