@@ -94,12 +94,20 @@ enum Sub {
 #[derive(Debug, clap::Args)]
 struct Decision {
     run_id: String,
-    /// The interrupt to decide (default: the run's only pending one).
+    /// The interrupt to decide (default: the run's only open one; the gateway refuses
+    /// and lists them when several are open).
     #[arg(long)]
     interrupt: Option<String>,
-    /// An approver's payload (JSON), recorded with the decision.
+    /// The approver's input (JSON), recorded with the decision and delivered to the node
+    /// (`$interrupt.payload` in its arguments).
     #[arg(long)]
     payload: Option<String>,
+    /// Arguments (JSON) to run instead of the proposed ones (approve only).
+    #[arg(long)]
+    edited_args: Option<String>,
+    /// Why, recorded in the run's history.
+    #[arg(long)]
+    comment: Option<String>,
 }
 
 struct Client {
@@ -129,6 +137,21 @@ impl Client {
         if !status.is_success() {
             let message = body["error"]["message"].as_str().unwrap_or("no message");
             let code = body["error"]["code"].as_str().unwrap_or("error");
+            let open: Vec<&str> = body["error"]["open_interrupts"]
+                .as_array()
+                .map(|items| {
+                    items
+                        .iter()
+                        .filter_map(|i| i["interrupt_id"].as_str())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if !open.is_empty() {
+                bail!(
+                    "{status}: {code}: {message} (--interrupt {})",
+                    open.join(" | ")
+                );
+            }
             bail!("{status}: {code}: {message}");
         }
         Ok(body)
@@ -195,27 +218,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn decide(client: &Client, d: Decision, decision: &str) -> anyhow::Result<Value> {
-    let interrupt = match d.interrupt {
-        Some(id) => id,
-        None => {
-            let run = client
-                .send(client.request(reqwest::Method::GET, &format!("/v1/runs/{}", d.run_id)))
-                .await?;
-            let open = run["interrupts"].as_array().cloned().unwrap_or_default();
-            match open.as_slice() {
-                [one] => one["interrupt_id"].as_str().unwrap_or_default().to_owned(),
-                [] => bail!("run {} has no pending interrupt", d.run_id),
-                _ => bail!(
-                    "run {} has {} pending interrupts: name one with --interrupt",
-                    d.run_id,
-                    open.len()
-                ),
-            }
-        }
-    };
-    let mut body = json!({"decision": decision, "interrupt_id": interrupt});
+    // Without --interrupt the gateway picks the only open interrupt, or refuses (409) and
+    // names the open ones.
+    let mut body = json!({"decision": decision});
+    if let Some(id) = d.interrupt {
+        body["interrupt_id"] = id.into();
+    }
     if let Some(payload) = d.payload {
         body["payload"] = parse_json("--payload", &payload)?;
+    }
+    if let Some(edited) = d.edited_args {
+        body["edited_args"] = parse_json("--edited-args", &edited)?;
+    }
+    if let Some(comment) = d.comment {
+        body["comment"] = comment.into();
     }
     client
         .send(

@@ -97,7 +97,7 @@ impl Run {
             .collect();
         self.history.extend(events.iter().cloned());
         self.state = applied.state;
-        let refolded = self.history.iter().fold(None, |s, e| evolve(s, e));
+        let refolded = self.history.iter().fold(None, evolve);
         assert_eq!(refolded.as_ref(), self.state.as_ref(), "event-sourced");
         events
     }

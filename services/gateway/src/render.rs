@@ -14,6 +14,8 @@ fn interrupt(i: &Interrupt) -> Value {
         "reason": i.reason,
         "required_role": i.required_role,
         "approver_group": i.approver_group,
+        "members_only": i.members_only,
+        "context": i.context,
         "quorum": i.quorum,
         "approvals": i.approvals,
         "expires_at": i.expires_at,
