@@ -510,6 +510,7 @@ pub fn start_run(run_id: &str, graph: &str, input: &str) -> w::RunCommand {
             graph_version: None,
             input: input.into(),
             labels: BTreeMap::new(),
+            fork: None,
         }),
     )
 }

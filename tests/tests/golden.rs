@@ -250,6 +250,7 @@ fn regenerate_golden_histories() {
                 graph_version: Some(1),
                 input: json!({"order_id": "o-42", "customer_id": "c-7", "reason": "damaged"}),
                 labels: BTreeMap::from([("channel".to_owned(), "support".to_owned())]),
+                fork: None,
             },
         );
     };
@@ -330,6 +331,7 @@ fn regenerate_golden_histories() {
             graph_version: None,
             input: json!({}),
             labels: BTreeMap::new(),
+            fork: None,
         },
     );
     story.report("send#1", StepOutcome::Started);

@@ -27,6 +27,7 @@ fn start_run(run_id: &str) -> RunCommand {
             graph_version: None,
             input: r#"{"order":42}"#.into(),
             labels: BTreeMap::new(),
+            fork: None,
         }),
     }
 }

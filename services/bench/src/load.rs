@@ -195,6 +195,7 @@ impl Driver {
                 graph_version: Some(1),
                 input,
                 labels: Default::default(),
+                fork: None,
             }),
         };
         Ok(codec.encode(&topics.commands(), &command).await?)

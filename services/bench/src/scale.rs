@@ -45,6 +45,7 @@ pub fn finished_run(graph: &Graph, payload_bytes: usize) -> anyhow::Result<RunSt
             graph_version: Some(graph.version),
             input: json!({ "payload": "x".repeat(payload_bytes) }),
             labels: BTreeMap::new(),
+            fork: None,
         },
     });
     let mut applied = apply(None, &start, &graphs);

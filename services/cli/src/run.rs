@@ -45,6 +45,20 @@ enum Sub {
     Reject(Decision),
     /// Cancel a run: no new dispatches; in-flight outcomes are recorded; compensations run.
     Cancel { run_id: String },
+    /// Start a new run from one of this run's checkpoints (time travel): steps completed
+    /// by then keep their outputs and are never run again.
+    Fork {
+        run_id: String,
+        /// The state version to start from (`ckpt_<run>_<version>`).
+        #[arg(long)]
+        at_version: i64,
+        /// A JSON merge patch applied to the source's input.
+        #[arg(long)]
+        input_patch: Option<String>,
+        /// Choose the new run's id.
+        #[arg(long)]
+        new_run_id: Option<String>,
+    },
     /// Show a run: status, pending interrupt, and its timeline (one line per event).
     Get {
         run_id: String,
@@ -188,6 +202,27 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         Sub::Approve(d) => decide(&client, d, "approve").await?,
         Sub::Reject(d) => decide(&client, d, "reject").await?,
+        Sub::Fork {
+            run_id,
+            at_version,
+            input_patch,
+            new_run_id,
+        } => {
+            let mut body = json!({"at_version": at_version});
+            if let Some(patch) = input_patch {
+                body["input_patch"] = parse_json("--input-patch", &patch)?;
+            }
+            if let Some(id) = new_run_id {
+                body["run_id"] = id.into();
+            }
+            client
+                .send(
+                    client
+                        .request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/fork"))
+                        .json(&body),
+                )
+                .await?
+        }
         Sub::Cancel { run_id } => {
             client
                 .send(client.request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel")))

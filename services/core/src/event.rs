@@ -64,6 +64,10 @@ pub enum EventBody {
         started_by: String,
         labels: BTreeMap<String, String>,
         deadline_at: Option<i64>,
+        /// For a fork: `{run_id, version}` of the source, and what the new run carries
+        /// over from it (`steps`, `completed`, `interrupts`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        forked_from: Option<Value>,
     },
     StepDispatched {
         step_id: String,

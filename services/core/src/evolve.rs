@@ -18,6 +18,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 started_by,
                 labels,
                 deadline_at,
+                forked_from,
             },
             None,
         ) => {
@@ -45,7 +46,11 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 output: None,
                 buffered: Vec::new(),
                 rejected: Default::default(),
+                forked_from: None,
             };
+            if let Some(fork) = forked_from {
+                crate::decide::fork::carry(&mut state, fork);
+            }
             if let Some(due) = deadline_at {
                 state.timers.insert(TimerKey::RunDeadline.encode(), *due);
             }

@@ -157,10 +157,13 @@ pub struct Approval {
     pub reason: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub required_role: Option<String>,
-    /// Only members of this group (from the approver's token) may decide (`group:` is
-    /// another name for it). Escalation replaces it with the next group of `escalation`.
-    #[serde(default, alias = "group", skip_serializing_if = "Option::is_none")]
+    /// The group notified to decide: a label (decisions are not limited to it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approver_group: Option<String>,
+    /// Only members of this group (the approver token's `groups`) may decide. Escalation
+    /// hands the gate to the next group of `escalation`, whose members alone decide then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
     /// How long the approval may wait. Nothing waits forever by default: 7 days.
     #[serde(default = "default_approval_timeout")]
     pub timeout: Millis,
@@ -565,6 +568,15 @@ impl Graph {
                         Some(id),
                         "on_timeout escalate needs an escalation list of approver groups".into(),
                     );
+                }
+                if let (Some(group), Some(label)) = (&approval.group, &approval.approver_group) {
+                    if group != label {
+                        problem(
+                            Some(id),
+                            "give group (members only) or approver_group (a label), not both"
+                                .into(),
+                        );
+                    }
                 }
                 if approval.timeout.0 <= 0 {
                     problem(Some(id), "interrupt_before.timeout must be positive".into());

@@ -58,6 +58,9 @@ pub enum CommandBody {
         graph_version: Option<u32>,
         input: Value,
         labels: BTreeMap<String, String>,
+        /// Start from another run's checkpoint instead of from scratch (time travel).
+        #[serde(default)]
+        fork: Option<ForkSource>,
     },
     ResumeRun {
         interrupt_id: String,
@@ -79,6 +82,17 @@ pub enum CommandBody {
         output: Option<Value>,
         error: Option<String>,
     },
+}
+
+/// Where a forked run starts: the source run's state at one of its versions, as the
+/// sender read it from the source's history (the fold sees one run per input, so the
+/// command carries what the new run needs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkSource {
+    pub run_id: String,
+    pub version: i64,
+    /// The source's `RunState` at `version`, as JSON.
+    pub state: Value,
 }
 
 impl CommandBody {

@@ -43,6 +43,9 @@ pub struct RunState {
     /// bad commands cannot grow the run without bound.
     #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
     pub rejected: VecDeque<String>,
+    /// Lineage of a forked run: `{run_id, version}` of the checkpoint it started from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<Value>,
 }
 
 /// A decision waiting for its interrupt.

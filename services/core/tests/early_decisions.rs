@@ -60,6 +60,7 @@ fn started(graphs: &Graphs) -> RunState {
             graph_version: None,
             input: json!({}),
             labels: BTreeMap::new(),
+            fork: None,
         },
     );
     apply(None, &start, graphs).state.unwrap()

@@ -76,6 +76,7 @@ impl Run {
                 graph_version: None,
                 input,
                 labels: BTreeMap::new(),
+                fork: None,
             },
         );
         (run, events)
@@ -455,6 +456,16 @@ fn a_quorum_needs_distinct_members_of_the_group() {
     assert!(run.state().steps.is_empty());
     let events = run.decide(&BOB, "pay", true, None, None);
     assert!(names(&events).contains(&"StepDispatched pay#1".to_owned()));
+}
+
+#[test]
+fn an_approver_group_alone_stays_a_label_as_before() {
+    let labelled = QUORUM.replace("group: finance", "approver_group: finance");
+    let (mut run, events) = Run::start(&labelled, json!({}));
+    let (_, members_only) = interrupted(&events);
+    assert!(!members_only);
+    let events = run.decide(&MALLORY, "pay", true, None, None);
+    assert_eq!(names(&events), ["CommandAccepted", "InterruptDecided"]);
 }
 
 #[test]

@@ -49,6 +49,7 @@ fn start(graph: &str, input: serde_json::Value) -> Input {
             graph_version: None,
             input,
             labels: Default::default(),
+            fork: None,
         },
     )
 }

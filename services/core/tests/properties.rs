@@ -127,6 +127,7 @@ impl Sim {
                 graph_version: None,
                 input,
                 labels: BTreeMap::new(),
+                fork: None,
             },
             "svc",
             vec![],

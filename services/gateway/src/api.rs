@@ -53,6 +53,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/runs/{run_id}/checkpoints/{checkpoint_id}",
             get(checkpoint),
         )
+        .route("/v1/runs/{run_id}/fork", post(fork_run))
         .route(
             "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
             post(reconcile),
@@ -316,6 +317,7 @@ async fn start_run(
             graph_version: body.graph_version.map(|v| v as i32),
             input: sortie_core::json::canonical(&input),
             labels: body.labels,
+            fork: None,
         }),
     );
     let answer = app.submit(&command).await?;
@@ -834,14 +836,24 @@ async fn checkpoint(
         .and_then(|v| v.parse().ok())
         .filter(|v| (1..=run.state.version).contains(v))
         .ok_or_else(unknown)?;
-    // Every version is recoverable from history: fold the events up to it.
+    let state = state_at(&app, &run_id, version)?.ok_or_else(unknown)?;
+    Ok(Json(render::checkpoint(&state, version)))
+}
+
+/// The run's state after `version`: every version is recoverable from history, by
+/// folding the events up to it.
+fn state_at(
+    app: &AppState,
+    run_id: &str,
+    version: i64,
+) -> Result<Option<sortie_core::RunState>, ApiError> {
     let mut state = None;
     let mut after = 0;
     'fold: loop {
         let page = app
             .view()
             .store
-            .events(&run_id, after, 512)
+            .events(run_id, after, 512)
             .map_err(|e| ApiError::internal(e.to_string()))?;
         if page.is_empty() {
             break;
@@ -861,8 +873,104 @@ async fn checkpoint(
             state = sortie_core::evolve(state, &event);
         }
     }
-    let state = state.filter(|s| s.version == version).ok_or_else(unknown)?;
-    Ok(Json(render::checkpoint(&state, version)))
+    Ok(state.filter(|s: &sortie_core::RunState| s.version == version))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkRequest {
+    /// The source's state version to start from (`ckpt_<run>_<version>`).
+    at_version: i64,
+    /// A JSON merge patch (RFC 7386) applied to the source's input.
+    #[serde(default)]
+    input_patch: Option<Value>,
+    #[serde(default)]
+    run_id: Option<String>,
+    /// Labels of the new run; the source's when absent.
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+}
+
+/// RFC 7386: objects merge key by key, `null` removes, anything else replaces.
+fn merge_patch(target: Value, patch: &Value) -> Value {
+    match (target, patch) {
+        (Value::Object(mut map), Value::Object(changes)) => {
+            for (key, change) in changes {
+                if change.is_null() {
+                    map.remove(key);
+                } else {
+                    let current = map.remove(key).unwrap_or(Value::Null);
+                    map.insert(key.clone(), merge_patch(current, change));
+                }
+            }
+            Value::Object(map)
+        }
+        (Value::Null, Value::Object(_)) => merge_patch(json!({}), patch),
+        (_, other) => other.clone(),
+    }
+}
+
+/// `POST /v1/runs/{run_id}/fork`: a new run from one of this run's checkpoints. The new
+/// run keeps the steps completed by then (never run again) and records its lineage.
+async fn fork_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    JsonBody(body): JsonBody<ForkRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let key = idempotency_key(&headers)?;
+    let run = visible_run(&app, &caller, &run_id)?;
+    let unknown = || {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_checkpoint",
+            format!(
+                "run {run_id} has no version {} (1 to {})",
+                body.at_version, run.state.version
+            ),
+        )
+    };
+    if !(1..=run.state.version).contains(&body.at_version) {
+        return Err(unknown());
+    }
+    let source = state_at(&app, &run_id, body.at_version)?.ok_or_else(unknown)?;
+    let new_id =
+        match (body.run_id, &key) {
+            (Some(id), _) if valid_id(&id) && id != run_id => id,
+            (Some(_), _) => return Err(ApiError::bad_request(
+                "invalid_run_id",
+                "run_id must be 1 to 128 characters of A-Z a-z 0-9 _ - . : @, and not the source's",
+            )),
+            (None, Some(key)) => {
+                let digest = sortie_core::json::sha256_hex(&[&caller.tenant, "fork", key]);
+                format!("run_{}", &digest[..26])
+            }
+            (None, None) => format!("run_{}", Ulid::generate()),
+        };
+    let input = match &body.input_patch {
+        Some(patch) => merge_patch(source.input.clone(), patch),
+        None => source.input.clone(),
+    };
+    let fork = json!({"run_id": run_id, "version": body.at_version, "state": source});
+    let command = command(
+        &caller,
+        &new_id,
+        key,
+        w::CommandBody::StartRun(w::StartRun {
+            graph_id: source.graph_id.clone(),
+            graph_version: Some(source.graph_version as i32),
+            input: sortie_core::json::canonical(&input),
+            labels: body.labels.unwrap_or_else(|| source.labels.clone()),
+            fork: Some(sortie_core::json::canonical(&fork)),
+        }),
+    );
+    let answer = app.submit(&command).await?;
+    let new_run = accepted(&app, &command, &answer).await?;
+    let status = new_run.map_or(RunStatus::Running, |r| r.state.status);
+    let mut out = written(&command, &answer, status.as_str());
+    out["forked_from"] = json!({"run_id": run_id, "version": body.at_version});
+    Ok((StatusCode::CREATED, Json(out)))
 }
 
 #[cfg(test)]

@@ -134,6 +134,17 @@ pub fn document() -> Value {
                         "comment": {"type": "string"}
                     }
                 },
+                "Fork": {
+                    "type": "object",
+                    "required": ["at_version"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "at_version": {"type": "integer", "description": "The source's state version (ckpt_<run>_<version>)."},
+                        "input_patch": {"description": "A JSON merge patch (RFC 7386) applied to the source's input."},
+                        "run_id": {"type": "string", "description": "The new run's id; derived from Idempotency-Key, else run_<ulid>."},
+                        "labels": {"type": "object", "additionalProperties": {"type": "string"}, "description": "The new run's labels; the source's when absent."}
+                    }
+                },
                 "Cancel": {
                     "type": "object",
                     "additionalProperties": false,
@@ -262,6 +273,15 @@ pub fn document() -> Value {
                     "parameters": [run_id(), idempotency_key()],
                     "requestBody": body("Resume", true),
                     "responses": write_errors(json!({"200": ok("Accepted by the reducer.", "Written")}))
+                }
+            },
+            "/v1/runs/{run_id}/fork": {
+                "post": {
+                    "summary": "Start a new run from one of this run's checkpoints (time travel): completed steps keep their recorded outputs and are never run again",
+                    "security": security,
+                    "parameters": [run_id(), idempotency_key()],
+                    "requestBody": body("Fork", true),
+                    "responses": write_errors(json!({"201": ok("The new run: run_id, status, forked_from {run_id, version}.", "Written")}))
                 }
             },
             "/v1/runs/{run_id}/cancel": {

@@ -54,6 +54,7 @@ fn common(state: &RunState) -> serde_json::Map<String, Value> {
         "input": state.input,
         "output": state.output,
         "ending": state.ending,
+        "forked_from": state.forked_from,
     });
     match body {
         Value::Object(map) => map,

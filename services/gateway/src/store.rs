@@ -304,6 +304,7 @@ mod tests {
                 started_by: "me".into(),
                 labels: Default::default(),
                 deadline_at: None,
+                forked_from: None,
             },
         };
         let mut state = sortie_core::evolve(None, &event).expect("started");

@@ -47,6 +47,10 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
                 .transpose()?,
             input: json("input", &start.input)?,
             labels: start.labels,
+            fork: json_opt("fork", &start.fork)?
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(|e| Invalid(format!("fork: {e}")))?,
         },
         w::CommandBody::ResumeRun(resume) => {
             let payload = json_opt("payload", &resume.payload)?;
@@ -234,6 +238,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             started_by,
             labels,
             deadline_at,
+            forked_from,
         } => w::EventBody::RunStarted(w::RunStarted {
             graph_id: graph_id.clone(),
             graph_version: *graph_version as i32,
@@ -241,6 +246,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             started_by: started_by.clone(),
             labels: labels.clone(),
             deadline_at: *deadline_at,
+            forked_from: forked_from.as_ref().map(text),
         }),
         EventBody::StepDispatched {
             step_id,
@@ -475,6 +481,7 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             started_by: e.started_by,
             labels: e.labels,
             deadline_at: e.deadline_at,
+            forked_from: json_opt("forked_from", &e.forked_from)?,
         },
         w::EventBody::StepDispatched(e) => EventBody::StepDispatched {
             step_id: e.step_id,
@@ -671,6 +678,7 @@ mod tests {
                 graph_version: None,
                 input: serde_json::json!({"x": [1, "two"]}),
                 labels: [("k".to_owned(), "v".to_owned())].into(),
+                fork: None,
             },
             groups: vec![],
         });

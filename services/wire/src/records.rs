@@ -68,6 +68,9 @@ pub struct StartRun {
     pub graph_version: Option<i32>,
     pub input: String,
     pub labels: BTreeMap<String, String>,
+    /// Start from another run's checkpoint: `{run_id, version, state}` as JSON (added in 0.2).
+    #[serde(default)]
+    pub fork: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -264,6 +267,9 @@ pub struct RunStarted {
     pub started_by: String,
     pub labels: BTreeMap<String, String>,
     pub deadline_at: Option<Millis>,
+    /// For a fork: the source and what was carried over, as JSON (added in 0.2).
+    #[serde(default)]
+    pub forked_from: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -183,12 +183,14 @@ fn every_command_round_trips() {
         graph_version: Some(3),
         input: r#"{"order":42}"#.into(),
         labels: BTreeMap::from([("team".to_owned(), "support".to_owned())]),
+        fork: None,
     })));
     round_trip(command(CommandBody::StartRun(StartRun {
         graph_id: "refund".into(),
         graph_version: None,
         input: "{}".into(),
         labels: BTreeMap::new(),
+        fork: None,
     })));
     round_trip(command(CommandBody::ResumeRun(ResumeRun {
         interrupt_id: "int-1".into(),
@@ -323,6 +325,7 @@ fn every_event_kind_round_trips() {
             started_by: "svc".into(),
             labels: BTreeMap::new(),
             deadline_at: Some(5),
+            forked_from: None,
         }),
         EventBody::StepDispatched(StepDispatched {
             step_id: "s".into(),

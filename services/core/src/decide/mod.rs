@@ -4,6 +4,7 @@
 mod advance;
 mod cancel;
 mod context;
+pub(crate) mod fork;
 mod reconcile;
 mod report;
 mod resume;
@@ -362,13 +363,15 @@ impl<'g> Ctx<'g> {
                         proposal_hash,
                         reason: approval.reason.clone(),
                         required_role: approval.required_role.clone(),
-                        approver_group: approval.approver_group.clone(),
+                        approver_group: approval
+                            .group
+                            .clone()
+                            .or_else(|| approval.approver_group.clone()),
                         quorum: approval.quorum,
                         expires_at: Some(self.at + approval.timeout.0),
                         role: role.clone(),
                         context: Some(context),
-                        members_only: approval.approver_group.is_some()
-                            || !approval.escalation.is_empty(),
+                        members_only: approval.group.is_some(),
                     },
                     None,
                 );

@@ -278,6 +278,7 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
                 graph_version: start.version,
                 input: start.input.clone(),
                 labels: BTreeMap::new(),
+                fork: None,
             },
         )];
     }
