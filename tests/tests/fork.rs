@@ -154,4 +154,12 @@ async fn a_fork_keeps_completed_side_effects_and_records_its_lineage() {
     wait_succeeded(&url, "fork-2").await;
     let seen = executor.seen.lock().expect("seen").clone();
     assert_eq!(seen.iter().filter(|i| i.node == "refund").count(), 1);
+
+    // The source shows its forks (the gateway's view indexes them from the forks' events).
+    let (_, source) = call(reqwest::Method::GET, &format!("{url}/v1/runs/src-1"), None).await;
+    let forks: Vec<&str> = source["forks"]
+        .as_array()
+        .map(|f| f.iter().filter_map(|x| x["run_id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(forks, ["fork-1", "fork-2"], "{source}");
 }

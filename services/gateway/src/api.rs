@@ -583,7 +583,14 @@ async fn get_run(
 ) -> Result<Json<Value>, ApiError> {
     read_after(&app, &headers, query.min_position.as_deref()).await?;
     let run = visible_run(&app, &caller, &run_id)?;
-    Ok(Json(render::run(&run.state)))
+    let mut out = render::run(&run.state);
+    out["forks"] = app
+        .view()
+        .store
+        .forks(&run_id)
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .into();
+    Ok(Json(out))
 }
 
 #[derive(Debug, Default, Deserialize)]
