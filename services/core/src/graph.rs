@@ -586,6 +586,13 @@ impl Graph {
                 .nodes
                 .iter()
                 .any(|n| n.compensate_with.as_deref() == Some(id));
+            // `$interrupt.payload` is a decision's input: it exists for a gated node, its
+            // precheck and its on_reject substitute.
+            let decided = node.interrupt_before.is_some()
+                || self.nodes.iter().any(|n| {
+                    n.precheck.as_deref() == Some(id)
+                        || matches!(&n.on_reject, OnReject::Goto(t) if t == id)
+                });
             for reference in json::references(&node.args) {
                 match reference {
                     Err(e) => problem(Some(id), format!("args: {e}")),
@@ -602,6 +609,12 @@ impl Graph {
                                 ),
                             );
                         }
+                    }
+                    Ok(json::Reference::Interrupt(_)) if !decided => {
+                        problem(
+                            Some(id),
+                            "args use $interrupt.payload but no approval precedes the node (gate it, or make it a precheck or on_reject target)".into(),
+                        );
                     }
                     Ok(json::Reference::Compensated { .. }) if !is_compensation => {
                         problem(

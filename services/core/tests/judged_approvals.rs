@@ -459,6 +459,18 @@ fn a_quorum_needs_distinct_members_of_the_group() {
 }
 
 #[test]
+fn interrupt_payload_is_refused_where_no_decision_precedes_and_a_precheck_needs_a_gate() {
+    let ungated = "id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, args: {x: $interrupt.payload.x}}\n";
+    let err = Graph::parse(ungated).unwrap_err().to_string();
+    assert!(err.contains("$interrupt.payload"), "{err}");
+    let ungated_precheck = "id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, precheck: b}\n  - {id: b, tool: echo, side_effect: pure}\n";
+    let err = Graph::parse(ungated_precheck).unwrap_err().to_string();
+    assert!(err.contains("interrupt_before"), "{err}");
+    assert!(Graph::parse(PRECHECKED).is_ok());
+    assert!(Graph::parse(AGENT).is_ok());
+}
+
+#[test]
 fn an_approver_group_alone_stays_a_label_as_before() {
     let labelled = QUORUM.replace("group: finance", "approver_group: finance");
     let (mut run, events) = Run::start(&labelled, json!({}));
