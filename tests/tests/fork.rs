@@ -2,7 +2,9 @@
 //! (issue #15 item 5): a finished run is forked at the version where its keyed refund had
 //! succeeded, with a patched input; the fork keeps the refund's recorded output and
 //! operation id (no second refund intent anywhere), runs the later steps anew, and records
-//! its lineage. The CLI's `sortie run fork` does the same.
+//! its lineage. The CLI's `sortie run fork` does the same. Then `sortie replay shadow`
+//! re-decides the three runs the same, and names the first differing decision against a
+//! changed graph version.
 
 use std::time::Duration;
 
@@ -162,4 +164,52 @@ async fn a_fork_keeps_completed_side_effects_and_records_its_lineage() {
         .map(|f| f.iter().filter_map(|x| x["run_id"].as_str()).collect())
         .unwrap_or_default();
     assert_eq!(forks, ["fork-1", "fork-2"], "{source}");
+
+    // Shadow replay, the deploy gate: this build re-decides every recorded run the same...
+    let (ok, report) = shadow(&stack, &[]).await;
+    assert!(ok, "{report}");
+    assert_eq!(report["diverged"], 0, "{report}");
+    assert_eq!(report["runs"], 3, "{report}");
+    // ...but a version that makes notify `keyed` would decide src-1 differently, first
+    // where notify was dispatched: the version at which the refund succeeded.
+    let v2 = stack.dir.join("refund-fork-v2.yaml");
+    std::fs::write(
+        &v2,
+        REFUND.replace("version: 1", "version: 2").replace(
+            "{id: notify, tool: echo, side_effect: idempotent",
+            "{id: notify, tool: echo, side_effect: keyed",
+        ),
+    )
+    .expect("write v2");
+    let (ok, report) = shadow(
+        &stack,
+        &["--graph-file", &v2.display().to_string(), "--run", "src-1"],
+    )
+    .await;
+    assert!(!ok, "a divergence exits non-zero: {report}");
+    assert_eq!(report["diverged"], 1, "{report}");
+    let first = &report["results"][0]["first_divergence"];
+    assert_eq!(first["version"], at_version, "{report}");
+}
+
+/// `sortie replay shadow` on the stack's topics: whether it exited 0, and its report.
+async fn shadow(stack: &Stack, extra: &[&str]) -> (bool, Value) {
+    let output = tokio::process::Command::new(sortie_bin())
+        .args([
+            "replay",
+            "shadow",
+            "--bootstrap-servers",
+            &stack.bootstrap,
+            "--registry-url",
+            &stack.registry.url,
+            "--prefix",
+            &stack.prefix,
+        ])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run sortie replay shadow");
+    let report = serde_json::from_slice(&output.stdout).unwrap_or(Value::Null);
+    (output.status.success(), report)
 }

@@ -481,6 +481,14 @@ pub fn run(path: &Path) -> (Vec<Event>, Option<RunState>) {
         assert_subset(expected, &actual, path, "state");
     }
     check_invariants(path, &replay, &history, state.as_ref());
+    // Shadow replay: the inputs re-derived from the history re-decide the same events.
+    let shadow = sortie_core::shadow::replay(&history, &graphs);
+    assert_eq!(
+        shadow.divergence,
+        None,
+        "{}: shadow replay diverges",
+        path.display()
+    );
     (history, state)
 }
 
