@@ -511,6 +511,7 @@ pub fn start_run(run_id: &str, graph: &str, input: &str) -> w::RunCommand {
             input: input.into(),
             labels: BTreeMap::new(),
             budget: None,
+            fork: None,
         }),
     )
 }
@@ -523,6 +524,7 @@ pub fn command(run_id: &str, command_id: &str, body: w::CommandBody) -> w::RunCo
         issuer: w::Issuer {
             principal: "svc:test".into(),
             roles: vec!["approver".into()],
+            groups: vec![],
         },
         issued_at: now_ms(),
         body,

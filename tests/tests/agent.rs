@@ -107,6 +107,9 @@ async fn decide_on(
                 decision,
                 payload: payload.map(|p| p.to_string()),
                 comment: None,
+                edited_args: None,
+                // The payload is the approver's input (a budget raise), not an edit.
+                payload_is_input: true,
             }),
         ))
         .await;

@@ -192,6 +192,8 @@ fn decision_on(
             },
             payload: payload.map(Value::to_string),
             comment: Some("checked the order".into()),
+            edited_args: None,
+            payload_is_input: false,
         }),
     );
     command.issuer.principal = "user:alice".into();

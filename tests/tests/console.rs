@@ -76,7 +76,8 @@ fn refund_graph(ledger: &str) -> Value {
                     "order_id": "$steps.read_order.output.order_id",
                     "amount": "$steps.read_order.output.total",
                     "currency": "$steps.read_order.output.currency",
-                    "rationale": "$input.rationale"
+                    "rationale": "$input.rationale",
+                    "note": "$interrupt.payload.note"
                 },
                 "config": url("refund"),
                 "timeout": "30s",
@@ -264,7 +265,20 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
         browser.text(&format!("{item} .on-reject")).await.as_deref(),
         Some("The run fails; completed steps that declare a compensation are undone.")
     );
+    assert_eq!(
+        browser.text(&format!("{item} .affects")).await.as_deref(),
+        Some("http on refund (keyed)"),
+        "what the step affects"
+    );
     assert!(browser.all(&format!("{item} .why-not")).await.is_empty());
+    // Her input goes to the call ($interrupt.payload.note in the node's arguments).
+    browser
+        .replace_text(
+            &format!("{item} textarea.human-input"),
+            r#"{"note": "photos checked"}"#,
+            SHORT,
+        )
+        .await;
     browser.screenshot(&screenshot_path(&stack, "inbox")).await;
 
     browser
@@ -340,6 +354,10 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
         .collect();
     assert_eq!(refunds.len(), 1, "one refund for order-1042: {snapshot:#?}");
     assert_eq!(refunds[0].body["order_id"], "order-1042");
+    assert_eq!(
+        refunds[0].body["note"], "photos checked",
+        "the approver's input reached the call: {snapshot:#?}"
+    );
 
     // The runs list shows both runs, filtered by status and label.
     browser.goto(&format!("{url}/ui/#/runs")).await;
@@ -413,6 +431,14 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
         )
         .await;
     assert!(args.contains("order-1044"), "{args}");
+    let diff = browser
+        .text(&format!("{item} .affects-diff"))
+        .await
+        .unwrap_or_default();
+    assert!(
+        diff.contains("amount") && diff.contains("→ 30"),
+        "the new proposal shows what the edit changed: {diff}"
+    );
     browser
         .click(&format!("{item} button.approve"), SHORT)
         .await;

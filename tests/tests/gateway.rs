@@ -639,7 +639,7 @@ async fn the_inbox_lists_open_approvals_and_says_who_may_decide() {
     assert_eq!(status, 200);
     assert_eq!(
         me,
-        json!({"tenant": "acme", "principal": "user:bob", "roles": []})
+        json!({"tenant": "acme", "principal": "user:bob", "roles": [], "groups": []})
     );
     let ids = |list: &Value| -> Vec<String> {
         list["runs"]

@@ -49,6 +49,9 @@ fn unhex(text: &str) -> Vec<u8> {
 #[test]
 fn golden_histories_fold_to_their_recorded_state() {
     let mut checked = 0;
+    let mut graphs = Graphs::new();
+    graphs.insert(refund_graph()).expect("graph");
+    graphs.insert(wire_graph()).expect("graph");
     for entry in std::fs::read_dir(dir()).expect("tests/golden") {
         let path = entry.expect("entry").path();
         if path.extension().and_then(|e| e.to_str()) != Some("json") {
@@ -59,6 +62,7 @@ fn golden_histories_fold_to_their_recorded_state() {
         let writer = Schema::parse(&golden.writer_schema).expect("writer schema");
         let mut state: Option<RunState> = None;
         let mut prev: Option<String> = None;
+        let mut history = Vec::new();
         for (i, datum) in golden.events.iter().enumerate() {
             let record: w::RunEvent = from_datum(&writer, &unhex(datum))
                 .unwrap_or_else(|e| panic!("{}: event {i}: {e}", path.display()));
@@ -79,7 +83,18 @@ fn golden_histories_fold_to_their_recorded_state() {
             );
             prev = event.hash.clone();
             state = evolve(state, &event);
+            history.push(event);
         }
+        // `decide` too, not only `evolve`: the inputs re-derived from the history are
+        // re-decided by this build against the graph and must give the recorded events.
+        let shadow = sortie_core::shadow::replay(&history, &graphs);
+        assert_eq!(
+            shadow.divergence,
+            None,
+            "{}: this build decides the history differently",
+            path.display()
+        );
+        assert_eq!(shadow.taken_as_recorded, 0, "{}", path.display());
         // Every field the old build recorded must come out the same; fields added to the
         // state since then (with serde defaults) are not in the golden and are not compared.
         let folded = serde_json::to_value(&state).expect("state JSON");
@@ -156,6 +171,7 @@ impl Story {
             roles: roles.iter().map(|r| (*r).to_owned()).collect(),
             at: self.at,
             body,
+            groups: vec![],
         }));
     }
 
@@ -195,6 +211,7 @@ impl Story {
                 approve: true,
                 payload: None,
                 comment: Some("checked".into()),
+                edited_args: None,
             },
         );
     }
@@ -230,6 +247,11 @@ impl Story {
     }
 }
 
+/// The graph of the `unsafe-reconciled` golden.
+fn wire_graph() -> Graph {
+    Graph::parse("id: wire\nversion: 1\nnodes:\n  - {id: send, tool: http, side_effect: unsafe, timeout: 30s}\n  - {id: log, tool: echo, side_effect: pure, args: {ref: $steps.send.output.ref}}\nedges:\n  - {from: send, to: log}\n").expect("graph")
+}
+
 fn refund_graph() -> Graph {
     sortie_catalog::load_file(sortie_tests::workspace_root().join("topology/graphs/refund.yaml"))
         .expect("refund.yaml")
@@ -249,6 +271,7 @@ fn regenerate_golden_histories() {
                 input: json!({"order_id": "o-42", "customer_id": "c-7", "reason": "damaged"}),
                 labels: BTreeMap::from([("channel".to_owned(), "support".to_owned())]),
                 budget: None,
+                fork: None,
             },
         );
     };
@@ -319,7 +342,7 @@ fn regenerate_golden_histories() {
     );
 
     // 3. An unsafe step with an unknown outcome, resolved by an operator.
-    let unsafe_graph = Graph::parse("id: wire\nversion: 1\nnodes:\n  - {id: send, tool: http, side_effect: unsafe, timeout: 30s}\n  - {id: log, tool: echo, side_effect: pure, args: {ref: $steps.send.output.ref}}\nedges:\n  - {from: send, to: log}\n").expect("graph");
+    let unsafe_graph = wire_graph();
     let mut story = Story::new(&[unsafe_graph]);
     story.command(
         "svc:payments",
@@ -330,6 +353,7 @@ fn regenerate_golden_histories() {
             input: json!({}),
             labels: BTreeMap::new(),
             budget: None,
+            fork: None,
         },
     );
     story.report("send#1", StepOutcome::Started);

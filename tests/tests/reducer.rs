@@ -195,6 +195,8 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
             decision: w::Decision::Approve,
             payload: None,
             comment: Some("ok".into()),
+            edited_args: None,
+            payload_is_input: false,
         }),
     );
     stack.send(&approve).await;

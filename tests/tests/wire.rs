@@ -19,6 +19,7 @@ fn start_run(run_id: &str) -> RunCommand {
         issuer: Issuer {
             principal: "svc:orders".into(),
             roles: vec![],
+            groups: vec![],
         },
         issued_at: 1_764_400_000_000,
         body: CommandBody::StartRun(StartRun {
@@ -27,6 +28,7 @@ fn start_run(run_id: &str) -> RunCommand {
             input: r#"{"order":42}"#.into(),
             labels: BTreeMap::new(),
             budget: None,
+            fork: None,
         }),
     }
 }

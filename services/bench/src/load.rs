@@ -187,6 +187,7 @@ impl Driver {
             issuer: w::Issuer {
                 principal: "svc:bench".into(),
                 roles: vec![],
+                groups: Vec::new(),
             },
             issued_at: crate::now_ms(),
             body: w::CommandBody::StartRun(w::StartRun {
@@ -195,6 +196,7 @@ impl Driver {
                 input,
                 labels: Default::default(),
                 budget: None,
+                fork: None,
             }),
         };
         Ok(codec.encode(&topics.commands(), &command).await?)

@@ -38,6 +38,7 @@ pub fn finished_run(graph: &Graph, payload_bytes: usize) -> anyhow::Result<RunSt
         run_id: "template".into(),
         principal: "svc:bench".into(),
         roles: vec![],
+        groups: vec![],
         at: now,
         body: CommandBody::StartRun {
             graph_id: graph.id.clone(),
@@ -45,6 +46,7 @@ pub fn finished_run(graph: &Graph, payload_bytes: usize) -> anyhow::Result<RunSt
             input: json!({ "payload": "x".repeat(payload_bytes) }),
             labels: BTreeMap::new(),
             budget: None,
+            fork: None,
         },
     });
     let mut applied = apply(None, &start, &graphs);

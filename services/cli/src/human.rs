@@ -175,6 +175,7 @@ impl Timeline {
                     StepRole::Requested { by } => format!(", requested by {by}"),
                     StepRole::Compensation { of } => format!(", compensates {of}"),
                     StepRole::Substitute { for_node } => format!(", instead of {for_node}"),
+                    StepRole::Precheck { of } => format!(", prechecks {of}"),
                 };
                 (
                     node.clone(),

@@ -15,6 +15,7 @@ mod ledger;
 mod progress;
 mod reducer;
 mod registry;
+mod replay;
 mod run;
 mod telemetry;
 mod topology;
@@ -55,6 +56,8 @@ enum Command {
     Ledger(ledger::Args),
     /// Replay histories from Kafka and verify them against the state table.
     Audit(audit::Args),
+    /// Shadow replay, the deploy gate: re-decide recorded runs with this build (and a graph version).
+    Replay(replay::Args),
     /// Start, approve, reject, cancel, inspect and follow runs through the gateway.
     Run(run::Args),
     /// Measure throughput, round trip, restart and restore against a bare transactional loop; prints JSON.
@@ -82,6 +85,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Gateway(args) => gateway::run(args).await,
         Command::Ledger(args) => ledger::run(args).await,
         Command::Audit(args) => audit::run(args).await,
+        Command::Replay(args) => replay::run(args).await,
         Command::Run(args) => run::run(args).await,
         Command::Graph(args) => graph::run(args).await,
         Command::Bench(args) => bench::run(args).await,

@@ -45,6 +45,20 @@ enum Sub {
     Reject(Decision),
     /// Cancel a run: no new dispatches; in-flight outcomes are recorded; compensations run.
     Cancel { run_id: String },
+    /// Start a new run from one of this run's checkpoints (time travel): steps completed
+    /// by then keep their outputs and are never run again.
+    Fork {
+        run_id: String,
+        /// The state version to start from (`ckpt_<run>_<version>`).
+        #[arg(long)]
+        at_version: i64,
+        /// A JSON merge patch applied to the source's input.
+        #[arg(long)]
+        input_patch: Option<String>,
+        /// Choose the new run's id.
+        #[arg(long)]
+        new_run_id: Option<String>,
+    },
     /// Show a run: status, pending interrupt, and its timeline (one line per event).
     Get {
         run_id: String,
@@ -94,12 +108,20 @@ enum Sub {
 #[derive(Debug, clap::Args)]
 struct Decision {
     run_id: String,
-    /// The interrupt to decide (default: the run's only pending one).
+    /// The interrupt to decide (default: the run's only open one; the gateway refuses
+    /// and lists them when several are open).
     #[arg(long)]
     interrupt: Option<String>,
-    /// An approver's payload (JSON), recorded with the decision.
+    /// The approver's input (JSON), recorded with the decision and delivered to the node
+    /// (`$interrupt.payload` in its arguments).
     #[arg(long)]
     payload: Option<String>,
+    /// Arguments (JSON) to run instead of the proposed ones (approve only).
+    #[arg(long)]
+    edited_args: Option<String>,
+    /// Why, recorded in the run's history.
+    #[arg(long)]
+    comment: Option<String>,
 }
 
 struct Client {
@@ -129,6 +151,21 @@ impl Client {
         if !status.is_success() {
             let message = body["error"]["message"].as_str().unwrap_or("no message");
             let code = body["error"]["code"].as_str().unwrap_or("error");
+            let open: Vec<&str> = body["error"]["open_interrupts"]
+                .as_array()
+                .map(|items| {
+                    items
+                        .iter()
+                        .filter_map(|i| i["interrupt_id"].as_str())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if !open.is_empty() {
+                bail!(
+                    "{status}: {code}: {message} (--interrupt {})",
+                    open.join(" | ")
+                );
+            }
             bail!("{status}: {code}: {message}");
         }
         Ok(body)
@@ -165,6 +202,27 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         Sub::Approve(d) => decide(&client, d, "approve").await?,
         Sub::Reject(d) => decide(&client, d, "reject").await?,
+        Sub::Fork {
+            run_id,
+            at_version,
+            input_patch,
+            new_run_id,
+        } => {
+            let mut body = json!({"at_version": at_version});
+            if let Some(patch) = input_patch {
+                body["input_patch"] = parse_json("--input-patch", &patch)?;
+            }
+            if let Some(id) = new_run_id {
+                body["run_id"] = id.into();
+            }
+            client
+                .send(
+                    client
+                        .request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/fork"))
+                        .json(&body),
+                )
+                .await?
+        }
         Sub::Cancel { run_id } => {
             client
                 .send(client.request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel")))
@@ -195,27 +253,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn decide(client: &Client, d: Decision, decision: &str) -> anyhow::Result<Value> {
-    let interrupt = match d.interrupt {
-        Some(id) => id,
-        None => {
-            let run = client
-                .send(client.request(reqwest::Method::GET, &format!("/v1/runs/{}", d.run_id)))
-                .await?;
-            let open = run["interrupts"].as_array().cloned().unwrap_or_default();
-            match open.as_slice() {
-                [one] => one["interrupt_id"].as_str().unwrap_or_default().to_owned(),
-                [] => bail!("run {} has no pending interrupt", d.run_id),
-                _ => bail!(
-                    "run {} has {} pending interrupts: name one with --interrupt",
-                    d.run_id,
-                    open.len()
-                ),
-            }
-        }
-    };
-    let mut body = json!({"decision": decision, "interrupt_id": interrupt});
+    // Without --interrupt the gateway picks the only open interrupt, or refuses (409) and
+    // names the open ones.
+    let mut body = json!({"decision": decision});
+    if let Some(id) = d.interrupt {
+        body["interrupt_id"] = id.into();
+    }
     if let Some(payload) = d.payload {
         body["payload"] = parse_json("--payload", &payload)?;
+    }
+    if let Some(edited) = d.edited_args {
+        body["edited_args"] = parse_json("--edited-args", &edited)?;
+    }
+    if let Some(comment) = d.comment {
+        body["comment"] = comment.into();
     }
     client
         .send(

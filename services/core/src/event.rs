@@ -67,6 +67,10 @@ pub enum EventBody {
         /// The run's spend limits and price table (`None`: no limits, no prices).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         budget: Option<crate::budget::Budget>,
+        /// For a fork: `{run_id, version}` of the source, and what the new run carries
+        /// over from it (`steps`, `completed`, `interrupts`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        forked_from: Option<Value>,
     },
     StepDispatched {
         step_id: String,
@@ -121,15 +125,30 @@ pub enum EventBody {
         quorum: u32,
         expires_at: Option<i64>,
         role: StepRole,
+        /// What an approver needs to judge the proposal: `rationale` (the model message
+        /// that proposed the call, when an llm step requested it), `affects` (node, tool,
+        /// side-effect class, args, and `edited_from`/`diff` when it replaces an edited
+        /// proposal) and `on_reject` (what a rejection does). Absent in older histories.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context: Option<Value>,
+        /// Only members of `approver_group` may decide (false in older histories, where
+        /// the group was a label).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        members_only: bool,
     },
     InterruptDecided {
         interrupt_id: String,
         proposal_hash: String,
         approve: bool,
         decided_by: String,
+        /// The human's input, delivered to the node (`$interrupt.payload`). In histories
+        /// written before `edited_args` existed it held the edited arguments.
         payload: Option<Value>,
         comment: Option<String>,
         is_final: bool,
+        /// Arguments the approver edited, replacing the proposal's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        edited_args: Option<Value>,
     },
     InterruptEscalated {
         interrupt_id: String,
@@ -159,6 +178,10 @@ pub enum EventBody {
         roles: Vec<String>,
         payload: Option<Value>,
         comment: Option<String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        groups: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        edited_args: Option<Value>,
     },
 }
 
@@ -173,6 +196,8 @@ pub enum StepRole {
     Compensation { of: String },
     /// Runs in place of a node whose approval was rejected (`on_reject: goto`).
     Substitute { for_node: String },
+    /// Checks the business state again after the approval of step `of`, before its call.
+    Precheck { of: String },
 }
 
 impl EventBody {

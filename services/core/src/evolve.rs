@@ -19,6 +19,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 labels,
                 deadline_at,
                 budget,
+                forked_from,
             },
             None,
         ) => {
@@ -48,7 +49,11 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 rejected: Default::default(),
                 budget: budget.clone(),
                 spend: Default::default(),
+                forked_from: None,
             };
+            if let Some(fork) = forked_from {
+                crate::decide::fork::carry(&mut state, fork);
+            }
             if let Some(due) = deadline_at {
                 state.timers.insert(TimerKey::RunDeadline.encode(), *due);
             }
@@ -106,6 +111,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
             roles,
             payload,
             comment,
+            groups,
+            edited_args,
         } => {
             state.buffered.push(crate::state::BufferedDecision {
                 command_id: event.command_id.clone().unwrap_or_default(),
@@ -117,6 +124,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
                 payload: payload.clone(),
                 comment: comment.clone(),
                 at: event.at,
+                groups: groups.clone(),
+                edited_args: edited_args.clone(),
             });
         }
         EventBody::StepDispatched {
@@ -262,6 +271,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
             quorum,
             expires_at,
             role,
+            context,
+            members_only,
         } => {
             // A new proposal for the same step supersedes any earlier one (an edited payload).
             for earlier in state.interrupts.values_mut() {
@@ -291,6 +302,10 @@ fn apply_body(state: &mut RunState, event: &Event) {
                     round: 0,
                     approvals: Vec::new(),
                     status: InterruptStatus::Open,
+                    context: context.clone(),
+                    members_only: *members_only,
+                    payload: None,
+                    edited_args: None,
                 },
             );
             if let Some(due) = expires_at {
@@ -310,6 +325,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
             decided_by,
             is_final,
             payload,
+            edited_args,
             ..
         } => {
             if let Some(interrupt) = state.interrupts.get_mut(interrupt_id) {
@@ -326,6 +342,8 @@ fn apply_body(state: &mut RunState, event: &Event) {
                     }
                 }
                 if *is_final {
+                    interrupt.payload = payload.clone();
+                    interrupt.edited_args = edited_args.clone();
                     interrupt.status = if *approve {
                         InterruptStatus::Approved
                     } else {

@@ -109,10 +109,16 @@ pub struct Node {
     /// Per-attempt timeout; when it passes without a result the outcome is unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout: Option<Millis>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The approval gate (`approval:` is accepted as another name for it).
+    #[serde(default, alias = "approval", skip_serializing_if = "Option::is_none")]
     pub interrupt_before: Option<Approval>,
     #[serde(default)]
     pub on_reject: OnReject,
+    /// A detached node run after the approval and before the approved call, to check the
+    /// business state again ("is the order still refundable?"). The call runs only when the
+    /// check succeeds with `ok: true` in its output; otherwise the run follows `on_reject`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precheck: Option<String>,
     /// A detached node that undoes this one on cancellation or terminal failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compensate_with: Option<String>,
@@ -176,11 +182,17 @@ impl RetryPolicy {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Approval {
+    #[serde(default = "default_approval_reason")]
     pub reason: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub required_role: Option<String>,
+    /// The group notified to decide: a label (decisions are not limited to it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approver_group: Option<String>,
+    /// Only members of this group (the approver token's `groups`) may decide. Escalation
+    /// hands the gate to the next group of `escalation`, whose members alone decide then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
     /// How long the approval may wait. Nothing waits forever by default: 7 days.
     #[serde(default = "default_approval_timeout")]
     pub timeout: Millis,
@@ -195,6 +207,10 @@ pub struct Approval {
     /// Whether an approver's edited payload may replace the arguments without a new approval.
     #[serde(default)]
     pub allow_edits: bool,
+}
+
+fn default_approval_reason() -> String {
+    "a person approves this step".to_owned()
 }
 
 fn default_approval_timeout() -> Millis {
@@ -399,7 +415,12 @@ impl Graph {
     pub fn detached(&self) -> BTreeSet<&str> {
         self.nodes
             .iter()
-            .flat_map(|n| n.compensate_with.iter().chain(n.may_request.iter()))
+            .flat_map(|n| {
+                n.compensate_with
+                    .iter()
+                    .chain(n.may_request.iter())
+                    .chain(n.precheck.iter())
+            })
             .chain(self.nodes.iter().filter_map(|n| match &n.on_reject {
                 OnReject::Goto(target) => Some(target),
                 OnReject::Fail => None,
@@ -481,6 +502,21 @@ impl Graph {
                     Some(&node.id),
                     "config.lookup_authoritative must be true or false".into(),
                 );
+            }
+            if let Some(check) = &node.precheck {
+                if node.interrupt_before.is_none() {
+                    problem(
+                        Some(&node.id),
+                        "a precheck runs after an approval, so the node needs interrupt_before"
+                            .into(),
+                    );
+                }
+                if check == &node.id || !self.nodes.iter().any(|n| &n.id == check) {
+                    problem(
+                        Some(&node.id),
+                        format!("precheck {check:?} must name another node of the graph"),
+                    );
+                }
             }
         }
         let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
@@ -616,6 +652,15 @@ impl Graph {
                         "on_timeout escalate needs an escalation list of approver groups".into(),
                     );
                 }
+                if let (Some(group), Some(label)) = (&approval.group, &approval.approver_group) {
+                    if group != label {
+                        problem(
+                            Some(id),
+                            "give group (members only) or approver_group (a label), not both"
+                                .into(),
+                        );
+                    }
+                }
                 if approval.timeout.0 <= 0 {
                     problem(Some(id), "interrupt_before.timeout must be positive".into());
                 }
@@ -624,6 +669,13 @@ impl Graph {
                 .nodes
                 .iter()
                 .any(|n| n.compensate_with.as_deref() == Some(id));
+            // `$interrupt.payload` is a decision's input: it exists for a gated node, its
+            // precheck and its on_reject substitute.
+            let decided = node.interrupt_before.is_some()
+                || self.nodes.iter().any(|n| {
+                    n.precheck.as_deref() == Some(id)
+                        || matches!(&n.on_reject, OnReject::Goto(t) if t == id)
+                });
             for reference in json::references(&node.args) {
                 match reference {
                     Err(e) => problem(Some(id), format!("args: {e}")),
@@ -640,6 +692,12 @@ impl Graph {
                                 ),
                             );
                         }
+                    }
+                    Ok(json::Reference::Interrupt(_)) if !decided => {
+                        problem(
+                            Some(id),
+                            "args use $interrupt.payload but no approval precedes the node (gate it, or make it a precheck or on_reject target)".into(),
+                        );
                     }
                     Ok(json::Reference::Compensated { .. }) if !is_compensation => {
                         problem(

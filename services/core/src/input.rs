@@ -44,6 +44,9 @@ pub struct Command {
     pub run_id: String,
     pub principal: String,
     pub roles: Vec<String>,
+    /// Approver groups the principal belongs to (from the issuer's token claims).
+    #[serde(default)]
+    pub groups: Vec<String>,
     pub at: i64,
     pub body: CommandBody,
 }
@@ -59,13 +62,20 @@ pub enum CommandBody {
         /// (resolved where the run is started).
         #[serde(default)]
         budget: Option<crate::budget::Budget>,
+        /// Start from another run's checkpoint instead of from scratch (time travel).
+        #[serde(default)]
+        fork: Option<ForkSource>,
     },
     ResumeRun {
         interrupt_id: String,
         proposal_hash: String,
         approve: bool,
+        /// The human's input, delivered to the node (`$interrupt.payload`).
         payload: Option<Value>,
         comment: Option<String>,
+        /// Arguments to run instead of the proposal's.
+        #[serde(default)]
+        edited_args: Option<Value>,
     },
     CancelRun {
         reason: Option<String>,
@@ -76,6 +86,17 @@ pub enum CommandBody {
         output: Option<Value>,
         error: Option<String>,
     },
+}
+
+/// Where a forked run starts: the source run's state at one of its versions, as the
+/// sender read it from the source's history (the fold sees one run per input, so the
+/// command carries what the new run needs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkSource {
+    pub run_id: String,
+    pub version: i64,
+    /// The source's `RunState` at `version`, as JSON.
+    pub state: Value,
 }
 
 impl CommandBody {

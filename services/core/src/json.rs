@@ -49,6 +49,9 @@ pub enum Reference<'t> {
     /// `$compensated.output.<path>` / `$compensated.args.<path>`: in a compensation node,
     /// the step being compensated.
     Compensated { part: &'t str, path: &'t str },
+    /// `$interrupt.payload.<path>`: the human input given with the decision on the node's
+    /// approval (in the gated node itself, its precheck, or its `on_reject` substitute).
+    Interrupt(&'t str),
 }
 
 /// Parses a string that is a whole template reference, e.g. `$steps.read_order.output.total`.
@@ -79,8 +82,12 @@ pub fn reference(text: &str) -> Option<Result<Reference<'_>, String>> {
                 _ => Err(format!("{text:?} should read $compensated.output or $compensated.args")),
             }
         }
+        "interrupt" => match tail.split_once('.').unwrap_or((tail, "")) {
+            ("payload", path) => Ok(Reference::Interrupt(path)),
+            _ => Err(format!("{text:?} should read $interrupt.payload[.path]")),
+        },
         _ => Err(format!(
-            "{text:?} is not a reference ($input, $steps.<node>, $compensated); write $$ for a literal $"
+            "{text:?} is not a reference ($input, $steps.<node>, $compensated, $interrupt); write $$ for a literal $"
         )),
     })
 }
@@ -147,6 +154,19 @@ mod tests {
             out,
             json!({"id": 7, "lit": "$input", "missing": null, "n": 1})
         );
+    }
+
+    #[test]
+    fn interrupt_payload_references_parse() {
+        assert_eq!(
+            reference("$interrupt.payload.note"),
+            Some(Ok(Reference::Interrupt("note")))
+        );
+        assert_eq!(
+            reference("$interrupt.payload"),
+            Some(Ok(Reference::Interrupt("")))
+        );
+        assert!(matches!(reference("$interrupt.args"), Some(Err(_))));
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod ids;
 pub mod input;
 pub mod json;
 pub mod limits;
+pub mod shadow;
 pub mod state;
 pub mod status;
 

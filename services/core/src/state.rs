@@ -49,6 +49,9 @@ pub struct RunState {
     /// What the run has spent: model usage charged from recorded outputs, tool calls.
     #[serde(default, skip_serializing_if = "crate::budget::Spend::is_zero")]
     pub spend: crate::budget::Spend,
+    /// Lineage of a forked run: `{run_id, version}` of the checkpoint it started from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<Value>,
 }
 
 /// A decision waiting for its interrupt.
@@ -63,6 +66,10 @@ pub struct BufferedDecision {
     pub payload: Option<Value>,
     pub comment: Option<String>,
     pub at: i64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edited_args: Option<Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -130,6 +137,18 @@ pub struct Interrupt {
     /// Principals that approved so far.
     pub approvals: Vec<String>,
     pub status: InterruptStatus,
+    /// See [`crate::EventBody::Interrupted`]: rationale, affects, on_reject.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<Value>,
+    /// Only members of `approver_group` may decide.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub members_only: bool,
+    /// The human input of the final decision (`$interrupt.payload`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Value>,
+    /// The arguments the final approval replaced the proposal's with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edited_args: Option<Value>,
 }
 
 /// Why a principal may not decide an open interrupt: the reducer's rejection code and reason.
@@ -141,12 +160,15 @@ pub struct Refusal {
 
 impl Interrupt {
     /// The rule the reducer applies to a decision on this open interrupt once the proposal
-    /// hash matched: not expired at `at`, the node's role held, one approval per principal.
-    /// The gateway's inbox asks the same question, so it can say why someone may not decide.
+    /// hash matched: not expired at `at`, the node's role held, a member of the approver
+    /// group (the escalated one after an escalation) when the gate is members-only, one
+    /// approval per principal. The gateway's inbox and resume route ask the same question,
+    /// so they can say why someone may not decide.
     pub fn refusal(
         &self,
         principal: &str,
         roles: &[String],
+        groups: &[String],
         approve: bool,
         at: i64,
     ) -> Option<Refusal> {
@@ -161,6 +183,14 @@ impl Interrupt {
                 return Some(Refusal {
                     code: "forbidden",
                     reason: format!("deciding needs role {role:?}"),
+                });
+            }
+        }
+        if let (true, Some(group)) = (self.members_only, &self.approver_group) {
+            if !groups.iter().any(|g| g == group) {
+                return Some(Refusal {
+                    code: "not_in_group",
+                    reason: format!("deciding needs membership of group {group:?}"),
                 });
             }
         }
@@ -255,6 +285,10 @@ mod tests {
             round: 0,
             approvals: vec!["user:alice".into()],
             status: InterruptStatus::Open,
+            context: None,
+            members_only: false,
+            payload: None,
+            edited_args: None,
         }
     }
 
@@ -263,14 +297,16 @@ mod tests {
         let gate = gate();
         let approver = ["approver".to_owned()];
         let code = |principal: &str, roles: &[String], approve: bool, at: i64| {
-            gate.refusal(principal, roles, approve, at).map(|r| r.code)
+            gate.refusal(principal, roles, &[], approve, at)
+                .map(|r| r.code)
         };
         assert_eq!(code("user:bob", &approver, true, 999), None);
         assert_eq!(code("user:bob", &approver, true, 1_000), Some("expired"));
         assert_eq!(code("user:bob", &[], true, 1_000), Some("expired"));
         assert_eq!(code("user:bob", &[], true, 10), Some("forbidden"));
         assert_eq!(
-            gate.refusal("user:bob", &[], true, 10).map(|r| r.reason),
+            gate.refusal("user:bob", &[], &[], true, 10)
+                .map(|r| r.reason),
             Some("deciding needs role \"approver\"".to_owned())
         );
         assert_eq!(
@@ -287,6 +323,42 @@ mod tests {
             expires_at: None,
             ..gate.clone()
         };
-        assert!(open.refusal("anyone", &[], true, i64::MAX).is_none());
+        assert!(open.refusal("anyone", &[], &[], true, i64::MAX).is_none());
+    }
+
+    #[test]
+    fn a_members_only_gate_refuses_outsiders_and_follows_escalation() {
+        let finance = Interrupt {
+            required_role: None,
+            approver_group: Some("finance".into()),
+            members_only: true,
+            ..gate()
+        };
+        let code = |groups: &[&str]| {
+            let groups: Vec<String> = groups.iter().map(|g| (*g).to_owned()).collect();
+            finance
+                .refusal("user:bob", &[], &groups, true, 10)
+                .map(|r| r.code)
+        };
+        assert_eq!(code(&[]), Some("not_in_group"));
+        assert_eq!(code(&["sales"]), Some("not_in_group"));
+        assert_eq!(code(&["sales", "finance"]), None);
+        let escalated = Interrupt {
+            approver_group: Some("cfo".into()),
+            ..finance.clone()
+        };
+        let finance_only = ["finance".to_owned()];
+        assert_eq!(
+            escalated
+                .refusal("user:bob", &[], &finance_only, true, 10)
+                .map(|r| r.code),
+            Some("not_in_group"),
+            "after escalation the escalated group decides"
+        );
+        let label_only = Interrupt {
+            members_only: false,
+            ..finance
+        };
+        assert!(label_only.refusal("user:bob", &[], &[], true, 10).is_none());
     }
 }

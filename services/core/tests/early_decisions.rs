@@ -29,6 +29,7 @@ fn command(id: &str, at: i64, body: CommandBody) -> Input {
         roles: vec![],
         at,
         body,
+        groups: vec![],
     })
 }
 
@@ -60,6 +61,7 @@ fn started(graphs: &Graphs) -> RunState {
             input: json!({}),
             labels: BTreeMap::new(),
             budget: None,
+            fork: None,
         },
     );
     apply(None, &start, graphs).state.unwrap()
@@ -104,6 +106,7 @@ fn an_early_approval_is_applied_when_its_interrupt_appears() {
             approve: true,
             payload: None,
             comment: None,
+            edited_args: None,
         },
     );
     let buffered = apply(Some(&state), &early, &graphs);
@@ -145,6 +148,7 @@ fn an_early_decision_for_another_proposal_is_rejected_when_the_interrupt_appears
             approve: true,
             payload: None,
             comment: None,
+            edited_args: None,
         },
     );
     let state = apply(Some(&state), &early, &graphs).state.unwrap();

@@ -37,6 +37,7 @@ fn command(id: &str, body: CommandBody) -> Input {
         roles: vec![],
         at: 1,
         body,
+        groups: vec![],
     })
 }
 
@@ -49,6 +50,7 @@ fn start(graph: &str, input: serde_json::Value) -> Input {
             input,
             labels: Default::default(),
             budget: None,
+            fork: None,
         },
     )
 }
@@ -135,6 +137,7 @@ fn only_the_last_rejected_commands_are_remembered() {
                 approve: true,
                 payload: None,
                 comment: None,
+                edited_args: None,
             },
         );
         state = apply(Some(&state), &resume, &graphs).state.unwrap();

@@ -128,6 +128,7 @@ impl Sim {
                 input,
                 labels: BTreeMap::new(),
                 budget: None,
+                fork: None,
             },
             "svc",
             vec![],
@@ -158,6 +159,7 @@ impl Sim {
             roles,
             at: self.now,
             body,
+            groups: vec![],
         }));
     }
 
@@ -266,6 +268,7 @@ impl Sim {
                             approve: *approve,
                             payload: None,
                             comment: None,
+                            edited_args: None,
                         },
                         &format!("user{principal}"),
                         vec![],
@@ -280,6 +283,7 @@ impl Sim {
                         approve: *approve,
                         payload: None,
                         comment: None,
+                        edited_args: None,
                     },
                     &format!("user{principal}"),
                     vec![],

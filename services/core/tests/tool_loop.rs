@@ -72,6 +72,7 @@ impl Run {
             input: json!({"question": "refund order 7"}),
             labels: BTreeMap::new(),
             budget,
+            fork: None,
         });
         run
     }
@@ -94,6 +95,7 @@ impl Run {
             run_id: "r".into(),
             principal: "alice".into(),
             roles: vec![],
+            groups: vec![],
             at: self.at,
             body,
         });
@@ -135,6 +137,7 @@ impl Run {
             approve,
             payload,
             comment: None,
+            edited_args: None,
         };
         self.command(body);
     }

@@ -53,6 +53,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/runs/{run_id}/checkpoints/{checkpoint_id}",
             get(checkpoint),
         )
+        .route("/v1/runs/{run_id}/fork", post(fork_run))
         .route(
             "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
             post(reconcile),
@@ -106,6 +107,7 @@ async fn me(caller: Caller) -> Json<Value> {
         "tenant": caller.tenant,
         "principal": caller.principal,
         "roles": caller.roles,
+        "groups": caller.groups,
     }))
 }
 
@@ -153,6 +155,7 @@ fn command(
         issuer: w::Issuer {
             principal: caller.principal.clone(),
             roles: caller.roles.clone(),
+            groups: caller.groups.clone(),
         },
         issued_at: now_ms(),
         body,
@@ -324,6 +327,7 @@ async fn start_run(
                 .for_run(&caller.tenant, body.budget.as_ref())
                 .as_ref()
                 .map(sortie_model::budget_text),
+            fork: None,
         }),
     );
     let answer = app.submit(&command).await?;
@@ -346,14 +350,76 @@ enum DecisionIn {
 #[serde(deny_unknown_fields)]
 struct ResumeRequest {
     decision: DecisionIn,
-    interrupt_id: String,
+    /// May be omitted when exactly one interrupt of the run is open.
+    #[serde(default)]
+    interrupt_id: Option<String>,
     /// The proposal the client approves; defaults to the one the view shows.
     #[serde(default)]
     proposal_hash: Option<String>,
+    /// The human's input, delivered to the node (`$interrupt.payload`).
     #[serde(default)]
     payload: Option<Value>,
+    /// Arguments to run instead of the proposal's.
+    #[serde(default)]
+    edited_args: Option<Value>,
     #[serde(default)]
     comment: Option<String>,
+}
+
+/// The open interrupt a decision without `interrupt_id` is for: the only one open.
+fn only_open_interrupt(run: Option<&StoredRun>, run_id: &str) -> Result<String, ApiError> {
+    let Some(run) = run else {
+        return Err(ApiError::unknown_run(run_id));
+    };
+    let open: Vec<_> = run.state.open_interrupts().collect();
+    match open.as_slice() {
+        [only] => Ok(only.interrupt_id.clone()),
+        [] => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "no_open_interrupt",
+            format!("run {run_id} has no open interrupt to decide"),
+        )),
+        several => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "ambiguous_interrupt",
+            format!(
+                "run {run_id} has {} open interrupts: name one with interrupt_id",
+                several.len()
+            ),
+        )
+        .with(
+            "open_interrupts",
+            several
+                .iter()
+                .map(|i| json!({"interrupt_id": i.interrupt_id, "node": i.node, "proposal_hash": i.proposal_hash}))
+                .collect::<Vec<_>>(),
+        )),
+    }
+}
+
+/// `payload` and `edited_args` as the reducer reads them. Before 0.2 the payload carried
+/// edited arguments; a client of that time sends a whole argument object (the proposal's
+/// fields, some changed) and no `edited_args`. Such a payload is still read as an edit;
+/// any other payload is the human's input.
+fn decision_inputs(
+    payload: Option<Value>,
+    edited_args: Option<Value>,
+    proposed: Option<&Value>,
+) -> (Option<Value>, Option<Value>) {
+    let legacy_edit = match (&payload, &edited_args, proposed) {
+        (Some(Value::Object(p)), None, Some(Value::Object(args))) => {
+            !args.is_empty()
+                && p.len() == args.len()
+                && p.keys().all(|k| args.contains_key(k))
+                && p != args
+        }
+        _ => false,
+    };
+    if legacy_edit {
+        (None, payload)
+    } else {
+        (payload, edited_args)
+    }
 }
 
 async fn resume_run(
@@ -365,25 +431,31 @@ async fn resume_run(
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
     let run = known_run(&app, &caller, &run_id)?;
+    let interrupt_id = match body.interrupt_id {
+        Some(id) => id,
+        None => only_open_interrupt(run.as_ref(), &run_id)?,
+    };
+    let interrupt = run
+        .as_ref()
+        .and_then(|r| r.state.interrupts.get(&interrupt_id));
     let proposal_hash = match (body.proposal_hash, &run) {
         (Some(hash), _) => hash,
         (None, None) => return Err(ApiError::unknown_run(&run_id)),
-        (None, Some(run)) => run
-            .state
-            .interrupts
-            .get(&body.interrupt_id)
-            .map(|i| i.proposal_hash.clone())
-            .ok_or_else(|| {
-                ApiError::new(
-                    StatusCode::CONFLICT,
-                    "unknown_interrupt",
-                    format!(
-                        "interrupt {} is not known on this run (pass proposal_hash, or min_position on a read first)",
-                        body.interrupt_id
-                    ),
-                )
-            })?,
+        (None, Some(_)) => interrupt.map(|i| i.proposal_hash.clone()).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::CONFLICT,
+                "unknown_interrupt",
+                format!(
+                    "interrupt {interrupt_id} is not known on this run (pass proposal_hash, or min_position on a read first)"
+                ),
+            )
+        })?,
     };
+    let (payload, edited_args) = decision_inputs(
+        body.payload,
+        body.edited_args,
+        interrupt.and_then(|i| i.proposal.get("args")),
+    );
     let decision = match body.decision {
         DecisionIn::Approve => w::Decision::Approve,
         DecisionIn::Reject => w::Decision::Reject,
@@ -393,11 +465,13 @@ async fn resume_run(
         &run_id,
         key,
         w::CommandBody::ResumeRun(w::ResumeRun {
-            interrupt_id: body.interrupt_id.clone(),
+            interrupt_id: interrupt_id.clone(),
             proposal_hash,
             decision,
-            payload: body.payload.as_ref().map(sortie_core::json::canonical),
+            payload: payload.as_ref().map(sortie_core::json::canonical),
             comment: body.comment,
+            edited_args: edited_args.as_ref().map(sortie_core::json::canonical),
+            payload_is_input: true,
         }),
     );
     let answer = app.submit(&command).await?;
@@ -407,7 +481,7 @@ async fn resume_run(
         &answer,
         run.map_or("running", |r| r.state.status.as_str()),
     );
-    out["interrupt_id"] = body.interrupt_id.into();
+    out["interrupt_id"] = interrupt_id.into();
     out["decision"] = match decision {
         w::Decision::Approve => "approve",
         w::Decision::Reject => "reject",
@@ -519,7 +593,14 @@ async fn get_run(
 ) -> Result<Json<Value>, ApiError> {
     read_after(&app, &headers, query.min_position.as_deref()).await?;
     let run = visible_run(&app, &caller, &run_id)?;
-    Ok(Json(render::run(&run.state)))
+    let mut out = render::run(&run.state);
+    out["forks"] = app
+        .view()
+        .store
+        .forks(&run_id)
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .into();
+    Ok(Json(out))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -772,14 +853,24 @@ async fn checkpoint(
         .and_then(|v| v.parse().ok())
         .filter(|v| (1..=run.state.version).contains(v))
         .ok_or_else(unknown)?;
-    // Every version is recoverable from history: fold the events up to it.
+    let state = state_at(&app, &run_id, version)?.ok_or_else(unknown)?;
+    Ok(Json(render::checkpoint(&state, version)))
+}
+
+/// The run's state after `version`: every version is recoverable from history, by
+/// folding the events up to it.
+fn state_at(
+    app: &AppState,
+    run_id: &str,
+    version: i64,
+) -> Result<Option<sortie_core::RunState>, ApiError> {
     let mut state = None;
     let mut after = 0;
     'fold: loop {
         let page = app
             .view()
             .store
-            .events(&run_id, after, 512)
+            .events(run_id, after, 512)
             .map_err(|e| ApiError::internal(e.to_string()))?;
         if page.is_empty() {
             break;
@@ -799,8 +890,138 @@ async fn checkpoint(
             state = sortie_core::evolve(state, &event);
         }
     }
-    let state = state.filter(|s| s.version == version).ok_or_else(unknown)?;
-    Ok(Json(render::checkpoint(&state, version)))
+    Ok(state.filter(|s: &sortie_core::RunState| s.version == version))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkRequest {
+    /// The source's state version to start from (`ckpt_<run>_<version>`).
+    at_version: i64,
+    /// A JSON merge patch (RFC 7386) applied to the source's input.
+    #[serde(default)]
+    input_patch: Option<Value>,
+    #[serde(default)]
+    run_id: Option<String>,
+    /// Labels of the new run; the source's when absent.
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+}
+
+/// RFC 7386: objects merge key by key, `null` removes, anything else replaces.
+fn merge_patch(target: Value, patch: &Value) -> Value {
+    match (target, patch) {
+        (Value::Object(mut map), Value::Object(changes)) => {
+            for (key, change) in changes {
+                if change.is_null() {
+                    map.remove(key);
+                } else {
+                    let current = map.remove(key).unwrap_or(Value::Null);
+                    map.insert(key.clone(), merge_patch(current, change));
+                }
+            }
+            Value::Object(map)
+        }
+        (Value::Null, Value::Object(_)) => merge_patch(json!({}), patch),
+        (_, other) => other.clone(),
+    }
+}
+
+/// `POST /v1/runs/{run_id}/fork`: a new run from one of this run's checkpoints. The new
+/// run keeps the steps completed by then (never run again) and records its lineage.
+async fn fork_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    JsonBody(body): JsonBody<ForkRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let key = idempotency_key(&headers)?;
+    let run = visible_run(&app, &caller, &run_id)?;
+    let unknown = || {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_checkpoint",
+            format!(
+                "run {run_id} has no version {} (1 to {})",
+                body.at_version, run.state.version
+            ),
+        )
+    };
+    if !(1..=run.state.version).contains(&body.at_version) {
+        return Err(unknown());
+    }
+    let source = state_at(&app, &run_id, body.at_version)?.ok_or_else(unknown)?;
+    let new_id =
+        match (body.run_id, &key) {
+            (Some(id), _) if valid_id(&id) && id != run_id => id,
+            (Some(_), _) => return Err(ApiError::bad_request(
+                "invalid_run_id",
+                "run_id must be 1 to 128 characters of A-Z a-z 0-9 _ - . : @, and not the source's",
+            )),
+            (None, Some(key)) => {
+                let digest = sortie_core::json::sha256_hex(&[&caller.tenant, "fork", key]);
+                format!("run_{}", &digest[..26])
+            }
+            (None, None) => format!("run_{}", Ulid::generate()),
+        };
+    let input = match &body.input_patch {
+        Some(patch) => merge_patch(source.input.clone(), patch),
+        None => source.input.clone(),
+    };
+    let fork = json!({"run_id": run_id, "version": body.at_version, "state": source});
+    let command = command(
+        &caller,
+        &new_id,
+        key,
+        w::CommandBody::StartRun(w::StartRun {
+            graph_id: source.graph_id.clone(),
+            graph_version: Some(source.graph_version as i32),
+            input: sortie_core::json::canonical(&input),
+            labels: body.labels.unwrap_or_else(|| source.labels.clone()),
+            fork: Some(sortie_core::json::canonical(&fork)),
+            // The source's limits as they stood at that version; the fork's own spend
+            // starts at zero (what it carries over was charged to the source).
+            budget: source.budget.as_ref().map(sortie_model::budget_text),
+        }),
+    );
+    let answer = app.submit(&command).await?;
+    let new_run = accepted(&app, &command, &answer).await?;
+    let status = new_run.map_or(RunStatus::Running, |r| r.state.status);
+    let mut out = written(&command, &answer, status.as_str());
+    out["forked_from"] = json!({"run_id": run_id, "version": body.at_version});
+    Ok((StatusCode::CREATED, Json(out)))
+}
+
+#[cfg(test)]
+mod resume_tests {
+    use super::*;
+
+    #[test]
+    fn a_whole_changed_argument_object_without_edited_args_is_a_legacy_edit() {
+        let proposed = json!({"amount": 30, "order_id": "o1"});
+        let edit = json!({"amount": 20, "order_id": "o1"});
+        assert_eq!(
+            decision_inputs(Some(edit.clone()), None, Some(&proposed)),
+            (None, Some(edit.clone()))
+        );
+        let note = json!({"note": "checked with the customer"});
+        assert_eq!(
+            decision_inputs(Some(note.clone()), None, Some(&proposed)),
+            (Some(note.clone()), None),
+            "human input"
+        );
+        assert_eq!(
+            decision_inputs(Some(proposed.clone()), None, Some(&proposed)),
+            (Some(proposed.clone()), None),
+            "unchanged arguments edit nothing"
+        );
+        assert_eq!(
+            decision_inputs(Some(edit.clone()), Some(edit.clone()), Some(&proposed)),
+            (Some(edit.clone()), Some(edit)),
+            "an explicit edited_args makes the payload input"
+        );
+    }
 }
 
 #[cfg(test)]

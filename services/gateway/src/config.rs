@@ -163,9 +163,13 @@ pub struct TokenEntry {
     pub principal: String,
     #[serde(default)]
     pub roles: Vec<String>,
+    /// Approver groups the principal belongs to: a gate with `approver_group` accepts
+    /// decisions only from its members.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<String>,
 }
 
-/// The YAML file of hashed tokens: `tokens: [{sha256, tenant, roles, principal}]`.
+/// The YAML file of hashed tokens: `tokens: [{sha256, tenant, roles, principal, groups}]`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokensFile {
@@ -179,8 +183,9 @@ pub fn token_hash(token: &str) -> String {
 }
 
 impl TokenEntry {
-    /// A dev token `TENANT:PRINCIPAL:ROLE1,ROLE2:TOKEN`, hashed at once. The principal may
-    /// contain `:` (e.g. `user:alice`); the roles and the token may not.
+    /// A dev token `TENANT:PRINCIPAL:ROLE1,ROLE2,@GROUP:TOKEN`, hashed at once: entries of
+    /// the role list starting `@` are groups. The principal may contain `:` (e.g.
+    /// `user:alice`); the roles and the token may not.
     pub fn from_dev_spec(spec: &str) -> Result<Self, Error> {
         let mut tail = spec.rsplitn(3, ':');
         let (Some(token), Some(roles), Some(head)) = (tail.next(), tail.next(), tail.next()) else {
@@ -195,7 +200,13 @@ impl TokenEntry {
             principal: principal.to_owned(),
             roles: roles
                 .split(',')
-                .filter(|r| !r.is_empty())
+                .filter(|r| !r.is_empty() && !r.starts_with('@'))
+                .map(str::to_owned)
+                .collect(),
+            groups: roles
+                .split(',')
+                .filter_map(|r| r.strip_prefix('@'))
+                .filter(|g| !g.is_empty())
                 .map(str::to_owned)
                 .collect(),
         };
@@ -289,6 +300,11 @@ mod tests {
         assert!(!format!("{entry:?}").contains("s3cret"));
         let no_roles = TokenEntry::from_dev_spec("acme:bob::tok").expect("no roles");
         assert!(no_roles.roles.is_empty());
+        assert!(no_roles.groups.is_empty());
+        let member = TokenEntry::from_dev_spec("acme:user:carol:approver,@finance,@ops:tok")
+            .expect("groups");
+        assert_eq!(member.roles, vec!["approver"]);
+        assert_eq!(member.groups, vec!["finance", "ops"]);
         assert!(TokenEntry::from_dev_spec("acme:tok").is_err());
         assert!(TokenEntry::from_dev_spec("acme:bob:r:").is_err());
     }

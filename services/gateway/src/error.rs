@@ -68,7 +68,7 @@ impl ApiError {
         let status = match code {
             "unknown_run" => StatusCode::NOT_FOUND,
             "unknown_graph" => StatusCode::UNPROCESSABLE_ENTITY,
-            "forbidden" => StatusCode::FORBIDDEN,
+            "forbidden" | "not_in_group" => StatusCode::FORBIDDEN,
             "conflict" | "bad_state" | "stale_proposal" | "already_decided" | "expired"
             | "duplicate_approver" | "unknown_interrupt" | "unknown_operation" => {
                 StatusCode::CONFLICT

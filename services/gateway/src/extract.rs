@@ -1,5 +1,5 @@
 //! Request extractors whose every rejection is a JSON [`ApiError`]: the caller (bearer
-//! token → tenant, principal, roles), a size-capped JSON body, path and query parameters.
+//! token → tenant, principal, roles, groups), a size-capped JSON body, path and query parameters.
 
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
 use axum::http::request::Parts;
@@ -16,6 +16,8 @@ pub struct Caller {
     pub tenant: String,
     pub principal: String,
     pub roles: Vec<String>,
+    /// Approver groups (the token's `groups` claim).
+    pub groups: Vec<String>,
 }
 
 impl FromRequestParts<AppState> for Caller {
@@ -53,6 +55,7 @@ impl FromRequestParts<AppState> for Caller {
             tenant: entry.tenant.clone(),
             principal: entry.principal.clone(),
             roles: entry.roles.clone(),
+            groups: entry.groups.clone(),
         })
     }
 }

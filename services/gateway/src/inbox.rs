@@ -95,7 +95,7 @@ fn item(
     opened_at: i64,
     now: i64,
 ) -> Value {
-    let refusal = interrupt.refusal(&caller.principal, &caller.roles, true, now);
+    let refusal = interrupt.refusal(&caller.principal, &caller.roles, &caller.groups, true, now);
     let why_not = refusal.map(|r| match r.code {
         "forbidden" => {
             let roles = if caller.roles.is_empty() {
@@ -105,13 +105,42 @@ fn item(
             };
             format!("{}; {} has {roles}", r.reason, caller.principal)
         }
+        "not_in_group" => {
+            let groups = if caller.groups.is_empty() {
+                "no groups".to_owned()
+            } else {
+                format!("groups {}", caller.groups.join(", "))
+            };
+            format!("{}; {} is in {groups}", r.reason, caller.principal)
+        }
         _ => r.reason,
     });
-    // The agent's rationale travels in the proposed arguments when the agent gave one.
-    let rationale = interrupt
-        .proposal
-        .get("args")
-        .and_then(|a| a.get("rationale"))
+    let context = interrupt.context.as_ref();
+    // The agent's rationale: the model message that proposed the call (recorded with the
+    // interrupt), else a `rationale` the agent put in the proposed arguments.
+    let rationale = context
+        .and_then(|c| c.get("rationale"))
+        .or_else(|| {
+            interrupt
+                .proposal
+                .get("args")
+                .and_then(|a| a.get("rationale"))
+        })
+        .and_then(Value::as_str);
+    // What the step affects: recorded with the interrupt since 0.2; older interrupts get
+    // it from the proposal.
+    let affects = context
+        .and_then(|c| c.get("affects"))
+        .cloned()
+        .unwrap_or_else(|| {
+            json!({
+                "node": interrupt.node,
+                "tool": interrupt.proposal.get("tool"),
+                "args": interrupt.proposal.get("args"),
+            })
+        });
+    let precheck = context
+        .and_then(|c| c.get("precheck"))
         .and_then(Value::as_str);
     let on_reject = app
         .inner
@@ -124,6 +153,12 @@ fn item(
             OnReject::Goto(node) => {
                 format!("The step is skipped and the run continues at {node}.")
             }
+        })
+        .map(|text| match precheck {
+            Some(check) => format!(
+                "{text} The same happens if the precheck {check} finds, after approval, that the step should not run."
+            ),
+            None => text,
         });
     json!({
         "run_id": state.run_id,
@@ -140,7 +175,11 @@ fn item(
         "quorum": interrupt.quorum,
         "approvals": interrupt.approvals,
         "rationale": rationale,
+        "affects": affects,
         "on_reject": on_reject,
+        "precheck": precheck,
+        "approver_group": interrupt.approver_group,
+        "members_only": interrupt.members_only,
         "opened_at": opened_at,
         "expires_at": interrupt.expires_at,
         "may_decide": why_not.is_none(),

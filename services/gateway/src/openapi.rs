@@ -123,14 +123,26 @@ pub fn document() -> Value {
                 },
                 "Resume": {
                     "type": "object",
-                    "required": ["decision", "interrupt_id"],
+                    "required": ["decision"],
                     "additionalProperties": false,
                     "properties": {
                         "decision": {"enum": ["approve", "reject"]},
-                        "interrupt_id": {"type": "string"},
+                        "interrupt_id": {"type": "string", "description": "May be omitted when exactly one interrupt of the run is open; with several open the answer is 409 ambiguous_interrupt listing them (open_interrupts)."},
                         "proposal_hash": {"type": "string", "description": "The proposal approved; defaults to the interrupt's current one."},
-                        "payload": {},
+                        "payload": {"description": "The human's input, delivered to the node ($interrupt.payload in its arguments, its precheck's and its on_reject substitute's). Compatibility: without edited_args, a payload that is the proposal's whole argument object with some values changed is read as edited arguments (its pre-0.2 meaning)."},
+                        "edited_args": {"type": "object", "description": "Arguments to run instead of the proposal's; unless the node allows edits, they become a new proposal that needs its own approval."},
                         "comment": {"type": "string"}
+                    }
+                },
+                "Fork": {
+                    "type": "object",
+                    "required": ["at_version"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "at_version": {"type": "integer", "description": "The source's state version (ckpt_<run>_<version>)."},
+                        "input_patch": {"description": "A JSON merge patch (RFC 7386) applied to the source's input."},
+                        "run_id": {"type": "string", "description": "The new run's id; derived from Idempotency-Key, else run_<ulid>."},
+                        "labels": {"type": "object", "additionalProperties": {"type": "string"}, "description": "The new run's labels; the source's when absent."}
                     }
                 },
                 "Cancel": {
@@ -265,6 +277,15 @@ pub fn document() -> Value {
                     "responses": write_errors(json!({"200": ok("Accepted by the reducer.", "Written")}))
                 }
             },
+            "/v1/runs/{run_id}/fork": {
+                "post": {
+                    "summary": "Start a new run from one of this run's checkpoints (time travel): completed steps keep their recorded outputs and are never run again",
+                    "security": security,
+                    "parameters": [run_id(), idempotency_key()],
+                    "requestBody": body("Fork", true),
+                    "responses": write_errors(json!({"201": ok("The new run: run_id, status, forked_from {run_id, version}.", "Written")}))
+                }
+            },
             "/v1/runs/{run_id}/cancel": {
                 "post": {
                     "summary": "Cancel a run",
@@ -347,9 +368,9 @@ pub fn document() -> Value {
     doc["components"]["schemas"]["Inbox"] = inbox_schema();
     doc["paths"]["/v1/me"] = json!({
         "get": {
-            "summary": "Who the bearer token speaks for: tenant, principal, roles",
+            "summary": "Who the bearer token speaks for: tenant, principal, roles, groups",
             "security": security,
-            "responses": read_errors(json!({"200": {"description": "{\"tenant\", \"principal\", \"roles\"}"}}))
+            "responses": read_errors(json!({"200": {"description": "{\"tenant\", \"principal\", \"roles\", \"groups\"}"}}))
         }
     });
     doc["paths"]["/ui/"] = json!({
@@ -393,8 +414,12 @@ fn inbox_schema() -> Value {
                     "required_role": text_or_null,
                     "quorum": {"type": "integer"},
                     "approvals": {"type": "array", "items": {"type": "string"}},
-                    "rationale": {"type": ["string", "null"], "description": "The agent's rationale (`args.rationale` of the proposal), when it gave one."},
-                    "on_reject": {"type": ["string", "null"], "description": "What a rejection does, from the graph; null when this gateway does not know the graph."},
+                    "rationale": {"type": ["string", "null"], "description": "The agent's rationale: the model message that proposed the call (when an llm step requested it), else `args.rationale` of the proposal."},
+                    "affects": {"type": "object", "description": "What the step affects: node, tool, side_effect, args; edited_from and diff ({field: {from, to}}) when it replaces an edited proposal."},
+                    "on_reject": {"type": ["string", "null"], "description": "What a rejection (or a refusing precheck) does, from the graph; null when this gateway does not know the graph."},
+                    "precheck": text_or_null,
+                    "approver_group": text_or_null,
+                    "members_only": {"type": "boolean", "description": "Only members of approver_group (token groups) may decide."},
                     "opened_at": {"type": "integer", "description": "Unix ms."},
                     "expires_at": {"type": ["integer", "null"], "description": "Unix ms."},
                     "may_decide": {"type": "boolean", "description": "The reducer's rule (expiry, role, one approval per principal) applied to the caller now."},

@@ -14,6 +14,8 @@ fn interrupt(i: &Interrupt) -> Value {
         "reason": i.reason,
         "required_role": i.required_role,
         "approver_group": i.approver_group,
+        "members_only": i.members_only,
+        "context": i.context,
         "quorum": i.quorum,
         "approvals": i.approvals,
         "expires_at": i.expires_at,
@@ -54,6 +56,7 @@ fn common(state: &RunState) -> serde_json::Map<String, Value> {
         "ending": state.ending,
         "budget": state.budget,
         "spend": state.spend,
+        "forked_from": state.forked_from,
     });
     match body {
         Value::Object(map) => map,

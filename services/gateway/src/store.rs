@@ -12,7 +12,7 @@ use std::ops::Bound;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use sortie_core::{Event, RunState, RunStatus};
+use sortie_core::{Event, EventBody, RunState, RunStatus};
 
 const TREE: &str = "view";
 const MARKER: &[u8] = b"m/identity";
@@ -138,6 +138,17 @@ impl Store {
             .transpose()
     }
 
+    /// The runs forked from `run_id`: `{run_id, version, at}` each, by run id.
+    pub fn forks(&self, run_id: &str) -> Result<Vec<serde_json::Value>, Error> {
+        self.tree
+            .scan_prefix(fork_prefix(run_id))
+            .map(|item| {
+                let (key, value) = item?;
+                decode(&key, &value)
+            })
+            .collect()
+    }
+
     /// Up to `limit` events of a run with `seq > after`, in order.
     pub fn events(&self, run_id: &str, after: i64, limit: usize) -> Result<Vec<Event>, Error> {
         let prefix = event_prefix(run_id);
@@ -204,6 +215,21 @@ impl Store {
         }
         for event in &write.events {
             batch.insert(event_key(&event.run_id, event.seq), encode(event));
+            // Lineage: a fork's first event names its source; index it under the source.
+            if let EventBody::RunStarted {
+                forked_from: Some(from),
+                ..
+            } = &event.body
+            {
+                if let (Some(source), Some(version)) =
+                    (from["run_id"].as_str(), from["version"].as_i64())
+                {
+                    batch.insert(
+                        [fork_prefix(source).as_slice(), event.run_id.as_bytes()].concat(),
+                        encode(&serde_json::json!({"run_id": event.run_id, "version": version, "at": event.at})),
+                    );
+                }
+            }
         }
         if let Some((before, after)) = &write.run {
             let state = &after.state;
@@ -252,6 +278,10 @@ fn decode<T: serde::de::DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T,
 
 fn run_key(run_id: &str) -> Vec<u8> {
     [b"r/".as_slice(), run_id.as_bytes()].concat()
+}
+
+fn fork_prefix(run_id: &str) -> Vec<u8> {
+    [b"f/".as_slice(), run_id.as_bytes(), &[0]].concat()
 }
 
 fn event_prefix(run_id: &str) -> Vec<u8> {
@@ -305,6 +335,7 @@ mod tests {
                 labels: Default::default(),
                 budget: None,
                 deadline_at: None,
+                forked_from: None,
             },
         };
         let mut state = sortie_core::evolve(None, &event).expect("started");

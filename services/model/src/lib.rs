@@ -61,14 +61,29 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
             input: json("input", &start.input)?,
             labels: start.labels,
             budget: budget_of(&start.budget)?,
+            fork: json_opt("fork", &start.fork)?
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(|e| Invalid(format!("fork: {e}")))?,
         },
-        w::CommandBody::ResumeRun(resume) => CommandBody::ResumeRun {
-            interrupt_id: resume.interrupt_id,
-            proposal_hash: resume.proposal_hash,
-            approve: resume.decision == w::Decision::Approve,
-            payload: json_opt("payload", &resume.payload)?,
-            comment: resume.comment,
-        },
+        w::CommandBody::ResumeRun(resume) => {
+            let payload = json_opt("payload", &resume.payload)?;
+            let edited_args = json_opt("edited_args", &resume.edited_args)?;
+            // A producer written against 0.1 sent edited arguments as the payload.
+            let (payload, edited_args) = match (resume.payload_is_input, edited_args) {
+                (false, None) => (None, payload),
+                (false, Some(edited)) => (payload, Some(edited)),
+                (true, edited) => (payload, edited),
+            };
+            CommandBody::ResumeRun {
+                interrupt_id: resume.interrupt_id,
+                proposal_hash: resume.proposal_hash,
+                approve: resume.decision == w::Decision::Approve,
+                payload,
+                comment: resume.comment,
+                edited_args,
+            }
+        }
         w::CommandBody::CancelRun(cancel) => CommandBody::CancelRun {
             reason: cancel.reason,
         },
@@ -85,6 +100,7 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
         run_id: command.run_id,
         principal: command.issuer.principal,
         roles: command.issuer.roles,
+        groups: command.issuer.groups,
         at: 0,
         body,
     })
@@ -179,6 +195,14 @@ fn role_fields(role: &StepRole) -> (Option<String>, Option<String>, Option<Strin
         StepRole::Requested { by } => (None, Some(by.clone()), None),
         StepRole::Compensation { of } => (Some(of.clone()), None, None),
         StepRole::Substitute { for_node } => (None, None, Some(for_node.clone())),
+        StepRole::Precheck { .. } => (None, None, None),
+    }
+}
+
+fn precheck_for(role: &StepRole) -> Option<String> {
+    match role {
+        StepRole::Precheck { of } => Some(of.clone()),
+        _ => None,
     }
 }
 
@@ -229,6 +253,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             labels,
             deadline_at,
             budget,
+            forked_from,
         } => w::EventBody::RunStarted(w::RunStarted {
             graph_id: graph_id.clone(),
             graph_version: *graph_version as i32,
@@ -237,6 +262,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             labels: labels.clone(),
             deadline_at: *deadline_at,
             budget: budget.as_ref().map(budget_text),
+            forked_from: forked_from.as_ref().map(text),
         }),
         EventBody::StepDispatched {
             step_id,
@@ -262,6 +288,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
                 timeout_at: *timeout_at,
                 requested_by,
                 substitute_for,
+                precheck_for: precheck_for(role),
             })
         }
         EventBody::StepStarted { step_id, attempt } => w::EventBody::StepStarted(w::StepStarted {
@@ -332,6 +359,8 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             quorum,
             expires_at,
             role,
+            context,
+            members_only,
         } => {
             let (_, requested_by, substitute_for) = role_fields(role);
             w::EventBody::Interrupted(w::Interrupted {
@@ -347,6 +376,8 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
                 expires_at: *expires_at,
                 requested_by,
                 substitute_for,
+                context: context.as_ref().map(text),
+                members_only: *members_only,
             })
         }
         EventBody::InterruptDecided {
@@ -357,6 +388,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             payload,
             comment,
             is_final,
+            edited_args,
         } => w::EventBody::InterruptDecided(w::InterruptDecided {
             interrupt_id: interrupt_id.clone(),
             proposal_hash: proposal_hash.clone(),
@@ -369,6 +401,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             payload: payload.as_ref().map(text),
             comment: comment.clone(),
             is_final: *is_final,
+            edited_args: edited_args.as_ref().map(text),
         }),
         EventBody::InterruptEscalated {
             interrupt_id,
@@ -410,6 +443,8 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             roles,
             payload,
             comment,
+            groups,
+            edited_args,
         } => w::EventBody::DecisionBuffered(w::DecisionBuffered {
             interrupt_id: interrupt_id.clone(),
             proposal_hash: proposal_hash.clone(),
@@ -422,6 +457,8 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             roles: roles.clone(),
             payload: payload.as_ref().map(text),
             comment: comment.clone(),
+            groups: groups.clone(),
+            edited_args: edited_args.as_ref().map(text),
         }),
     };
     w::RunEvent {
@@ -461,6 +498,7 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             labels: e.labels,
             deadline_at: e.deadline_at,
             budget: budget_of(&e.budget)?,
+            forked_from: json_opt("forked_from", &e.forked_from)?,
         },
         w::EventBody::StepDispatched(e) => EventBody::StepDispatched {
             step_id: e.step_id,
@@ -473,7 +511,10 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
                 .map(side_effect_from_wire)
                 .unwrap_or(SideEffect::Unsafe),
             args: json("args", &e.args)?,
-            role: role_from(e.compensates, e.requested_by, e.substitute_for),
+            role: match e.precheck_for {
+                Some(of) => StepRole::Precheck { of },
+                None => role_from(e.compensates, e.requested_by, e.substitute_for),
+            },
             timeout_at: e.timeout_at,
         },
         w::EventBody::StepStarted(e) => EventBody::StepStarted {
@@ -518,6 +559,8 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             quorum: u32_of("quorum", e.quorum)?,
             expires_at: e.expires_at,
             role: role_from(None, e.requested_by, e.substitute_for),
+            context: json_opt("context", &e.context)?,
+            members_only: e.members_only,
         },
         w::EventBody::InterruptDecided(e) => EventBody::InterruptDecided {
             interrupt_id: e.interrupt_id,
@@ -527,6 +570,7 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             payload: json_opt("payload", &e.payload)?,
             comment: e.comment,
             is_final: e.is_final,
+            edited_args: json_opt("edited_args", &e.edited_args)?,
         },
         w::EventBody::InterruptEscalated(e) => EventBody::InterruptEscalated {
             interrupt_id: e.interrupt_id,
@@ -554,6 +598,8 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             roles: e.roles,
             payload: json_opt("payload", &e.payload)?,
             comment: e.comment,
+            groups: e.groups,
+            edited_args: json_opt("edited_args", &e.edited_args)?,
         },
     };
     Ok(Event {
@@ -650,7 +696,9 @@ mod tests {
                 input: serde_json::json!({"x": [1, "two"]}),
                 labels: [("k".to_owned(), "v".to_owned())].into(),
                 budget: None,
+                fork: None,
             },
+            groups: vec![],
         });
         let applied = apply(None, &start, &graphs);
         let state = applied.state.clone().expect("state");
@@ -675,6 +723,7 @@ mod tests {
             roles: vec![],
             at: 30,
             body: CommandBody::CancelRun { reason: None },
+            groups: vec![],
         });
         let third = apply(second.state.as_ref(), &cancel, &graphs);
         let mut folded = None;

@@ -37,6 +37,9 @@ impl Record for RunCommand {
 pub struct Issuer {
     pub principal: String,
     pub roles: Vec<String>,
+    /// Approver groups the principal belongs to (added in 0.2; default empty).
+    #[serde(default)]
+    pub groups: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,6 +71,9 @@ pub struct StartRun {
     /// The run's spend limits and price table (JSON), if any.
     #[serde(default)]
     pub budget: Option<String>,
+    /// Start from another run's checkpoint: `{run_id, version, state}` as JSON (added in 0.2).
+    #[serde(default)]
+    pub fork: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,6 +83,13 @@ pub struct ResumeRun {
     pub decision: Decision,
     pub payload: Option<String>,
     pub comment: Option<String>,
+    /// Arguments the approver edited (added in 0.2).
+    #[serde(default)]
+    pub edited_args: Option<String>,
+    /// `payload` is the human's input (true), not edited arguments (false: the 0.1
+    /// meaning, kept for producers written against 0.1).
+    #[serde(default)]
+    pub payload_is_input: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -228,6 +241,10 @@ pub struct DecisionBuffered {
     pub roles: Vec<String>,
     pub payload: Option<String>,
     pub comment: Option<String>,
+    #[serde(default)]
+    pub groups: Vec<String>,
+    #[serde(default)]
+    pub edited_args: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -256,6 +273,9 @@ pub struct RunStarted {
     /// The run's spend limits and price table (JSON), if any.
     #[serde(default)]
     pub budget: Option<String>,
+    /// For a fork: the source and what was carried over, as JSON (added in 0.2).
+    #[serde(default)]
+    pub forked_from: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -271,6 +291,9 @@ pub struct StepDispatched {
     pub timeout_at: Option<Millis>,
     pub requested_by: Option<String>,
     pub substitute_for: Option<String>,
+    /// The approved step this step prechecks (added in 0.2).
+    #[serde(default)]
+    pub precheck_for: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -327,6 +350,12 @@ pub struct Interrupted {
     pub expires_at: Option<Millis>,
     pub requested_by: Option<String>,
     pub substitute_for: Option<String>,
+    /// JSON: rationale, affects, on_reject (added in 0.2).
+    #[serde(default)]
+    pub context: Option<String>,
+    /// Only members of approver_group may decide (added in 0.2).
+    #[serde(default)]
+    pub members_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -339,6 +368,8 @@ pub struct InterruptDecided {
     pub comment: Option<String>,
     #[serde(rename = "final")]
     pub is_final: bool,
+    #[serde(default)]
+    pub edited_args: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -154,6 +154,7 @@ fn command(body: CommandBody) -> RunCommand {
         issuer: Issuer {
             principal: "svc:orders".into(),
             roles: vec!["approver".into()],
+            groups: vec![],
         },
         issued_at: 1_764_400_000_000,
         body,
@@ -183,6 +184,7 @@ fn every_command_round_trips() {
         input: r#"{"order":42}"#.into(),
         labels: BTreeMap::from([("team".to_owned(), "support".to_owned())]),
         budget: None,
+        fork: None,
     })));
     round_trip(command(CommandBody::StartRun(StartRun {
         graph_id: "refund".into(),
@@ -190,6 +192,7 @@ fn every_command_round_trips() {
         input: "{}".into(),
         labels: BTreeMap::new(),
         budget: None,
+        fork: None,
     })));
     round_trip(command(CommandBody::ResumeRun(ResumeRun {
         interrupt_id: "int-1".into(),
@@ -197,6 +200,8 @@ fn every_command_round_trips() {
         decision: Decision::Reject,
         payload: Some("{}".into()),
         comment: None,
+        edited_args: None,
+        payload_is_input: false,
     })));
     round_trip(command(CommandBody::CancelRun(CancelRun {
         reason: Some("customer asked".into()),
@@ -323,6 +328,7 @@ fn every_event_kind_round_trips() {
             labels: BTreeMap::new(),
             budget: None,
             deadline_at: Some(5),
+            forked_from: None,
         }),
         EventBody::StepDispatched(StepDispatched {
             step_id: "s".into(),
@@ -336,6 +342,7 @@ fn every_event_kind_round_trips() {
             timeout_at: Some(9),
             requested_by: None,
             substitute_for: None,
+            precheck_for: None,
         }),
         EventBody::StepStarted(StepStarted {
             step_id: "s".into(),
@@ -380,6 +387,8 @@ fn every_event_kind_round_trips() {
             expires_at: Some(1000),
             requested_by: Some("agent#1".into()),
             substitute_for: None,
+            context: None,
+            members_only: false,
         }),
         EventBody::InterruptDecided(InterruptDecided {
             interrupt_id: "i".into(),
@@ -389,6 +398,7 @@ fn every_event_kind_round_trips() {
             payload: None,
             comment: Some("ok".into()),
             is_final: false,
+            edited_args: None,
         }),
         EventBody::InterruptEscalated(InterruptEscalated {
             interrupt_id: "i".into(),
@@ -416,6 +426,8 @@ fn every_event_kind_round_trips() {
             roles: vec!["approver".into()],
             payload: None,
             comment: None,
+            groups: vec![],
+            edited_args: None,
         }),
     ];
     let schema: Json = serde_json::from_str(RecordKind::RunEvent.schema_text()).expect("json");
@@ -466,6 +478,8 @@ fn a_record_written_with_an_older_schema_reads_with_defaults() {
         decision: Decision::Approve,
         payload: None,
         comment: None,
+        edited_args: None,
+        payload_is_input: false,
     }));
     // Encode with the old writer schema: the serializer skips nothing, so encode through a
     // struct shaped like the old schema.
@@ -552,6 +566,7 @@ fn union_branches_resolve_by_name_not_by_shape() {
         issuer: Issuer {
             principal: "ops".into(),
             roles: vec![],
+            groups: vec![],
         },
         issued_at: 5,
         body: Reversed::ReconcileOperation(op.clone()),

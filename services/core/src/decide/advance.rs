@@ -10,7 +10,7 @@ use crate::{
     event::StepRole,
     graph::{Graph, Node, OnReject},
     json::{self as j, Reference},
-    state::{InterruptStatus, RunState, Step, StepStatus},
+    state::{Interrupt, InterruptStatus, RunState, Step, StepStatus},
     status::RunStatus,
 };
 
@@ -46,6 +46,8 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
     if let Some(reason) = failure(run, graph) {
         return begin_failure(ctx, reason);
     }
+    continue_after_prechecks(ctx, graph);
+    let run = ctx.run();
 
     let (states, proposals, problem) = plan(run, graph);
     if let Some(reason) = problem {
@@ -109,7 +111,11 @@ fn hold(ctx: &mut Ctx<'_>) {
 /// A terminal failure among the forward steps, if any.
 fn failure(run: &RunState, graph: &Graph) -> Option<String> {
     if let Some(step) = run.steps.values().find(|s| {
-        s.status == StepStatus::Failed && !matches!(s.role, StepRole::Compensation { .. })
+        s.status == StepStatus::Failed
+            && !matches!(
+                s.role,
+                StepRole::Compensation { .. } | StepRole::Precheck { .. }
+            )
     }) {
         return Some(format!(
             "step {} failed: {}",
@@ -125,6 +131,13 @@ fn failure(run: &RunState, graph: &Graph) -> Option<String> {
                 .is_some_and(|n| n.on_reject == OnReject::Fail);
         if rejected_to_fail {
             return Some(format!("approval {} was rejected", interrupt.interrupt_id));
+        }
+        if let Some(node) = graph.node(&interrupt.node) {
+            if let (Precheck::Refused(why), OnReject::Fail) =
+                (precheck(run, node, interrupt), &node.on_reject)
+            {
+                return Some(why);
+            }
         }
     }
     None
@@ -186,10 +199,14 @@ fn progress<'g>(
     if interrupts.iter().any(|i| i.status == InterruptStatus::Open) {
         return Ok(NodeState::Active);
     }
-    if interrupts
+    let rejected = interrupts
         .iter()
-        .any(|i| i.status == InterruptStatus::Rejected)
-    {
+        .find(|i| {
+            i.status == InterruptStatus::Rejected
+                || matches!(precheck(run, node, i), Precheck::Refused(_))
+        })
+        .copied();
+    if let Some(rejected) = rejected {
         let OnReject::Goto(target) = &node.on_reject else {
             return Ok(NodeState::Active); // the failure path handles it
         };
@@ -207,7 +224,7 @@ fn progress<'g>(
                     .ok_or_else(|| format!("unknown node {target}"))?;
                 // A substitute is a node like any other: its own template, rendered once
                 // (never the rejected proposal's args, which are values, not a template).
-                let args = render(run, target, None, &target.args);
+                let args = render(run, None, Some(rejected), &target.args);
                 out.push(Proposal {
                     node: target,
                     step_id: run.next_step_id(&target.id),
@@ -235,7 +252,7 @@ fn progress<'g>(
             .iter()
             .any(|i| i.status == InterruptStatus::Approved);
         if !pending_approval {
-            let mut args = render(run, node, None, &node.args);
+            let mut args = render(run, None, None, &node.args);
             if !node.tools.is_empty() {
                 if let Value::Object(map) = &mut args {
                     map.entry("tools").or_insert_with(|| graph.tool_specs(node));
@@ -509,9 +526,16 @@ fn iteration(step_id: &str) -> u32 {
         .unwrap_or(0)
 }
 
-/// Fills a node's argument template from the run input, earlier outputs, and (for a
-/// compensation) the step being compensated.
-fn render(run: &RunState, _node: &Node, compensated: Option<&Step>, template: &Value) -> Value {
+/// Fills a node's argument template from the run input, earlier outputs, (for a
+/// compensation) the step being compensated, and the human input of a decided interrupt.
+/// Without an interrupt, `$interrupt.payload` references stay as they are: a gated node's
+/// proposal shows them, and the approval fills them in ([`fill_interrupt`]).
+pub(crate) fn render(
+    run: &RunState,
+    compensated: Option<&Step>,
+    interrupt: Option<&Interrupt>,
+    template: &Value,
+) -> Value {
     let latest_output = |node: &str, part: &str| -> Option<Value> {
         let step = run
             .steps
@@ -537,7 +561,132 @@ fn render(run: &RunState, _node: &Node, compensated: Option<&Step>, template: &V
             };
             whole.and_then(|v| j::at_path(&v, path).cloned())
         }
+        Reference::Interrupt(path) => match interrupt {
+            Some(i) => i
+                .payload
+                .as_ref()
+                .and_then(|p| j::at_path(p, path).cloned()),
+            None if path.is_empty() => Some(Value::String("$interrupt.payload".into())),
+            None => Some(Value::String(format!("$interrupt.payload.{path}"))),
+        },
     })
+}
+
+/// The arguments an approved call runs with: `args` (the proposal's, or the approver's
+/// edit) where every position the node's template holds an `$interrupt.payload` reference,
+/// and the arguments still hold that reference, gets the decision's human input.
+pub(crate) fn fill_interrupt(template: &Value, args: &Value, payload: Option<&Value>) -> Value {
+    match (template, args) {
+        (Value::String(t), Value::String(a)) if t == a => match j::reference(t) {
+            Some(Ok(Reference::Interrupt(path))) => payload
+                .and_then(|p| j::at_path(p, path).cloned())
+                .unwrap_or(Value::Null),
+            _ => args.clone(),
+        },
+        (Value::Object(t), Value::Object(a)) => Value::Object(
+            a.iter()
+                .map(|(k, v)| {
+                    let filled = match t.get(k) {
+                        Some(tv) => fill_interrupt(tv, v, payload),
+                        None => v.clone(),
+                    };
+                    (k.clone(), filled)
+                })
+                .collect(),
+        ),
+        (Value::Array(t), Value::Array(a)) => Value::Array(
+            a.iter()
+                .enumerate()
+                .map(|(i, v)| match t.get(i) {
+                    Some(tv) => fill_interrupt(tv, v, payload),
+                    None => v.clone(),
+                })
+                .collect(),
+        ),
+        _ => args.clone(),
+    }
+}
+
+/// What the approved call of `interrupt` runs with.
+pub(crate) fn approved_args(node: &Node, interrupt: &Interrupt) -> Value {
+    let args = interrupt
+        .edited_args
+        .clone()
+        .or_else(|| interrupt.proposal.get("args").cloned())
+        .unwrap_or_default();
+    fill_interrupt(&node.args, &args, interrupt.payload.as_ref())
+}
+
+/// Where the precheck of an approved interrupt stands.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Precheck {
+    /// No precheck, or it is still running.
+    Pending,
+    /// It answered `ok: true`: the approved call may run.
+    Passed,
+    /// It failed or did not answer `ok: true`: the call never runs; `on_reject` applies.
+    Refused(String),
+}
+
+pub(crate) fn precheck(run: &RunState, node: &Node, interrupt: &Interrupt) -> Precheck {
+    if interrupt.status != InterruptStatus::Approved || node.precheck.is_none() {
+        return Precheck::Pending;
+    }
+    let role = StepRole::Precheck {
+        of: interrupt.step_id.clone(),
+    };
+    let Some(step) = run.steps.values().find(|s| s.role == role) else {
+        return Precheck::Pending;
+    };
+    match step.status {
+        StepStatus::Succeeded => {
+            let output = step.output.clone().unwrap_or(Value::Null);
+            if output.get("ok") == Some(&Value::Bool(true)) {
+                Precheck::Passed
+            } else {
+                let why = output
+                    .get("reason")
+                    .and_then(Value::as_str)
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default();
+                Precheck::Refused(format!(
+                    "precheck {} refused step {} (ok is not true){why}",
+                    step.step_id, interrupt.step_id
+                ))
+            }
+        }
+        StepStatus::Failed | StepStatus::Abandoned => Precheck::Refused(format!(
+            "precheck {} of step {} failed: {}",
+            step.step_id,
+            interrupt.step_id,
+            step.error.as_deref().unwrap_or("no reason given")
+        )),
+        _ => Precheck::Pending,
+    }
+}
+
+/// Approved calls whose precheck passed and that have not run yet: dispatch them.
+fn continue_after_prechecks(ctx: &mut Ctx<'_>, graph: &Graph) {
+    let run = ctx.run();
+    let ready: Vec<(&Node, Interrupt)> = run
+        .interrupts
+        .values()
+        .filter(|i| !run.steps.contains_key(&i.step_id))
+        .filter_map(|i| {
+            let node = graph.node(&i.node)?;
+            (precheck(run, node, i) == Precheck::Passed).then(|| (node, i.clone()))
+        })
+        .collect();
+    for (node, interrupt) in ready {
+        let args = approved_args(node, &interrupt);
+        ctx.dispatch(
+            node,
+            interrupt.step_id.clone(),
+            1,
+            args,
+            interrupt.role.clone(),
+        );
+    }
 }
 
 fn final_output(graph: &Graph, states: &BTreeMap<&str, NodeState>) -> Value {
@@ -627,7 +776,7 @@ fn wind_down(ctx: &mut Ctx<'_>, graph: &Graph) {
             let Some(target) = node.compensate_with.as_ref().and_then(|c| graph.node(c)) else {
                 return;
             };
-            let args = render(run, target, Some(step), &target.args);
+            let args = render(run, Some(step), None, &target.args);
             let step_id = run.next_step_id(&target.id);
             let role = StepRole::Compensation {
                 of: step.step_id.clone(),

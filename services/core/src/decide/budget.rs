@@ -61,6 +61,17 @@ pub(crate) fn check(ctx: &mut Ctx<'_>, proposals: usize, new_tool_calls: u64) ->
             });
             let proposal_hash = ids::proposal_hash(&proposal);
             let interrupt_id = ids::interrupt_id(&ctx.run_id, &step_id, &proposal_hash);
+            // What an approver judges: the limit hit and what was spent; a rejection
+            // fails the run.
+            let context = serde_json::json!({
+                "affects": {
+                    "node": BUDGET_NODE,
+                    "exceeded": what,
+                    "limits": run.budget.as_ref().map(|b| &b.limits),
+                    "spend": run.spend,
+                },
+                "on_reject": {"action": "fail"},
+            });
             ctx.emit(
                 EventBody::Interrupted {
                     interrupt_id,
@@ -76,6 +87,8 @@ pub(crate) fn check(ctx: &mut Ctx<'_>, proposals: usize, new_tool_calls: u64) ->
                     quorum: 1,
                     expires_at: None,
                     role: StepRole::Node,
+                    context: Some(context),
+                    members_only: false,
                 },
                 None,
             );
@@ -94,6 +107,7 @@ pub(crate) fn decide(ctx: &mut Ctx<'_>, command: &Command, interrupt: &Interrupt
         approve,
         payload,
         comment,
+        ..
     } = &command.body
     else {
         return;
@@ -113,6 +127,7 @@ pub(crate) fn decide(ctx: &mut Ctx<'_>, command: &Command, interrupt: &Interrupt
             payload: payload.clone(),
             comment: comment.clone(),
             is_final: true,
+            edited_args: None,
         },
         None,
     );

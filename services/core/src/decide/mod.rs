@@ -4,6 +4,8 @@
 mod advance;
 mod budget;
 mod cancel;
+mod context;
+pub(crate) mod fork;
 mod reconcile;
 mod report;
 mod resume;
@@ -329,6 +331,19 @@ impl<'g> Ctx<'g> {
 
     /// Either asks for approval (the node has `interrupt_before`) or dispatches attempt 1.
     pub fn propose(&mut self, node: &Node, step_id: String, args: Value, role: StepRole) {
+        self.propose_edited(node, step_id, args, role, None)
+    }
+
+    /// [`Ctx::propose`], for arguments an approver edited from `edited_from`: the new
+    /// interrupt shows the arguments it replaces and the difference.
+    pub fn propose_edited(
+        &mut self,
+        node: &Node,
+        step_id: String,
+        args: Value,
+        role: StepRole,
+        edited_from: Option<&Value>,
+    ) {
         match (&node.interrupt_before, &role) {
             (Some(approval), role) if !matches!(role, StepRole::Compensation { .. }) => {
                 let proposal = serde_json::json!({
@@ -339,6 +354,7 @@ impl<'g> Ctx<'g> {
                 });
                 let proposal_hash = ids::proposal_hash(&proposal);
                 let interrupt_id = ids::interrupt_id(&self.run_id, &step_id, &proposal_hash);
+                let context = context::of(self.run(), node, &args, role, edited_from);
                 self.emit(
                     EventBody::Interrupted {
                         interrupt_id: interrupt_id.clone(),
@@ -348,10 +364,15 @@ impl<'g> Ctx<'g> {
                         proposal_hash,
                         reason: approval.reason.clone(),
                         required_role: approval.required_role.clone(),
-                        approver_group: approval.approver_group.clone(),
+                        approver_group: approval
+                            .group
+                            .clone()
+                            .or_else(|| approval.approver_group.clone()),
                         quorum: approval.quorum,
                         expires_at: Some(self.at + approval.timeout.0),
                         role: role.clone(),
+                        context: Some(context),
+                        members_only: approval.group.is_some(),
                     },
                     None,
                 );

@@ -1,8 +1,12 @@
 //! ResumeRun: a human decision on an interrupt, bound to the exact proposal.
 
-use super::{advance, begin_failure, is_tool_call, Ctx};
+use super::{
+    advance,
+    advance::{approved_args, render},
+    begin_failure, is_tool_call, Ctx,
+};
 use crate::{
-    event::EventBody,
+    event::{EventBody, StepRole},
     graph::OnReject,
     input::{Command, CommandBody},
     state::InterruptStatus,
@@ -28,6 +32,7 @@ pub(crate) fn apply_buffered(ctx: &mut Ctx<'_>, interrupt_id: &str) {
             run_id: ctx.run_id.clone(),
             principal: decision.principal,
             roles: decision.roles,
+            groups: decision.groups,
             at: decision.at,
             body: CommandBody::ResumeRun {
                 interrupt_id: decision.interrupt_id,
@@ -35,6 +40,7 @@ pub(crate) fn apply_buffered(ctx: &mut Ctx<'_>, interrupt_id: &str) {
                 approve: decision.approve,
                 payload: decision.payload,
                 comment: decision.comment,
+                edited_args: decision.edited_args,
             },
         };
         let current = ctx.command_id.replace(decision.command_id);
@@ -50,6 +56,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         approve,
         payload,
         comment,
+        edited_args,
     } = &command.body
     else {
         return;
@@ -81,6 +88,8 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
                 roles: command.roles.clone(),
                 payload: payload.clone(),
                 comment: comment.clone(),
+                groups: command.groups.clone(),
+                edited_args: edited_args.clone(),
             },
             None,
         );
@@ -120,9 +129,13 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             ),
         );
     }
-    if let Some(refusal) =
-        interrupt.refusal(&command.principal, &command.roles, *approve, command.at)
-    {
+    if let Some(refusal) = interrupt.refusal(
+        &command.principal,
+        &command.roles,
+        &command.groups,
+        *approve,
+        command.at,
+    ) {
         return ctx.reject(command, refusal.code, refusal.reason);
     }
     if interrupt.node == crate::budget::BUDGET_NODE {
@@ -135,9 +148,12 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
 
     ctx.accept(command);
     let is_final = !*approve || interrupt.approvals.len() as u32 + 1 >= interrupt.quorum;
-    let edited = payload
+    let proposed = interrupt.proposal.get("args").cloned().unwrap_or_default();
+    // Only an edit that changes something is an edit; a rejection edits nothing.
+    let edited = edited_args
         .as_ref()
-        .filter(|p| Some(*p) != interrupt.proposal.get("args"));
+        .filter(|e| *approve && **e != proposed)
+        .cloned();
     ctx.emit(
         EventBody::InterruptDecided {
             interrupt_id: interrupt_id.clone(),
@@ -147,6 +163,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             payload: payload.clone(),
             comment: comment.clone(),
             is_final,
+            edited_args: edited.clone(),
         },
         None,
     );
@@ -168,30 +185,34 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         .interrupt_before
         .as_ref()
         .is_some_and(|a| a.allow_edits);
-    match edited {
+    if let (Some(args), false) = (&edited, allow_edits) {
         // An edited call is a new proposal and needs its own approval.
-        Some(args) if !allow_edits => ctx.propose(
+        ctx.propose_edited(
             node,
             interrupt.step_id.clone(),
             args.clone(),
             interrupt.role.clone(),
-        ),
-        Some(args) => ctx.dispatch(
-            node,
-            interrupt.step_id.clone(),
-            1,
-            args.clone(),
-            interrupt.role.clone(),
-        ),
+            Some(&proposed),
+        );
+        return advance(ctx);
+    }
+    // The decision is folded: the interrupt now holds its payload and edit.
+    let Some(decided) = ctx.run().interrupts.get(interrupt_id).cloned() else {
+        return;
+    };
+    match node.precheck.as_ref().and_then(|c| graph.node(c)) {
+        // Check the business state again first; the call waits for its answer (advance).
+        Some(check) => {
+            let args = render(ctx.run(), None, Some(&decided), &check.args);
+            let step_id = ctx.run().next_step_id(&check.id);
+            let role = StepRole::Precheck {
+                of: decided.step_id.clone(),
+            };
+            ctx.dispatch(check, step_id, 1, args, role);
+        }
         None => {
-            let args = interrupt.proposal.get("args").cloned().unwrap_or_default();
-            ctx.dispatch(
-                node,
-                interrupt.step_id.clone(),
-                1,
-                args,
-                interrupt.role.clone(),
-            );
+            let args = approved_args(node, &decided);
+            ctx.dispatch(node, decided.step_id.clone(), 1, args, decided.role.clone());
         }
     }
     advance(ctx);

@@ -1,9 +1,10 @@
 //! StartRun: create a run pinned to a graph version, or recognise the same request again.
 
-use super::{advance, Ctx};
+use super::{advance, advance::render, fork, Ctx};
 use crate::{
-    event::EventBody,
-    input::{Command, CommandBody},
+    event::{EventBody, StepRole},
+    input::{Command, CommandBody, ForkSource},
+    state::RunState,
 };
 
 pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
@@ -13,6 +14,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         input,
         labels,
         budget,
+        fork,
     } = &command.body
     else {
         return;
@@ -50,6 +52,13 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         }
         return;
     }
+    let source = match fork {
+        None => None,
+        Some(fork) => match source_state(command, fork, graph_id, *graph_version) {
+            Ok(state) => Some(state),
+            Err(reason) => return ctx.reject(command, "bad_fork", reason),
+        },
+    };
     let Some(graph) = ctx.graphs.get(graph_id, *graph_version) else {
         let version = graph_version.map(|v| format!("@{v}")).unwrap_or_default();
         return ctx.reject(
@@ -67,9 +76,50 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             labels: labels.clone(),
             deadline_at: graph.max_duration.map(|d| ctx.at + d.0),
             budget: budget.clone(),
+            forked_from: source.as_ref().map(fork::plan),
         },
         None,
     );
     ctx.accept(command);
+    for step in source.as_ref().map(fork::redispatch).unwrap_or_default() {
+        if let Some(node) = graph.node(&step.node) {
+            // A graph node's arguments are rendered again: the input may be patched.
+            let args = match step.role {
+                StepRole::Node => render(ctx.run(), None, None, &node.args),
+                _ => step.args,
+            };
+            ctx.dispatch(node, step.step_id, 1, args, step.role);
+        }
+    }
     advance(ctx);
+}
+
+/// The source state a fork starts from, checked against the command.
+fn source_state(
+    command: &Command,
+    fork: &ForkSource,
+    graph_id: &str,
+    graph_version: Option<u32>,
+) -> Result<RunState, String> {
+    let state: RunState = serde_json::from_value(fork.state.clone())
+        .map_err(|e| format!("the fork's source state does not read as a run state: {e}"))?;
+    if state.tenant != command.tenant
+        || state.run_id != fork.run_id
+        || state.version != fork.version
+    {
+        return Err(format!(
+            "the fork's source state is not run {} at version {} of this tenant",
+            fork.run_id, fork.version
+        ));
+    }
+    if state.graph_id != graph_id || graph_version.is_some_and(|v| v != state.graph_version) {
+        return Err(format!(
+            "a fork runs the source's graph {}@{}",
+            state.graph_id, state.graph_version
+        ));
+    }
+    if fork.run_id == command.run_id {
+        return Err("a fork needs a run id of its own".into());
+    }
+    Ok(state)
 }

@@ -186,6 +186,7 @@ pub fn summary(event: &Event) -> String {
                 sortie_core::event::StepRole::Substitute { for_node } => {
                     format!(" instead of {for_node}")
                 }
+                sortie_core::event::StepRole::Precheck { of } => format!(" prechecking {of}"),
             };
             format!("StepDispatched {step_id} a{attempt}{role}")
         }
@@ -260,6 +261,7 @@ fn command(s: &Scenario, cmd: &Cmd, n: usize, at: i64, body: CommandBody) -> Inp
         roles: cmd.roles.clone(),
         at,
         body,
+        groups: vec![],
     })
 }
 
@@ -277,6 +279,7 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
                 input: start.input.clone(),
                 labels: BTreeMap::new(),
                 budget: None,
+                fork: None,
             },
         )];
     }
@@ -302,6 +305,7 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
                     approve,
                     payload: d.payload.clone(),
                     comment: None,
+                    edited_args: None,
                 },
             )];
         }
@@ -478,6 +482,14 @@ pub fn run(path: &Path) -> (Vec<Event>, Option<RunState>) {
         assert_subset(expected, &actual, path, "state");
     }
     check_invariants(path, &replay, &history, state.as_ref());
+    // Shadow replay: the inputs re-derived from the history re-decide the same events.
+    let shadow = sortie_core::shadow::replay(&history, &graphs);
+    assert_eq!(
+        shadow.divergence,
+        None,
+        "{}: shadow replay diverges",
+        path.display()
+    );
     (history, state)
 }
 

@@ -422,7 +422,7 @@ function timeline(events) {
       const entry = interrupts.get(b.interrupt_id);
       if (entry) {
         entry.decisions.push({ by: b.decided_by, at: event.at, approve: b.approve,
-          hash: b.proposal_hash, comment: b.comment, payload: b.payload });
+          hash: b.proposal_hash, comment: b.comment, payload: b.payload, edited_args: b.edited_args });
         if (b.is_final) entry.outcome = b.approve ? "approved" : "rejected";
       }
     } else if (kind === "InterruptExpired") {
@@ -513,7 +513,8 @@ function runPage(main, runId) {
             el("strong", { text: d.approve ? "approved" : "rejected" }), ` by ${d.by} at ${when(d.at)}`,
             d.hash !== a.proposal_hash ? " (another proposal)" : "",
             d.comment ? el("span", { class: "muted", text: ` — “${d.comment}”` }) : null,
-            d.payload !== null && d.payload !== undefined ? el("span", { class: "muted", text: " · with edited arguments" }) : null))) : "—"),
+            d.edited_args !== null && d.edited_args !== undefined ? el("span", { class: "muted", text: " · with edited arguments" }) : null,
+            d.payload !== null && d.payload !== undefined ? el("span", { class: "muted decision-input", text: ` · input ${JSON.stringify(d.payload)}` }) : null))) : "—"),
           el("td", {}, el("span", { class: `outcome ${a.outcome.split(" ")[0]}`, text: a.outcome }))))))
       : el("p", { class: "empty", text: "No approval gate reached." }));
     fill(compensations, el("h2", { text: "Compensations" }), undo.length
@@ -616,6 +617,20 @@ function confirmCancel(runId, messages, after) {
 
 // ------------------------------------------------------------------ approval inbox
 
+// What an approval's step affects: tool, node, side-effect class, and the change from the
+// proposal it replaces when an approver edited the arguments.
+function affects(item) {
+  const a = item.affects || {};
+  const text = `${a.tool || "?"} on ${a.node || item.node}` + (a.side_effect ? ` (${a.side_effect})` : "");
+  const diff = a.diff && Object.keys(a.diff).length
+    ? el("ul", { class: "plain affects-diff" }, Object.entries(a.diff).map(([k, d]) =>
+      el("li", {}, el("code", { text: k }), `: ${JSON.stringify(d.from)} → ${JSON.stringify(d.to)}`)))
+    : null;
+  return el("span", {}, el("span", { class: "affects", text }),
+    diff ? el("span", { class: "muted", text: " · edited from an earlier proposal:" }) : null, diff,
+    item.precheck ? el("span", { class: "muted precheck", text: ` · rechecked by ${item.precheck} after approval` }) : null);
+}
+
 function inboxPage(main) {
   const list = el("div", { id: "inbox-list" });
   const flash = el("div", { id: "inbox-flash" });
@@ -651,10 +666,12 @@ function inboxPage(main) {
     const args = item.proposal && item.proposal.args !== undefined ? item.proposal.args : item.proposal;
     const comment = el("input", { type: "text", class: "comment", maxlength: "1000", "aria-label": "Comment",
       placeholder: "Comment (recorded with the decision)" });
+    const input = el("textarea", { class: "human-input", rows: "2", spellcheck: "false", "aria-label": "Input for the step",
+      placeholder: "Input for the step (JSON, optional): delivered to the node as $interrupt.payload" });
     const editor = el("textarea", { class: "edit-args", rows: "8", spellcheck: "false" });
     editor.value = json(args);
     const editBox = el("div", { class: "edit-box", hidden: true },
-      el("label", { text: "Edited arguments (JSON). Approving sends them as the payload; unless the node allows edits, an edited call becomes a new proposal that needs its own approval." }),
+      el("label", { text: "Edited arguments (JSON). Approving sends them as edited_args; unless the node allows edits, an edited call becomes a new proposal that needs its own approval." }),
       editor,
       el("div", { class: "actions" },
         el("button", { type: "button", class: "primary approve-edited", text: "Approve with these arguments", onclick: () => {
@@ -679,11 +696,13 @@ function inboxPage(main) {
         fact("Why it needs approval", item.reason || "not given"),
         fact("Agent's rationale", item.rationale ? el("span", { class: "rationale", text: item.rationale })
           : el("span", { class: "rationale not-given", text: "not given" })),
+        fact("What it affects", affects(item)),
         fact("If rejected", item.on_reject ? el("span", { class: "on-reject", text: item.on_reject })
           : el("span", { class: "on-reject not-given", text: "not given" })),
         fact("Opened", `${when(item.opened_at)} (${relative(item.opened_at)})`),
         fact("Expires", item.expires_at ? `${when(item.expires_at)} (${relative(item.expires_at)})` : "never"),
         fact("Needs", `${item.required_role ? `role ${item.required_role}` : "any role"}` +
+          (item.approver_group && item.members_only ? ` · a member of ${item.approver_group}` : "") +
           (item.quorum > 1 ? ` · ${item.approvals.length} of ${item.quorum} approvals` : "")),
         fact("Proposal", el("span", { class: "mono small proposal-hash", text: item.proposal_hash }))),
       el("h3", { text: `Proposed call: ${item.proposal.tool || ""}` }),
@@ -691,6 +710,7 @@ function inboxPage(main) {
       item.may_decide ? null : el("div", { class: "notice warn why-not", role: "note" },
         el("strong", { text: "You may not decide this: " }), el("span", { class: "why-not-text", text: item.why_not || "" })),
       comment,
+      input,
       el("div", { class: "actions" },
         el("button", { type: "button", class: "primary approve", text: "Approve", onclick: () => decide("approve") }),
         el("button", { type: "button", class: "danger reject", text: "Reject", onclick: () => decide("reject") }),
@@ -700,9 +720,15 @@ function inboxPage(main) {
       editBox,
       result);
 
-    async function decide(decision, payload) {
+    async function decide(decision, edited) {
       const body = { decision, interrupt_id: item.interrupt_id, proposal_hash: item.proposal_hash };
-      if (payload !== undefined) body.payload = payload;
+      if (edited !== undefined) body.edited_args = edited;
+      if (input.value.trim()) {
+        try { body.payload = JSON.parse(input.value); } catch (e) {
+          result.replaceChildren(notice("error", `The input is not valid JSON: ${e.message}`));
+          return;
+        }
+      }
       if (comment.value.trim()) body.comment = comment.value.trim();
       busy = true;
       for (const b of node.querySelectorAll("button")) b.disabled = true;
@@ -711,7 +737,7 @@ function inboxPage(main) {
         const answer = await api("POST", `/v1/runs/${encodeURIComponent(item.run_id)}/resume`, body);
         const verb = decision === "approve" ? "Approved" : "Rejected";
         let text = `${verb} ${item.node} in run ${item.run_id}; the run is ${answer.status.replace(/_/g, " ")}.`;
-        if (payload !== undefined) {
+        if (edited !== undefined) {
           text += " The call was edited: unless the node allows edits, the edited call is a new proposal that waits for its own approval.";
         }
         flash.replaceChildren(notice("ok", text, { class: "notice ok decided" }));
