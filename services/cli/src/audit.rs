@@ -3,7 +3,6 @@
 
 use anyhow::{bail, Context as _};
 use sortie_reducer::audit;
-use sortie_wire::{Codec, CodecConfig, Topics};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -36,11 +35,8 @@ struct Replay {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let Sub::Replay(replay) = args.command;
     let kafka = replay.connection.kafka_config()?;
-    let topics = Topics::new(replay.connection.prefix.clone());
-    let codec = Codec::new(&CodecConfig {
-        registry_url: replay.connection.registry_url.clone(),
-        auto_register: false,
-    });
+    let topics = replay.connection.topics();
+    let codec = replay.connection.reader_codec();
     let runtime = tokio::runtime::Handle::current();
     let verify = replay.verify;
     // The work runs on the blocking pool while a progress line (terminal only) ticks; what

@@ -12,7 +12,6 @@ use serde_json::json;
 use sortie_catalog::GraphTable;
 use sortie_core::{shadow, EventBody, Graph, Graphs};
 use sortie_reducer::audit;
-use sortie_wire::{Codec, CodecConfig, Topics};
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -49,14 +48,11 @@ struct Shadow {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let Sub::Shadow(shadow_args) = args.command;
     let kafka = shadow_args.connection.kafka_config()?;
-    let topics = Topics::new(shadow_args.connection.prefix.clone());
-    let codec = || {
-        Codec::new(&CodecConfig {
-            registry_url: shadow_args.connection.registry_url.clone(),
-            auto_register: false,
-        })
-    };
-    let (events_codec, graphs_codec) = (codec(), codec());
+    let topics = shadow_args.connection.topics();
+    let (events_codec, graphs_codec) = (
+        shadow_args.connection.reader_codec(),
+        shadow_args.connection.reader_codec(),
+    );
     let runtime = tokio::runtime::Handle::current();
     let candidate_file = match &shadow_args.graph_file {
         Some(path) => {

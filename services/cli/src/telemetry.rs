@@ -199,6 +199,19 @@ impl Connection {
     pub fn kafka_config(&self) -> anyhow::Result<KafkaConfig> {
         self.brokers.kafka_config()
     }
+
+    /// The topics under this prefix.
+    pub fn topics(&self) -> sortie_wire::Topics {
+        sortie_wire::Topics::new(self.prefix.clone())
+    }
+
+    /// A codec for a reader (audit, replay): it never registers schemas.
+    pub fn reader_codec(&self) -> sortie_wire::Codec {
+        sortie_wire::Codec::new(&sortie_wire::CodecConfig {
+            registry_url: self.registry_url.clone(),
+            auto_register: false,
+        })
+    }
 }
 
 /// Where the Kafka cluster is and how to sign in to it: the part of [`Connection`] for

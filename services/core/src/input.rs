@@ -8,6 +8,10 @@ use serde_json::Value;
 use crate::effect::TimerKey;
 
 /// One input for one run. `at` is the input record's timestamp: the fold's only clock.
+// A command (with a start's budget and fork source) is about twice a step report; an
+// input lives for one fold and is moved, not copied, so boxing would only add an
+// allocation per command.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Input {
     Command(Command),

@@ -102,12 +102,7 @@ pub(crate) fn check(ctx: &mut Ctx<'_>, proposals: usize, new_tool_calls: u64) ->
 /// run goes on; rejection fails the run.
 pub(crate) fn decide(ctx: &mut Ctx<'_>, command: &Command, interrupt: &Interrupt) {
     let CommandBody::ResumeRun {
-        interrupt_id,
-        proposal_hash,
-        approve,
-        payload,
-        comment,
-        ..
+        approve, payload, ..
     } = &command.body
     else {
         return;
@@ -118,19 +113,7 @@ pub(crate) fn decide(ctx: &mut Ctx<'_>, command: &Command, interrupt: &Interrupt
         }
     }
     ctx.accept(command);
-    ctx.emit(
-        EventBody::InterruptDecided {
-            interrupt_id: interrupt_id.clone(),
-            proposal_hash: proposal_hash.clone(),
-            approve: *approve,
-            decided_by: command.principal.clone(),
-            payload: payload.clone(),
-            comment: comment.clone(),
-            is_final: true,
-            edited_args: None,
-        },
-        None,
-    );
+    ctx.decided(command, true, None);
     if *approve {
         advance(ctx);
     } else {

@@ -238,6 +238,40 @@ impl<'g> Ctx<'g> {
 
     /// Appends an event to the history and folds it into the working state at once, so
     /// later decisions of the same input see it.
+    /// Records `command`'s decision on its interrupt (`command` is a ResumeRun; anything
+    /// else records nothing).
+    pub(crate) fn decided(
+        &mut self,
+        command: &Command,
+        is_final: bool,
+        edited_args: Option<Value>,
+    ) {
+        let CommandBody::ResumeRun {
+            interrupt_id,
+            proposal_hash,
+            approve,
+            payload,
+            comment,
+            ..
+        } = &command.body
+        else {
+            return;
+        };
+        self.emit(
+            EventBody::InterruptDecided {
+                interrupt_id: interrupt_id.clone(),
+                proposal_hash: proposal_hash.clone(),
+                approve: *approve,
+                decided_by: command.principal.clone(),
+                payload: payload.clone(),
+                comment: comment.clone(),
+                is_final,
+                edited_args,
+            },
+            None,
+        );
+    }
+
     pub fn emit(&mut self, body: EventBody, operation_id: Option<String>) {
         let exists = self.state.is_some() || matches!(body, EventBody::RunStarted { .. });
         let (seq, prev_hash) = match &self.state {

@@ -154,19 +154,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         .as_ref()
         .filter(|e| *approve && **e != proposed)
         .cloned();
-    ctx.emit(
-        EventBody::InterruptDecided {
-            interrupt_id: interrupt_id.clone(),
-            proposal_hash: proposal_hash.clone(),
-            approve: *approve,
-            decided_by: command.principal.clone(),
-            payload: payload.clone(),
-            comment: comment.clone(),
-            is_final,
-            edited_args: edited.clone(),
-        },
-        None,
-    );
+    ctx.decided(command, is_final, edited.clone());
     if !*approve {
         match &node.on_reject {
             // A rejected tool call is told to the model (a tool message), which goes on.
