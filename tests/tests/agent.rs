@@ -52,6 +52,36 @@ edges:
     )
 }
 
+/// A stack with the fake model, the `agent` graph (`on_budget_exceeded` when given), a
+/// reducer and an executor.
+struct Agent {
+    fake: Arc<FakeModel>,
+    stack: Stack,
+    _services: [sortie_tests::stack::Process; 2],
+}
+
+async fn agent(name: &str, on_budget_exceeded: Option<&str>) -> Agent {
+    let (fake, url) = serve_model().await;
+    let stack = Stack::start(name, &[]).await;
+    let mut text = graph("agent", &url);
+    if let Some(action) = on_budget_exceeded {
+        text = text.replace(
+            "max_steps: 20\n",
+            &format!("max_steps: 20\non_budget_exceeded: {action}\n"),
+        );
+    }
+    stack.publish(&text).await;
+    let services = [
+        stack.reducer("0"),
+        stack.executor_process("executor", &["default"], &[]),
+    ];
+    Agent {
+        fake,
+        stack,
+        _services: services,
+    }
+}
+
 async fn serve_model() -> (Arc<FakeModel>, String) {
     let fake = FakeModel::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -134,11 +164,11 @@ fn tool_messages(request: &Value) -> Vec<(String, Value)> {
 /// re-invocation leaving the tool messages out of `messages`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_model_calls_two_tools_one_approved_and_answers() {
-    let (fake, url) = serve_model().await;
-    let stack = Stack::start("agent-loop", &[]).await;
-    stack.publish(&graph("agent", &url)).await;
-    let _reducer = stack.reducer("0");
-    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let Agent {
+        fake,
+        stack,
+        _services,
+    } = agent("agent-loop", None).await;
     let run_id = "run-agent";
     stack
         .send(&start_run(
@@ -231,11 +261,11 @@ async fn the_model_calls_two_tools_one_approved_and_answers() {
 /// model gets a tool message saying it was rejected, and decides what to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejected_tool_call_is_told_to_the_model() {
-    let (fake, url) = serve_model().await;
-    let stack = Stack::start("agent-reject", &[]).await;
-    stack.publish(&graph("agent", &url)).await;
-    let _reducer = stack.reducer("0");
-    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let Agent {
+        fake,
+        stack,
+        _services,
+    } = agent("agent-reject", None).await;
     let run_id = "run-agent-rejected";
     stack
         .send(&start_run(
@@ -273,15 +303,11 @@ async fn a_rejected_tool_call_is_told_to_the_model() {
 /// for a raise again at once and never reached the refund's approval.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_budget_pause_is_raised_by_approval_and_the_run_goes_on() {
-    let (fake, url) = serve_model().await;
-    let stack = Stack::start("agent-budget", &[]).await;
-    let text = graph("agent", &url).replace(
-        "max_steps: 20\n",
-        "max_steps: 20\non_budget_exceeded: pause\n",
-    );
-    stack.publish(&text).await;
-    let _reducer = stack.reducer("0");
-    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let Agent {
+        fake,
+        stack,
+        _services,
+    } = agent("agent-budget", Some("pause")).await;
     let run_id = "run-agent-budget";
     let mut start = start_run(run_id, "agent", r#"{"request": "refund ord-3"}"#);
     if let w::CommandBody::StartRun(body) = &mut start.body {
