@@ -791,6 +791,32 @@ async fn tenants_are_isolated_and_bad_requests_publish_nothing() {
         )
         .await;
     assert_eq!(status, 404, "{body}");
+    // Another tenant starting a run under the taken id: refused without a word about the
+    // run. None of the other tenant's commands (the cancel and resume above, this start)
+    // left anything in the run's history: they were answered outside it (issue #14, item
+    // 3; the fold's side is services/core/tests/tenancy.rs, red with the answers written
+    // into the history).
+    let (status, body) = api
+        .post(
+            "/v1/runs",
+            "tok-eve",
+            json!({"graph_id": "three", "run_id": run_id, "input": {}}),
+        )
+        .await;
+    assert_eq!((status, code(&body)), (409, "run_id_unavailable"), "{body}");
+    let (_, history) = api
+        .get(
+            &with_position(&format!("/v1/runs/{run_id}/events")),
+            "tok-bob",
+        )
+        .await;
+    let rejected: Vec<&Value> = history["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e.to_string().contains("CommandRejected"))
+        .collect();
+    assert!(rejected.is_empty(), "{rejected:?}");
     let (_, theirs) = api.get(&with_position("/v1/runs"), "tok-eve").await;
     assert_eq!(theirs["runs"], json!([]));
     let (_, ours) = api.get(&with_position("/v1/runs"), "tok-alice").await;
@@ -855,14 +881,16 @@ async fn tenants_are_isolated_and_bad_requests_publish_nothing() {
         .await;
     assert_eq!((status, code(&body)), (400, "invalid_position"), "{body}");
 
-    // Only the one good start (and no refused request) reached the commands topic.
+    // Only the good start and the other tenant's start under a taken id (which only the
+    // reducer can refuse: the gateway's view may not have the run yet) reached the
+    // commands topic; no request the gateway refused did.
     let commands = sortie_tests::read_all(
         &stack.bootstrap,
         &stack.topics.commands(),
         Isolation::ReadCommitted,
     )
     .await;
-    assert_eq!(commands.len(), 1, "refused requests published nothing");
+    assert_eq!(commands.len(), 2, "refused requests published nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -69,10 +69,9 @@ impl ApiError {
             "unknown_run" => StatusCode::NOT_FOUND,
             "unknown_graph" => StatusCode::UNPROCESSABLE_ENTITY,
             "forbidden" | "not_in_group" => StatusCode::FORBIDDEN,
-            "conflict" | "bad_state" | "stale_proposal" | "already_decided" | "expired"
-            | "duplicate_approver" | "unknown_interrupt" | "unknown_operation" => {
-                StatusCode::CONFLICT
-            }
+            "conflict" | "run_id_unavailable" | "bad_state" | "stale_proposal"
+            | "already_decided" | "expired" | "duplicate_approver" | "unknown_interrupt"
+            | "unknown_operation" => StatusCode::CONFLICT,
             // A code this build does not know: the command was refused, so a conflict.
             _ => StatusCode::CONFLICT,
         };
@@ -122,6 +121,7 @@ mod tests {
             ("unknown_graph", 422),
             ("forbidden", 403),
             ("conflict", 409),
+            ("run_id_unavailable", 409),
             ("bad_state", 409),
             ("stale_proposal", 409),
             ("already_decided", 409),

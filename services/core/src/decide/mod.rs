@@ -141,6 +141,24 @@ fn apply_unchecked(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> 
 
 fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
     if let Some(run) = &ctx.state {
+        if run.tenant != command.tenant {
+            // Another tenant's command about this run id: checked before anything else (the
+            // command-id memory included, so dedupe is per tenant), answered outside the
+            // run's history (seq 0, like an answer about a run that does not exist), so it
+            // writes nothing to this run and learns nothing of it — not its tenant, its
+            // status or its answers. A start under a taken id is refused as unavailable.
+            let (code, reason) = match &command.body {
+                CommandBody::StartRun { .. } => (
+                    "run_id_unavailable",
+                    format!("run id {} cannot be used; choose another", command.run_id),
+                ),
+                _ => (
+                    "unknown_run",
+                    format!("run {} does not exist", command.run_id),
+                ),
+            };
+            return ctx.answer_outside(command, code, reason);
+        }
         if let Some(answer) = run.commands.get(&command.command_id).cloned() {
             // A duplicate: the same answer again, nothing applied twice.
             match answer {
@@ -167,14 +185,6 @@ fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
                     format!("run {} does not exist", command.run_id),
                 );
             };
-            if run.tenant != command.tenant {
-                // Same answer as for a missing run: a tenant never learns of another's runs.
-                return ctx.reject(
-                    command,
-                    "unknown_run",
-                    format!("run {} does not exist", command.run_id),
-                );
-            }
             if run.status.is_terminal() {
                 let reason = format!("run is {}", run.status.as_str());
                 return ctx.reject(command, "bad_state", reason);
@@ -307,6 +317,28 @@ impl<'g> Ctx<'g> {
             },
             None,
         );
+    }
+
+    /// Rejects `command` with an answer that is not part of the run's history: seq 0,
+    /// no state version, no hash, the command's own tenant; the state does not change.
+    pub(crate) fn answer_outside(&mut self, command: &Command, code: &str, reason: String) {
+        self.events.push(Event {
+            tenant: command.tenant.clone(),
+            run_id: self.run_id.clone(),
+            seq: 0,
+            state_version: 0,
+            at: self.at,
+            command_id: Some(command.command_id.clone()),
+            operation_id: None,
+            prev_hash: None,
+            hash: None,
+            body: EventBody::CommandRejected {
+                command_id: command.command_id.clone(),
+                command: command.body.kind().into(),
+                code: code.into(),
+                reason,
+            },
+        });
     }
 
     pub fn reject(&mut self, command: &Command, code: &str, reason: String) {

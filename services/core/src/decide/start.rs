@@ -21,8 +21,8 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     };
     if let Some(run) = &ctx.state {
         // Same id + same request = same run; anything else under that id is a conflict.
-        let same = run.tenant == command.tenant
-            && &run.graph_id == graph_id
+        // (Another tenant's start never gets here: see `command_input`.)
+        let same = &run.graph_id == graph_id
             && graph_version.is_none_or(|v| v == run.graph_version)
             && &run.input == input;
         if same {
@@ -33,12 +33,6 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
                     duplicate: true,
                 },
                 None,
-            );
-        } else if run.tenant != command.tenant {
-            ctx.reject(
-                command,
-                "conflict",
-                format!("run id {} is taken", command.run_id),
             );
         } else {
             ctx.reject(

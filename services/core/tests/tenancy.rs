@@ -1,0 +1,154 @@
+//! Issue #14, item 3: a command of another tenant about a run id is answered before
+//! anything else — before the run's command-id memory — and outside the run's history
+//! (seq 0, the command's own tenant), so it writes nothing to the run and learns nothing
+//! of it. Checked red twice: with the tenant check skipped, and with the answer written
+//! into the run's history (`ctx.reject` instead of `answer_outside`), the first test
+//! failed on the run's state (it changed).
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+
+use serde_json::json;
+use sortie_core::{
+    apply, input::Command, CommandBody, Effect, Event, EventBody, Graph, Graphs, Input, RunState,
+};
+
+const GRAPH: &str = "id: g\nversion: 1\nnodes:\n  - {id: pay, tool: http, side_effect: keyed, interrupt_before: {reason: money, timeout: 1h}}\n";
+
+fn graphs() -> Graphs {
+    let mut graphs = Graphs::new();
+    graphs.insert(Graph::parse(GRAPH).unwrap()).unwrap();
+    graphs
+}
+
+fn command(tenant: &str, id: &str, body: CommandBody) -> Input {
+    Input::Command(Command {
+        command_id: id.into(),
+        tenant: tenant.into(),
+        run_id: "r".into(),
+        principal: format!("{tenant}-user"),
+        roles: vec!["approver".into(), "operator".into()],
+        groups: vec![],
+        at: 10,
+        body,
+    })
+}
+
+fn start(tenant: &str, id: &str) -> Input {
+    command(
+        tenant,
+        id,
+        CommandBody::StartRun {
+            graph_id: "g".into(),
+            graph_version: None,
+            input: json!({"order": 1}),
+            labels: BTreeMap::new(),
+            budget: None,
+            fork: None,
+        },
+    )
+}
+
+fn events(effects: &[Effect]) -> Vec<&Event> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Emit(event) => Some(event),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A run of tenant `acme`, waiting for approval.
+fn victim() -> RunState {
+    let graphs = graphs();
+    let applied = apply(None, &start("acme", "acme-start"), &graphs);
+    let state = applied.state.unwrap();
+    assert_eq!(state.status.as_str(), "waiting_approval");
+    state
+}
+
+#[test]
+fn another_tenants_commands_write_nothing_and_learn_nothing() {
+    let graphs = graphs();
+    let run = victim();
+    let interrupt = run.open_interrupts().next().unwrap().clone();
+    let attacks = [
+        // The victim's own command id, replayed: must not get the victim's answer.
+        start("evil", "acme-start"),
+        start("evil", "evil-start"),
+        command("evil", "c1", CommandBody::CancelRun { reason: None }),
+        command(
+            "evil",
+            "c2",
+            CommandBody::ResumeRun {
+                interrupt_id: interrupt.interrupt_id.clone(),
+                proposal_hash: interrupt.proposal_hash.clone(),
+                approve: true,
+                payload: None,
+                comment: None,
+                edited_args: None,
+            },
+        ),
+        command(
+            "evil",
+            "c3",
+            CommandBody::ReconcileOperation {
+                operation_id: "op".into(),
+                succeeded: true,
+                output: None,
+                error: None,
+            },
+        ),
+    ];
+    for attack in &attacks {
+        let applied = apply(Some(&run), attack, &graphs);
+        assert_eq!(applied.state.as_ref(), Some(&run), "{attack:?}");
+        assert!(
+            !applied
+                .effects
+                .iter()
+                .any(|e| matches!(e, Effect::WriteState(_) | Effect::Dispatch(_))),
+            "{attack:?}: {:?}",
+            applied.effects
+        );
+        let answers = events(&applied.effects);
+        assert_eq!(answers.len(), 1, "{attack:?}");
+        let answer = answers[0];
+        assert_eq!(answer.seq, 0, "not part of the run's history");
+        assert_eq!(answer.state_version, 0);
+        assert!(answer.hash.is_none());
+        assert_eq!(answer.tenant, "evil", "the victim's tenant is not shown");
+        let EventBody::CommandRejected { code, reason, .. } = &answer.body else {
+            panic!("{attack:?}: {answer:?}");
+        };
+        let expected = match attack {
+            Input::Command(Command {
+                body: CommandBody::StartRun { .. },
+                ..
+            }) => "run_id_unavailable",
+            _ => "unknown_run",
+        };
+        assert_eq!(code, expected, "{attack:?}");
+        assert!(!reason.contains("acme"), "{reason}");
+    }
+}
+
+#[test]
+fn the_owner_still_gets_its_answers() {
+    let graphs = graphs();
+    let run = victim();
+    // The owner's replayed start is a duplicate, answered inside the history as before.
+    let applied = apply(Some(&run), &start("acme", "acme-start"), &graphs);
+    let answers = events(&applied.effects);
+    assert_eq!(answers.len(), 1);
+    assert_eq!(answers[0].seq, run.last_event_seq + 1);
+    assert!(matches!(
+        answers[0].body,
+        EventBody::CommandAccepted {
+            duplicate: true,
+            ..
+        }
+    ));
+}
