@@ -523,7 +523,7 @@ pub fn command(run_id: &str, command_id: &str, body: w::CommandBody) -> w::RunCo
         run_id: run_id.into(),
         issuer: w::Issuer {
             principal: "svc:test".into(),
-            roles: vec!["approver".into()],
+            roles: vec!["approver".into(), "operator".into()],
             groups: vec![],
         },
         issued_at: now_ms(),

@@ -59,7 +59,8 @@ edges:
 const ALICE: &str = "acme:user:alice:approver:tok-alice";
 const BOB: &str = "acme:user:bob::tok-bob";
 const EVE: &str = "globex:user:eve:approver:tok-eve";
-const TOKENS: &[&str] = &[ALICE, BOB, EVE];
+const OLGA: &str = "acme:user:olga:operator:tok-olga";
+const TOKENS: &[&str] = &[ALICE, BOB, EVE, OLGA];
 
 const LONG: Duration = Duration::from_secs(90);
 
@@ -715,10 +716,20 @@ async fn cancel_and_reconcile_are_answered_by_the_reducer() {
         .await;
     assert_eq!((status, code(&again)), (409, "bad_state"), "{again}");
 
-    let (status, unknown) = api
+    // Recording an outcome is an operator's: Bob (no roles) is refused by the gateway
+    // (and, for a raw command, by the fold: services/core/tests/reconcile_rights.rs).
+    let (status, refused) = api
         .post(
             "/v1/runs/to-reconcile/operations/op_nope/reconcile",
             "tok-bob",
+            json!({"outcome": "succeeded", "result": {"refund_id": "r1"}}),
+        )
+        .await;
+    assert_eq!((status, code(&refused)), (403, "forbidden"), "{refused}");
+    let (status, unknown) = api
+        .post(
+            "/v1/runs/to-reconcile/operations/op_nope/reconcile",
+            "tok-olga",
             json!({"outcome": "succeeded", "result": {"refund_id": "r1"}}),
         )
         .await;
@@ -730,7 +741,7 @@ async fn cancel_and_reconcile_are_answered_by_the_reducer() {
     let (status, missing) = api
         .post(
             "/v1/runs/no-such-run/operations/op_nope/reconcile",
-            "tok-bob",
+            "tok-olga",
             json!({"outcome": "failed"}),
         )
         .await;

@@ -249,6 +249,8 @@ fn input_of(state: Option<&RunState>, group: &[Event]) -> Option<Input> {
                     by,
                 } => {
                     principal.clone_from(by);
+                    // Recorded, so it was allowed: its issuer had the role it needs.
+                    roles.push(crate::decide::reconcile::OPERATOR_ROLE.to_owned());
                     let operation_id = state?.steps.get(step_id)?.operation_id.clone();
                     body = Some(CommandBody::ReconcileOperation {
                         operation_id,

@@ -306,7 +306,7 @@ impl Sim {
                         error: None,
                     },
                     "ops",
-                    vec![],
+                    vec!["operator".into()],
                 );
             }
             Action::Wait { ms } => {

@@ -550,6 +550,15 @@ async fn reconcile(
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
     known_run(&app, &caller, &run_id)?;
+    // The reducer checks it too (a raw Kafka command); here nothing is published.
+    let operator = sortie_core::decide::reconcile::OPERATOR_ROLE;
+    if !caller.roles.iter().any(|r| r == operator) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!("reconciling an operation needs the {operator} role"),
+        ));
+    }
     let outcome = match body.outcome {
         OutcomeIn::Succeeded => w::ReconcileOutcome::Succeeded,
         OutcomeIn::Failed => w::ReconcileOutcome::Failed,

@@ -6,7 +6,7 @@ mod budget;
 mod cancel;
 mod context;
 pub(crate) mod fork;
-mod reconcile;
+pub mod reconcile;
 mod report;
 mod resume;
 mod start;

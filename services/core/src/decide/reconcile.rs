@@ -9,6 +9,9 @@ use crate::{
     state::StepStatus,
 };
 
+/// The role a reconciliation needs.
+pub const OPERATOR_ROLE: &str = "operator";
+
 pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     let CommandBody::ReconcileOperation {
         operation_id,
@@ -19,6 +22,14 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     else {
         return;
     };
+    if !command.roles.iter().any(|r| r == OPERATOR_ROLE) {
+        // Recording an outcome can mark an unsafe payment done: operators only.
+        return ctx.reject(
+            command,
+            "forbidden",
+            format!("reconciling an operation needs the {OPERATOR_ROLE} role"),
+        );
+    }
     let Some(step) = ctx.run().step_by_operation(operation_id).cloned() else {
         return ctx.reject(
             command,
@@ -26,14 +37,20 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             format!("operation {operation_id} is not part of this run"),
         );
     };
-    if !matches!(
-        step.status,
-        StepStatus::NeedsOperator | StepStatus::Started | StepStatus::InFlight
-    ) {
-        let reason = format!(
-            "operation {operation_id} is {:?}, not awaiting reconciliation",
-            step.status
-        );
+    if step.status != StepStatus::NeedsOperator {
+        // Only an outcome nobody knows (lost, or timed out for a call that cannot be
+        // retried) is an operator's to record: an attempt still in flight will answer for
+        // itself, and a settled one has answered.
+        let reason = if step.status.is_in_flight() {
+            format!(
+                "operation {operation_id} still has an attempt in flight; only an unknown outcome can be reconciled"
+            )
+        } else {
+            format!(
+                "operation {operation_id} is {:?}, not awaiting reconciliation",
+                step.status
+            )
+        };
         return ctx.reject(command, "bad_state", reason);
     }
     ctx.accept(command);
