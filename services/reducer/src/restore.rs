@@ -44,9 +44,6 @@ const DEADLINE: Duration = Duration::from_secs(120);
 const DECODE_CHUNK: usize = 256;
 const DECODE_AHEAD: usize = 16;
 
-/// Watermark requests in flight at once.
-const WATERMARKS_AT_ONCE: usize = 16;
-
 /// How often a long restore says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
@@ -96,7 +93,7 @@ pub fn partitions(
     plan: &BTreeMap<i32, Option<u64>>,
     track: &std::collections::BTreeSet<i32>,
     observe: &mut dyn FnMut(Change<'_>),
-    high_watermark: &(dyn Fn(&str, i32) -> Result<i64, rdkafka::error::KafkaError> + Sync),
+    high_watermark: &dyn Fn(&str, i32) -> Result<i64, rdkafka::error::KafkaError>,
 ) -> Result<Restored, Error> {
     let Sources {
         kafka,
@@ -113,31 +110,10 @@ pub fn partitions(
     let deadline = Instant::now() + DEADLINE;
     let mut progress: BTreeMap<i32, Progress> = BTreeMap::new();
     let mut assignment = TopicPartitionList::new();
-    // Asked through the caller's client: a warm restart with nothing to read creates no
-    // consumer at all. One round trip per partition, so they are asked all at once (12
-    // one after the other were ~200 ms of a warm restart).
-    let partitions: Vec<i32> = plan.keys().copied().collect();
-    let mut highs: BTreeMap<i32, i64> = BTreeMap::new();
-    for group in partitions.chunks(WATERMARKS_AT_ONCE) {
-        std::thread::scope(|scope| {
-            let asks: Vec<_> = group
-                .iter()
-                .map(|&partition| {
-                    let topic = &topic;
-                    scope.spawn(move || (partition, high_watermark(topic, partition)))
-                })
-                .collect();
-            for ask in asks {
-                let (partition, high) = ask
-                    .join()
-                    .map_err(|_| Error::Setup("a watermark request panicked".into()))?;
-                highs.insert(partition, high?);
-            }
-            Ok::<_, Error>(())
-        })?;
-    }
     for (&partition, &from) in plan {
-        let high = highs[&partition];
+        // Asked through the caller's client: a warm restart with nothing to read creates
+        // no consumer at all.
+        let high = high_watermark(&topic, partition)?;
         if from.is_none() {
             store.forget_partition(partition)?;
         }
