@@ -278,8 +278,7 @@ async fn allow_future_timestamps(stack: &Stack) {
     sortie_tests::wait_until("the broker to apply the topic config", LONG, || async {
         let configs = describe().await;
         let value = |key| configs.get(key).and_then(|e| e.value.clone());
-        value(KEY).is_some_and(|v| v == unlimited)
-            && value(TYPE).is_some_and(|v| v == "CreateTime")
+        value(KEY).is_some_and(|v| v == unlimited) && value(TYPE).is_some_and(|v| v == "CreateTime")
     })
     .await;
 }
