@@ -234,12 +234,14 @@ async fn send_at(stack: &Stack, command: &w::RunCommand, timestamp: i64) {
         .expect("the command was accepted by the broker");
 }
 
-/// Kafka 4 refuses records stamped more than an hour ahead
+/// The topology has the broker stamp commands (`LogAppendTime`, so nobody can backdate a
+/// decision), and Kafka 4 refuses records stamped more than an hour ahead
 /// (`log.message.timestamp.after.max.ms`, default 1 h). A test that speaks for a client
-/// "25 hours later" lifts that limit on its own commands topic, keeping the topology's
-/// other per-topic configs (AlterConfigs is not incremental).
+/// "25 hours later" returns its own commands topic to producer time and lifts that limit,
+/// keeping the topology's other per-topic configs (AlterConfigs is not incremental).
 async fn allow_future_timestamps(stack: &Stack) {
     const KEY: &str = "message.timestamp.after.max.ms";
+    const TYPE: &str = "message.timestamp.type";
     let admin: AdminClient<DefaultClientContext> =
         stack.kafka.client().create().expect("admin client");
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
@@ -258,12 +260,14 @@ async fn allow_future_timestamps(stack: &Stack) {
         .await
         .entries
         .into_iter()
-        .filter(|e| e.source == ConfigSource::DynamicTopic && e.name != KEY)
+        .filter(|e| e.source == ConfigSource::DynamicTopic && e.name != KEY && e.name != TYPE)
         .filter_map(|e| Some((e.name, e.value?)))
         .collect();
     let unlimited = i64::MAX.to_string();
     let alter = kept.iter().fold(
-        AlterConfig::new(ResourceSpecifier::Topic(&topic)).set(KEY, &unlimited),
+        AlterConfig::new(ResourceSpecifier::Topic(&topic))
+            .set(KEY, &unlimited)
+            .set(TYPE, "CreateTime"),
         |alter, (key, value)| alter.set(key, value),
     );
     let results = admin
@@ -272,11 +276,9 @@ async fn allow_future_timestamps(stack: &Stack) {
         .expect("alter configs");
     assert!(results.iter().all(Result::is_ok), "{results:?}");
     sortie_tests::wait_until("the broker to apply the topic config", LONG, || async {
-        describe()
-            .await
-            .get(KEY)
-            .and_then(|e| e.value.clone())
-            .is_some_and(|v| v == unlimited)
+        let configs = describe().await;
+        let value = |key| configs.get(key).and_then(|e| e.value.clone());
+        value(KEY).is_some_and(|v| v == unlimited) && value(TYPE).is_some_and(|v| v == "CreateTime")
     })
     .await;
 }
@@ -1191,4 +1193,83 @@ async fn a_paused_run_resumes_on_its_pinned_graph_version() {
     );
     assert_eq!(step(&old_state, "refund#1").args, paused.proposal["args"]);
     assert!(step(&old_state, "refund#1").args.get("policy").is_none());
+}
+
+// ---------------------------------------------------------------- the fold's clock (issue #14, 4)
+
+/// A backdated decision: a raw producer sends an approval stamped before the interrupt's
+/// expiry, but produces it after the expiry. The topology has the broker stamp commands
+/// (`message.timestamp.type: LogAppendTime`), so the fold sees the append time: the
+/// approval is refused as `expired` and the run takes the expiry path (`on_timeout: fail`).
+///
+/// The reducer starts only once both records are on the topic, so it folds the StartRun
+/// (which opens the gate; interrupt ids are derived, so the decision can name it ahead)
+/// and then the approval before its own clock fires the expiry timer: the decision's
+/// record time alone decides.
+///
+/// Proved red once: with the `LogAppendTime` config removed from `topology/topics.yaml`,
+/// the approval was accepted (`should have been rejected: CommandAccepted`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backdated_approval_after_the_expiry_is_refused() {
+    const TIMEOUT: i64 = 3_000;
+    let stack = Stack::start("appr-backdate", &[]).await;
+    let graph = json!({
+        "id": "gate-first",
+        "version": 1,
+        "nodes": [{
+            "id": "refund", "tool": "http", "queue": "http", "side_effect": "keyed",
+            "args": {"order_id": "$input.order_id", "amount": "$input.total"},
+            "config": {"url": "http://127.0.0.1:9/effects/refund"},
+            "timeout": "30s",
+            "interrupt_before": {
+                "reason": "A refund moves money.",
+                "required_role": "approver",
+                "approver_group": "support",
+                "timeout": format!("{TIMEOUT}ms"),
+                "on_timeout": "fail"
+            }
+        }],
+        "edges": []
+    });
+    publish(&stack, &graph).await;
+    let run = "order-backdated";
+
+    let before_start = now_ms();
+    stack.send(&start_run(run, "gate-first", &input(run))).await;
+    let after_start = now_ms();
+    let proposal = json!({
+        "node": "refund",
+        "step_id": "refund#1",
+        "tool": "http",
+        "args": {"order_id": run, "amount": 120}
+    });
+    let hash = sortie_core::ids::proposal_hash(&proposal);
+    let interrupt_id = sortie_core::ids::interrupt_id(run, "refund#1", &hash);
+
+    // The gate opens at the StartRun's record time (between `before_start` and
+    // `after_start`) and expires TIMEOUT later; the approval is produced after that.
+    let expired = after_start + TIMEOUT + 500;
+    sortie_tests::wait_until("the approval's expiry to pass", LONG, || async {
+        now_ms() > expired
+    })
+    .await;
+    let approve = decision_on(run, "approve-backdated", &interrupt_id, &hash, true, None);
+    send_at(&stack, &approve, before_start + TIMEOUT / 3).await;
+
+    let _reducer = stack.reducer("0");
+    assert_eq!(
+        rejected(&stack, run, "approve-backdated").await,
+        "expired",
+        "{}",
+        history(&stack, run).await
+    );
+    let state = wait_status(&stack, run, RunStatus::Failed).await;
+    let events = events(&stack, run).await;
+    assert!(dispatches(&events, "refund").is_empty(), "{state:#?}");
+    let interrupt = state
+        .interrupts
+        .values()
+        .find(|i| i.interrupt_id == interrupt_id)
+        .unwrap_or_else(|| panic!("the gate's interrupt: {state:#?}"));
+    assert_eq!(interrupt.status, InterruptStatus::Expired, "{interrupt:#?}");
 }

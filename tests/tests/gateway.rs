@@ -1014,3 +1014,61 @@ fn snake(name: &str) -> String {
         })
         .collect()
 }
+
+/// Live event streams are bounded per tenant (issue #14, 6c): with
+/// `--max-streams-per-tenant 2`, a third stream is refused 429 `too_many_streams`, and a
+/// stream whose client leaves gives its slot back.
+///
+/// Proved red once each way: with the limit check left out of `stream_slot`, the third
+/// stream answered 200; with the slot never given back on drop, the wait for a freed slot
+/// timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_streams_are_bounded_per_tenant_and_a_closed_one_frees_its_slot() {
+    let stack = Stack::start("gateway-streams", &[GATED]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            TOKENS,
+            &["--max-streams-per-tenant", "2"],
+        )
+        .await;
+    let api = Api::new(&url);
+    api.start(
+        token(BOB),
+        json!({"graph_id": "gated", "input": {"amount": 30}, "checkpoint_ns": "acme", "run_id": "streamed"}),
+    )
+    .await;
+    api.wait_run("the run to wait for approval", "streamed", |r| {
+        r["status"] == "waiting_approval"
+    })
+    .await;
+    let open = || async {
+        api.request("GET", "/v1/runs/streamed/events/stream", Some("tok-alice"))
+            .send()
+            .await
+            .expect("the gateway answers")
+    };
+    let refused = |response: reqwest::Response| async move {
+        assert_eq!(response.status().as_u16(), 429);
+        let body: Value = response.json().await.expect("a JSON error");
+        assert_eq!(code(&body), "too_many_streams", "{body}");
+    };
+
+    let first = open().await;
+    assert_eq!(first.status().as_u16(), 200);
+    let second = open().await;
+    assert_eq!(second.status().as_u16(), 200);
+    refused(open().await).await;
+
+    // The client of the first stream leaves; the gateway notices and frees its slot.
+    drop(first);
+    let third = sortie_tests::wait_for("a closed stream to free its slot", LONG, || async {
+        let response = open().await;
+        (response.status().as_u16() == 200).then_some(response)
+    })
+    .await;
+    refused(open().await).await;
+    drop((second, third));
+}

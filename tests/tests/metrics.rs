@@ -325,3 +325,53 @@ async fn every_service_reports_metrics_health_and_the_callers_trace() {
         "the executor's log carries the trace id"
     );
 }
+
+/// The gateway's `/metrics` labels are bounded (issue #14, 6b): a method outside HTTP's
+/// own is counted as `other` and a path as its route template (or `unmatched`), so no
+/// client can mint one series per request.
+///
+/// Proved red once: with the method label taken verbatim (`request.method().as_str()`),
+/// the scrape carried `method="BREW0"` … `method="BREW4"` ("verbatim labels").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_metric_labels_are_bounded() {
+    let stack = Stack::start("metrics-labels", &[]).await;
+    let (_gateway, gateway) = stack
+        .gateway_process(&stack.dir.join("gateway"), &[ALICE])
+        .await;
+    let client = reqwest::Client::new();
+    for n in 0..5 {
+        for path in [
+            format!("/v1/runs/run-secret-{n}"),
+            format!("/no/such/route-{n}"),
+        ] {
+            for method in [format!("BREW{n}"), "GET".to_owned()] {
+                let method = reqwest::Method::from_bytes(method.as_bytes()).expect("a token");
+                client
+                    .request(method, format!("{gateway}{path}"))
+                    .bearer_auth("tok-alice")
+                    .send()
+                    .await
+                    .expect("the gateway answers");
+            }
+        }
+    }
+    let metrics = scrape_until("the gateway to count the requests", &gateway, |m| {
+        m.keys().any(|k| {
+            k.starts_with("sortie_http_requests_total{")
+                && k.contains(r#"route="/v1/runs/{run_id}""#)
+        })
+    })
+    .await;
+    let leaked: Vec<&String> = metrics
+        .keys()
+        .filter(|k| k.contains("BREW") || k.contains("run-secret") || k.contains("route-"))
+        .collect();
+    assert!(leaked.is_empty(), "verbatim labels: {leaked:#?}");
+    assert!(
+        metrics.keys().any(|k| {
+            k.starts_with("sortie_http_requests_total{") && k.contains(r#"method="other""#)
+        }),
+        "odd methods are counted as other: {:#?}",
+        metrics.keys().collect::<Vec<_>>()
+    );
+}

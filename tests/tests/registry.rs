@@ -458,3 +458,130 @@ async fn confluents_python_client_works_against_the_registry() -> anyhow::Result
     assert_eq!(out["decoded"], out["record"]);
     served.stop().await
 }
+
+/// Serves `topic` on all interfaces (beyond loopback) with `token`; returns the loopback
+/// URL of that listener and the sender that stops it.
+async fn serve_beyond_loopback(
+    kafka: &KafkaConfig,
+    topic: &str,
+    token: Option<&str>,
+) -> anyhow::Result<(String, tokio::sync::oneshot::Sender<()>)> {
+    let registry = std::sync::Arc::new(sortie_registry::Registry::open(kafka, topic).await?);
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await?;
+    let url = format!("http://127.0.0.1:{}", listener.local_addr()?.port());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(sortie_registry::serve_with_token(
+        listener,
+        registry,
+        token.map(str::to_owned),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    Ok((url, stop))
+}
+
+async fn call_as(
+    method: &str,
+    url: &str,
+    body: Option<Value>,
+    auth: Option<&str>,
+) -> anyhow::Result<(u16, Value)> {
+    let mut request = reqwest::Client::new().request(method.parse()?, url);
+    if let Some(body) = body {
+        request = request
+            .header("Content-Type", CONTENT_TYPE_V1)
+            .body(body.to_string());
+    }
+    if let Some(auth) = auth {
+        request = request.header("Authorization", auth);
+    }
+    let response = request.send().await?;
+    let status = response.status().as_u16();
+    let text = response.text().await?;
+    let body = serde_json::from_str(&text)
+        .with_context(|| format!("{method} {url} answered {status} with non-JSON {text:?}"))?;
+    Ok((status, body))
+}
+
+/// A registry bound beyond loopback refuses writes without its token, in Confluent's
+/// error shape, while reads (and lookups) stay open; without a configured token it
+/// refuses every write. Loopback without a token stays open (every other test here).
+///
+/// Proved red once: with the guard layer left out of `serve_with_token`, the tokenless
+/// register answered 200.
+#[tokio::test]
+async fn writes_beyond_loopback_need_the_token() -> anyhow::Result<()> {
+    let kafka = kafka().await;
+    let prefix = sortie_tests::unique_prefix("registry_token");
+    let (url, _stop) =
+        serve_beyond_loopback(&kafka, &format!("{prefix}_schemas"), Some("s3cret")).await?;
+    let subject = format!("{url}/subjects/orders-value");
+    let register = format!("{subject}/versions");
+    let body = || Some(schema_body(ORDER_V1));
+
+    let (status, answer) = call_as("POST", &register, body(), None).await?;
+    ensure!(status == 401, "tokenless register: {status} {answer}");
+    ensure!(answer["error_code"] == 40101, "{answer}");
+    ensure!(answer["message"].is_string(), "{answer}");
+    let (status, answer) = call_as("POST", &register, body(), Some("Bearer wrong")).await?;
+    ensure!(
+        status == 401 && answer["error_code"] == 40101,
+        "{status} {answer}"
+    );
+
+    let (status, answer) = call_as("POST", &register, body(), Some("Bearer s3cret")).await?;
+    ensure!(status == 200, "register with the token: {status} {answer}");
+    let id = answer["id"].clone();
+    let basic = format!(
+        "Basic {}",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "ci:s3cret")
+    );
+    let (status, answer) = call_as("POST", &register, body(), Some(&basic)).await?;
+    ensure!(status == 200 && answer["id"] == id, "{status} {answer}");
+
+    // Reads and lookups need nothing.
+    let (status, answer) = call_as("GET", &format!("{url}/subjects"), None, None).await?;
+    ensure!(
+        status == 200 && answer == json!(["orders-value"]),
+        "{answer}"
+    );
+    let (status, answer) = call_as("POST", &subject, body(), None).await?;
+    ensure!(
+        status == 200 && answer["id"] == id,
+        "lookup: {status} {answer}"
+    );
+    let (status, answer) = call_as(
+        "PUT",
+        &format!("{url}/config"),
+        Some(json!({"compatibility": "NONE"})),
+        None,
+    )
+    .await?;
+    ensure!(
+        status == 401 && answer["error_code"] == 40101,
+        "{status} {answer}"
+    );
+    let (status, answer) = call_as("DELETE", &subject, None, None).await?;
+    ensure!(
+        status == 401 && answer["error_code"] == 40101,
+        "{status} {answer}"
+    );
+
+    let (url, _stop) =
+        serve_beyond_loopback(&kafka, &format!("{prefix}_closed_schemas"), None).await?;
+    let (status, answer) = call_as(
+        "POST",
+        &format!("{url}/subjects/orders-value/versions"),
+        body(),
+        Some("Bearer anything"),
+    )
+    .await?;
+    ensure!(
+        status == 403 && answer["error_code"] == 40301,
+        "{status} {answer}"
+    );
+    let (status, _) = call_as("GET", &format!("{url}/subjects"), None, None).await?;
+    ensure!(status == 200, "reads stay open: {status}");
+    Ok(())
+}

@@ -45,6 +45,13 @@ pub struct Args {
     /// Largest request body accepted.
     #[arg(long, env = "SORTIE__GATEWAY__MAX_BODY_BYTES", default_value_t = 256 * 1024)]
     max_body_bytes: usize,
+    /// Live event streams one tenant may hold open at once (429 `too_many_streams` above).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__MAX_STREAMS_PER_TENANT",
+        default_value_t = 32
+    )]
+    max_streams_per_tenant: usize,
     /// YAML file of spend budgets: `default` and per-`tenants` limits (tokens, cost_usd,
     /// tool_calls, wall_time) and `prices` per model (input_per_1k, output_per_1k, USD).
     #[arg(long, env = "SORTIE__GATEWAY__BUDGETS_FILE")]
@@ -67,6 +74,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.answer_timeout = Duration::from_millis(args.answer_timeout_ms);
     config.read_wait_timeout = Duration::from_millis(args.read_wait_timeout_ms);
     config.max_body_bytes = args.max_body_bytes;
+    config.max_streams_per_tenant = args.max_streams_per_tenant;
     config.fault = args.fault;
     if let Some(path) = &args.budgets_file {
         config.budgets = sortie_gateway::config::Budgets::load(path)?;

@@ -29,6 +29,11 @@ struct ServeArgs {
     /// The compacted topic holding the registry's state; one registry instance per topic.
     #[arg(long, default_value = sortie_registry::DEFAULT_TOPIC)]
     topic: String,
+    /// The token every write (register, delete, config) must present, as
+    /// `Authorization: Bearer <token>` or as a Basic password. Without it, writes are open
+    /// on a loopback address and refused on any other; reads are always open.
+    #[arg(long, env = "SORTIE_REGISTRY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -55,7 +60,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         bootstrap_servers = %args.brokers.bootstrap_servers,
         "The schema registry is serving."
     );
-    sortie_registry::serve(listener, Arc::new(registry), shutdown_signal()).await?;
+    sortie_registry::serve_with_token(listener, Arc::new(registry), args.token, shutdown_signal())
+        .await?;
     tracing::info!("The schema registry stopped.");
     Ok(())
 }

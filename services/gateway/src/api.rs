@@ -779,7 +779,18 @@ async fn events_stream(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<i64>().ok());
     let after = last_event_id.or(query.after).unwrap_or(0).max(0);
-    Ok(Sse::new(live(app, run_id, after)).keep_alive(KeepAlive::default()))
+    let slot = app.stream_slot(&caller.tenant).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_streams",
+            format!(
+                "tenant {} has {} live event streams open, the most allowed; close one first",
+                caller.tenant,
+                app.config().max_streams_per_tenant
+            ),
+        )
+    })?;
+    Ok(Sse::new(live(app, run_id, after, slot)).keep_alive(KeepAlive::default()))
 }
 
 struct Cursor {
@@ -789,6 +800,8 @@ struct Cursor {
     buffer: VecDeque<Event>,
     progress: tokio::sync::watch::Receiver<Progress>,
     stopping: tokio::sync::watch::Receiver<bool>,
+    /// Held for the stream's life: the stream drops it when it ends or its client leaves.
+    _slot: crate::app::StreamSlot,
 }
 
 /// The run's events after `after`, then every new one as the view applies it, until the
@@ -797,8 +810,10 @@ fn live(
     app: AppState,
     run_id: String,
     after: i64,
+    slot: crate::app::StreamSlot,
 ) -> impl futures::Stream<Item = Result<sse::Event, Infallible>> {
     let cursor = Cursor {
+        _slot: slot,
         progress: app.view().progress(),
         stopping: app.stopping(),
         app,

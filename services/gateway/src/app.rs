@@ -63,6 +63,8 @@ pub(crate) struct Inner {
     stop: watch::Sender<bool>,
     stop_graphs: Arc<AtomicBool>,
     view_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Open live event streams per tenant.
+    streams: Mutex<HashMap<String, usize>>,
 }
 
 impl AppState {
@@ -123,7 +125,28 @@ impl AppState {
                 stop,
                 stop_graphs,
                 view_task: Mutex::new(Some(view_task)),
+                streams: Mutex::new(HashMap::new()),
             }),
+        })
+    }
+
+    /// Takes one of `tenant`'s live-stream slots, or `None` when all
+    /// `max_streams_per_tenant` are taken. The slot is given back when the returned
+    /// guard drops, i.e. when the stream ends or its client leaves.
+    pub(crate) fn stream_slot(&self, tenant: &str) -> Option<StreamSlot> {
+        let mut streams = self
+            .inner
+            .streams
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let open = streams.entry(tenant.to_owned()).or_default();
+        if *open >= self.inner.config.max_streams_per_tenant {
+            return None;
+        }
+        *open += 1;
+        Some(StreamSlot {
+            inner: self.inner.clone(),
+            tenant: tenant.to_owned(),
         })
     }
 
@@ -236,5 +259,27 @@ impl AppState {
         };
         view.wait_until(timeout, settled).await;
         view.store.run(&answer.run_id).ok().flatten()
+    }
+}
+
+/// One open live stream of a tenant; dropping it frees the slot.
+pub(crate) struct StreamSlot {
+    inner: Arc<Inner>,
+    tenant: String,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut streams = self
+            .inner
+            .streams
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(open) = streams.get_mut(&self.tenant) {
+            *open = open.saturating_sub(1);
+            if *open == 0 {
+                streams.remove(&self.tenant);
+            }
+        }
     }
 }

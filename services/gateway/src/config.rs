@@ -54,6 +54,10 @@ pub struct GatewayConfig {
     /// Largest request body accepted (413 above).
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// Live event streams (`/events/stream`) one tenant may hold open at once; one more
+    /// is refused 429 `too_many_streams` until a stream closes.
+    #[serde(default = "default_max_streams")]
+    pub max_streams_per_tenant: usize,
     /// Die on purpose at this point (crash tests only; never set by default).
     #[serde(default)]
     pub fault: Option<crate::fault::FaultPoint>,
@@ -122,6 +126,10 @@ fn default_max_body() -> usize {
     256 * 1024
 }
 
+fn default_max_streams() -> usize {
+    32
+}
+
 mod millis {
     use std::time::Duration;
 
@@ -148,6 +156,7 @@ impl GatewayConfig {
             answer_timeout: default_answer_timeout(),
             read_wait_timeout: default_answer_timeout(),
             max_body_bytes: default_max_body(),
+            max_streams_per_tenant: default_max_streams(),
             fault: None,
             budgets: Budgets::default(),
         }

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
@@ -90,6 +90,25 @@ pub(crate) fn published(command: &'static str) {
     counter!(COMMANDS_PUBLISHED, "command" => command).increment(1);
 }
 
+/// The `method` label: one of the methods HTTP defines, or `other`. A client may send any
+/// token as a method (`FOO` is valid HTTP), and a label taken verbatim would let it mint
+/// a new series per request; the route label is the matched template (or `unmatched`),
+/// never the raw path, for the same reason.
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::OPTIONS => "OPTIONS",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => "other",
+    }
+}
+
 /// The middleware around every route: trace, span, count, time.
 pub(crate) async fn observe(request: Request, next: Next) -> Response {
     let started = Instant::now();
@@ -97,7 +116,7 @@ pub(crate) async fn observe(request: Request, next: Next) -> Response {
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
-    let method = request.method().as_str().to_owned();
+    let method = method_label(request.method());
     let trace = request
         .headers()
         .get(TRACEPARENT)
@@ -118,7 +137,7 @@ pub(crate) async fn observe(request: Request, next: Next) -> Response {
         response.headers_mut().insert(TRACEPARENT, value);
     }
     let status = response.status().as_u16().to_string();
-    counter!(HTTP_REQUESTS, "route" => route.clone(), "method" => method.clone(), "status" => status)
+    counter!(HTTP_REQUESTS, "route" => route.clone(), "method" => method, "status" => status)
         .increment(1);
     histogram!(HTTP_SECONDS, "route" => route, "method" => method)
         .record(started.elapsed().as_secs_f64());

@@ -146,6 +146,22 @@ impl ApiError {
         )
     }
 
+    pub(crate) fn unauthorized() -> ApiError {
+        Self::new(
+            StatusCode::UNAUTHORIZED,
+            40101,
+            "This write needs the registry's token (Authorization: Bearer, or Basic with the token as password).",
+        )
+    }
+
+    pub(crate) fn writes_closed() -> ApiError {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            40301,
+            "This registry listens beyond loopback without a write token (--token), so it refuses every write.",
+        )
+    }
+
     pub(crate) fn internal(error: impl std::fmt::Display) -> ApiError {
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,

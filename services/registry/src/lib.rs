@@ -34,6 +34,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use sortie_kafka::KafkaConfig;
 use tokio::net::TcpListener;
 
+mod access;
 mod compat;
 mod error;
 mod http;
@@ -41,6 +42,7 @@ mod log;
 mod record;
 mod state;
 
+pub use access::Writes;
 pub use compat::Level;
 pub use error::Error;
 pub use http::{router, CONTENT_TYPE_V1};
@@ -136,7 +138,8 @@ async fn replay(kafka: &KafkaConfig, topic: &str) -> Result<State, Error> {
 }
 
 /// Serves the registry's HTTP API on `listener` until `shutdown` completes, then lets
-/// in-flight requests finish.
+/// in-flight requests finish. No write token: writes are open on a loopback listener and
+/// refused on any other (see [`Writes`]).
 pub async fn serve<F>(
     listener: TcpListener,
     registry: Arc<Registry>,
@@ -145,8 +148,35 @@ pub async fn serve<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    axum::serve(listener, router(registry))
+    serve_with_token(listener, registry, None, shutdown).await
+}
+
+/// [`serve`] with a write token: every write must present it (see [`Writes`]).
+pub async fn serve_with_token<F>(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    token: Option<String>,
+    shutdown: F,
+) -> Result<(), Error>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let writes = Writes::for_listener(listener.local_addr()?, token);
+    if writes == Writes::Closed {
+        tracing::warn!(
+            "The schema registry listens beyond loopback without a write token: it refuses every write."
+        );
+    }
+    axum::serve(listener, guarded(registry, writes))
         .with_graceful_shutdown(shutdown)
         .await?;
     Ok(())
+}
+
+/// [`router`] behind the write policy `writes`.
+pub fn guarded(registry: Arc<Registry>, writes: Writes) -> axum::Router {
+    router(registry).layer(axum::middleware::from_fn_with_state(
+        Arc::new(writes),
+        access::guard,
+    ))
 }
