@@ -86,11 +86,19 @@ impl Engine {
         Ok(())
     }
 
-    /// The run as this batch sees it: its own latest write, else the cache.
-    fn state_of(&mut self, run_id: &str) -> Result<Option<RunState>, Error> {
-        if let Some(state) = self.batch.after.get(run_id) {
-            return Ok(Some(state.clone()));
+    /// The run as this batch sees it, and whether that is the batch's own latest write.
+    /// The batch's own write is taken out of it, not copied (a state carries the run's
+    /// whole history): the caller puts it, or the fold's answer, back. Otherwise the state
+    /// as the batch found it, from the cache.
+    fn take_state(&mut self, run_id: &str) -> Result<(Option<RunState>, bool), Error> {
+        if let Some(state) = self.batch.after.remove(run_id) {
+            return Ok((Some(state), true));
         }
+        self.state_before(run_id).map(|state| (state, false))
+    }
+
+    /// The run as it was before this batch: hot states, then sled.
+    fn state_before(&mut self, run_id: &str) -> Result<Option<RunState>, Error> {
         if let Some(before) = self.batch.before.get(run_id) {
             return Ok(before.clone());
         }
@@ -135,14 +143,7 @@ impl Engine {
             _ => {}
         }
         let _entered = span.enter();
-        // The batch's own latest state of the run is taken, not copied (a state carries
-        // the run's whole history): it goes back below, or the fold's answer replaces it.
-        let mine = self.batch.after.remove(&run_id);
-        let from_batch = mine.is_some();
-        let state = match mine {
-            Some(state) => Some(state),
-            None => self.state_of(&run_id)?,
-        };
+        let (state, from_batch) = self.take_state(&run_id)?;
         if let Input::Command(c) = input {
             if let sortie_core::CommandBody::StartRun {
                 graph_id,
@@ -157,10 +158,13 @@ impl Engine {
             }
         }
         let mut applied = apply(state.as_ref(), input, self.graphs.graphs());
-        let changed = applied
-            .effects
-            .iter()
-            .any(|e| matches!(e, Effect::WriteState(_)));
+        // The fold's copy for the state write is `applied.state` again: not kept twice.
+        let mut changed = false;
+        applied.effects.retain(|e| {
+            let write = matches!(e, Effect::WriteState(_));
+            changed |= write;
+            !write
+        });
         let events: Vec<&sortie_core::Event> = applied
             .effects
             .iter()
@@ -184,10 +188,6 @@ impl Engine {
             }
             (false, _) => {}
         }
-        // The fold's copy for the state write is the same state: not kept twice.
-        applied
-            .effects
-            .retain(|e| !matches!(e, Effect::WriteState(_)));
         let partition = self.partition_of(&run_id);
         let mut outputs = Vec::new();
         for effect in &applied.effects {
@@ -216,8 +216,8 @@ impl Engine {
                             .header()],
                     });
                 }
-                Effect::WriteState(_) => {} // taken above
-                Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {} // derived from states at commit
+                // Taken out above; timers are derived from states at commit.
+                Effect::WriteState(_) | Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {}
             }
         }
         if applied.ignored.is_some() {

@@ -187,7 +187,12 @@ pub fn partitions(
             read += 1;
             if said.elapsed() >= PROGRESS_EVERY {
                 said = Instant::now();
-                let behind: Vec<i32> = applier.progress.keys().copied().collect();
+                let behind: Vec<i32> = applier
+                    .progress
+                    .iter()
+                    .filter(|(_, p)| p.next < p.high)
+                    .map(|(partition, _)| *partition)
+                    .collect();
                 tracing::info!(
                     records = read,
                     ?behind,
