@@ -31,8 +31,12 @@ impl Topology {
             .iter()
             .filter(|t| missing.contains(t.full_name.as_str()))
             .collect();
+        // Topics created now (by this apply or a concurrent one): their configs were set by
+        // the create, but on a cluster they reach the broker that answers DescribeConfigs
+        // a moment later — until then they read as absent, so they are waited for, not
+        // taken for drift.
+        let mut ready = Vec::new();
         if !to_create.is_empty() {
-            let mut ready = Vec::new();
             for (topic, outcome) in admin.create(&to_create, self.replication_factor).await? {
                 match outcome {
                     Ok(()) => {
@@ -52,7 +56,10 @@ impl Topology {
             admin.wait_ready(&ready).await?;
         }
 
-        let drift = self.diff_settled(&admin, |_| false).await?;
+        let fresh: BTreeSet<String> = ready.into_iter().collect();
+        let drift = self
+            .diff_settled(&admin, |d| d.is_config() && fresh.contains(d.topic()))
+            .await?;
         let mut by_topic: BTreeMap<&str, Vec<&Difference>> = BTreeMap::new();
         for difference in drift.iter().filter(|d| d.is_config()) {
             by_topic
@@ -91,7 +98,9 @@ impl Topology {
             .map(|d| d.topic().to_owned())
             .collect();
         report.remaining = self
-            .diff_settled(&admin, |d| d.is_config() && altered.contains(d.topic()))
+            .diff_settled(&admin, |d| {
+                d.is_config() && (altered.contains(d.topic()) || fresh.contains(d.topic()))
+            })
             .await?;
         let touched: BTreeSet<&str> = report
             .created
