@@ -1009,6 +1009,13 @@ async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
             let path = stack.dir.join(format!("reducer-{i}.backtraces"));
             let _ = std::fs::write(&path, reducer.backtraces());
             println!("cluster: reducer {i} backtraces in {}", path.display());
+            // CI keeps only what the test prints: the end of each reducer's log.
+            let log = reducer.own_log_text();
+            let lines: Vec<&str> = log.lines().collect();
+            println!("cluster: reducer {i}, last lines of its log:");
+            for line in &lines[lines.len().saturating_sub(60)..] {
+                println!("  | {line}");
+            }
         }
     })
     .await;

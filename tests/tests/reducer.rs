@@ -652,3 +652,144 @@ async fn a_batch_open_at_a_revocation_is_committed_before_its_partitions_move() 
         "the first reducer gave partitions up"
     );
 }
+
+/// A restore reads the changelog to its *high watermark*, so a transaction still open on
+/// the changelog when a partition is assigned is waited out, not read past. That is the
+/// case after a previous owner's commit: its offsets are stable (KIP-447) while the
+/// markers of a changelog partition can still be on their way, and a restore that ended
+/// at the last stable offset consumed inputs past that transaction without its states —
+/// the runs it had started were unknown to their new owner and never finished (seen in
+/// `rebalance.rs`'s cluster leader kill, 1 run in 3 under load).
+///
+/// Here the open transaction is the test's own: a waiting run's state, copied under a
+/// new run id, is written to the changelog in a transaction held open while a cold
+/// reducer restores; the restore must still be waiting when the test commits, and the
+/// copied run must then be the reducer's to approve. Checked: with the restore's end
+/// asked through the `read_committed` input consumer again (`tasks.rs`, `marks` →
+/// `consumer`), the restore ends below the open transaction and this test fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changelog_transaction_open_at_a_restore_is_waited_out() {
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+
+    let stack = Stack::start("reducer-open-txn", &[GATED]).await;
+    let mut first = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let model = "run-txn-model".to_owned();
+    stack
+        .send(&start_run(&model, "gated", r#"{"amount": 12}"#))
+        .await;
+    let waiting = stack
+        .wait_for_states(
+            "the model run to wait for approval",
+            std::slice::from_ref(&model),
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    first.stop();
+
+    // The model's last changelog record, as another run.
+    let mut record: Option<w::RunState> = None;
+    for message in sortie_tests::read_all(
+        &stack.bootstrap,
+        &stack.topics.run_state(),
+        sortie_tests::Isolation::ReadCommitted,
+    )
+    .await
+    {
+        use rdkafka::Message;
+        let state: w::RunState = stack
+            .codec
+            .decode(message.payload())
+            .await
+            .expect("decode run-state");
+        if state.run_id == model {
+            record = Some(state);
+        }
+    }
+    let mut copy = record.expect("the model's changelog record");
+    let run = "run-txn-copy".to_owned();
+    copy.state = copy
+        .state
+        .replace(&format!("\"{model}\""), &format!("\"{run}\""));
+    copy.run_id = run.clone();
+    let bytes = stack
+        .codec
+        .encode(&stack.topics.run_state(), &copy)
+        .await
+        .expect("encode the copy");
+
+    // Written in a transaction left open (longer than the reducer's 15 s timeout).
+    let producer: BaseProducer = stack
+        .kafka
+        .transactional_producer(&format!("{}test-open", stack.prefix))
+        .set("transaction.timeout.ms", "120000")
+        .create()
+        .expect("transactional producer");
+    producer
+        .init_transactions(Duration::from_secs(30))
+        .expect("init transactions");
+    producer.begin_transaction().expect("begin");
+    producer
+        .send(
+            BaseRecord::to(&stack.topics.run_state())
+                .partition(partition_for(run.as_bytes(), PARTITIONS))
+                .key(run.as_bytes())
+                .payload(&bytes),
+        )
+        .map_err(|(e, _)| e)
+        .expect("send the copy");
+    producer.flush(Duration::from_secs(30)).expect("flush");
+
+    let second = stack.reducer("1");
+    let waited = sortie_tests::wait_for("the cold restore to wait or end", LONG, || {
+        let log = second.own_log_text();
+        async move {
+            if log.contains("Assignment restored") {
+                Some(false)
+            } else if log.contains("nothing read for a while") {
+                Some(true)
+            } else {
+                None
+            }
+        }
+    })
+    .await;
+    assert!(
+        waited,
+        "the restore ended while a changelog transaction was open: {}",
+        second.own_log_text()
+    );
+    producer
+        .commit_transaction(Duration::from_secs(30))
+        .expect("commit");
+
+    let interrupt = waiting[&model]
+        .interrupts
+        .values()
+        .next()
+        .expect("an interrupt")
+        .clone();
+    let approve = command(
+        &run,
+        "approve-copy",
+        w::CommandBody::ResumeRun(w::ResumeRun {
+            interrupt_id: interrupt.interrupt_id.clone(),
+            proposal_hash: interrupt.proposal_hash.clone(),
+            decision: w::Decision::Approve,
+            payload: None,
+            comment: Some("ok".into()),
+            edited_args: None,
+            payload_is_input: false,
+        }),
+    );
+    stack.send(&approve).await;
+    stack
+        .wait_for_states(
+            "the copied run, restored, to be approved and finish",
+            std::slice::from_ref(&run),
+            LONG,
+            succeeded,
+        )
+        .await;
+}

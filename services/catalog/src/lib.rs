@@ -567,7 +567,8 @@ impl Reader {
         }
     }
 
-    /// Reads every record up to the high watermarks of the moment, handing each to `f`.
+    /// Reads every record up to the ends of the moment (last stable offsets: graphs are
+    /// published without transactions, so they are the high watermarks), handing each to `f`.
     fn read_to_end(
         &mut self,
         deadline: Instant,

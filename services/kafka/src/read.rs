@@ -2,10 +2,12 @@
 //! "read it all, then go on" in Sortie: the reducer's restore, the graph catalog, the
 //! gateway view's starting point, audit replay and the registry's schemas log.
 //!
-//! The end of a partition is its high watermark when the read starts. With
-//! `read_committed`, records of an open transaction sit above the last stable offset,
-//! so a read to the high watermark of the moment ends only once that transaction is
-//! decided. Transaction markers and compacted gaps advance a consumer's position without
+//! The end of a partition is fixed by the caller when the read starts. Asked through a
+//! `read_committed` client ([`watermarks`]) it is the last stable offset: what is
+//! committed now (audit, views). The reducer's restore asks a `read_uncommitted` client
+//! for the high watermark instead: with `read_committed`, records of an open
+//! transaction sit above the last stable offset, so a read to the high watermark of the
+//! moment ends only once that transaction is decided. Transaction markers and compacted gaps advance a consumer's position without
 //! handing out a message: how far a partition has been read is the larger of the last
 //! record's offset + 1 and the consumer's position, never the last record alone.
 //!

@@ -24,6 +24,16 @@ pub fn is_transient(error: &KafkaError) -> bool {
 
 /// `fetch_watermarks`, retried on transient errors until `deadline`: right after a topic
 /// is created the broker may still answer "not leader" for a moment.
+///
+/// The watermarks are as the client's `isolation.level` sees them: a `read_committed`
+/// client gets the last stable offset as its "high" one, not the high watermark (librdkafka
+/// sends its isolation level in ListOffsets). Ask through a `read_uncommitted` client for
+/// the high watermark.
+///
+/// librdkafka caches a partition without a leader (a broker just died) as a permanent
+/// error and answers "unknown partition" from that cache until something refreshes the
+/// topic's metadata — which, for a topic the client does not consume, nothing does. So
+/// every retry asks for the topic's metadata first.
 pub fn fetch_watermarks<C, X>(
     consumer: &C,
     topic: &str,
@@ -61,6 +71,8 @@ where
                 }
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_secs(1));
+                let left = deadline.saturating_duration_since(Instant::now());
+                let _ = consumer.fetch_metadata(Some(topic), left.min(Duration::from_secs(2)));
             }
             Err(e) => return Err(e),
         }

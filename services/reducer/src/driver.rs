@@ -257,6 +257,16 @@ impl Reducer {
                 topics.commands()
             )));
         }
+        // The restore's end is the changelog's high watermark, asked read_uncommitted
+        // (see `restore`); this client does nothing else (never subscribes or commits).
+        let marks: BaseConsumer = config
+            .kafka
+            .client()
+            .set("group.id", format!("{}restore", topics.prefix()))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_uncommitted")
+            .set("allow.auto.create.topics", "false")
+            .create()?;
         let engine = Arc::new(Mutex::new(Engine {
             config: config.clone(),
             runtime,
@@ -264,6 +274,7 @@ impl Reducer {
             store,
             graphs,
             producer,
+            marks,
             partitions,
             tasks: Tasks::default(),
             batch: PendingBatch::default(),

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::txn::TxnProducer;
+use rdkafka::consumer::BaseConsumer;
 use sortie_core::{apply, Effect, Input, RunState};
 use sortie_wire::{partition_for, Codec, Record, TraceContext};
 use tokio::runtime::Handle;
@@ -34,6 +35,10 @@ pub(crate) struct Engine {
     pub store: Arc<Store>,
     pub graphs: GraphTable,
     pub producer: TxnProducer,
+    /// A `read_uncommitted` client, only for the changelog's high watermarks: the end a
+    /// restore reads to (see `restore`). Asked through the `read_committed` input consumer
+    /// they would be last stable offsets.
+    pub marks: BaseConsumer,
     /// Partition count of the co-partitioned topics.
     pub partitions: u32,
     pub tasks: Tasks,

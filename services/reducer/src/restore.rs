@@ -5,8 +5,18 @@
 //! One consumer reads every partition of an assignment at once, to the end of each (its
 //! high watermark at the start, read `read_committed`, so an open transaction of the
 //! previous owner is waited out, not skipped). The caller has already fetched the input
-//! offsets with stable semantics (KIP-447), so that owner's last transaction has settled
-//! and its changelog records are below the watermark read here.
+//! offsets with stable semantics (KIP-447), so that owner's last transaction is decided
+//! and its changelog records are below the high watermark read here (they were
+//! acknowledged by every in-sync replica before the commit was asked for).
+//!
+//! The end must be the *high watermark*, asked `read_uncommitted` (the engine's `marks`
+//! client), not the last stable offset: a decided transaction's markers reach the
+//! __consumer_offsets partition and each changelog partition independently, so the
+//! offsets can be stable while a changelog partition's last stable offset is still below
+//! that transaction's records. A restore ending there would consume inputs past the
+//! transaction without its states (the runs it started unknown to their new owner). Kafka
+//! Streams met the same (KAFKA-10167). `services/reducer` test
+//! `a_changelog_transaction_open_at_a_restore_is_waited_out` holds it.
 //!
 //! A changelog record is our own output: if one cannot be decoded (after waiting out a
 //! registry outage), its partition stops there — logged with topic, partition and offset,

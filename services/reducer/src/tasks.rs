@@ -14,8 +14,9 @@
 //! - **Assign.** First the committed input offsets are fetched with stable semantics
 //!   (`isolation.level=read_committed` makes librdkafka send OffsetFetch with
 //!   `require_stable`, KIP-447): that waits out the previous owner's open transaction.
-//!   Then the changelog is restored to its end, then the partitions are assigned at
-//!   exactly those offsets. A partition whose changelog does not decode is assigned but
+//!   Then the changelog is restored to its end — its high watermark, asked
+//!   `read_uncommitted`, read `read_committed` (see `restore` for why not the last
+//!   stable offset) — then the partitions are assigned at exactly those offsets. A partition whose changelog does not decode is assigned but
 //!   paused, its task stopped: the others go on, and readiness says why.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -236,6 +237,7 @@ impl Engine {
         // `max.poll.interval.ms` (this runs inside poll).
         let watermarks_by = Instant::now() + WATERMARKS_WAIT;
         let gauges = &mut self.gauges;
+        let marks = &self.marks;
         let sources = crate::restore::Sources {
             kafka: &self.config.kafka,
             topics: &self.config.topics,
@@ -251,7 +253,7 @@ impl Engine {
                 gauges.update(partition, run_id, before, after)
             },
             &|topic, partition| {
-                sortie_kafka::fetch_watermarks(consumer, topic, partition, watermarks_by)
+                sortie_kafka::fetch_watermarks(marks, topic, partition, watermarks_by)
                     .map(|(_, high)| high)
             },
         ) {
