@@ -10,12 +10,18 @@ Two things matter for Sortie:
   * the record key is the run id, and the producer hashes keys like the Java client
     (`partitioner=murmur2_random`; librdkafka's default would pick other partitions,
     which Sortie tolerates by forwarding, at the cost of a hop);
-  * `command_id` makes a command idempotent: send it again and it is applied once.
+  * `command_id` makes a command idempotent: send it again and it is applied once;
+  * with `--signing-key` (a key file from `sortie keys new`), the record carries an
+    Ed25519 signature over its exact value bytes (headers `sortie-key`,
+    `sortie-signature`, signed with `cryptography` from PyPI): reducers started with
+    `--require-signatures` take only signed commands, by a key of their keyring that may
+    sign as `--principal` for `--tenant` with `--role`s.
 The reducer answers every command with a CommandAccepted or CommandRejected event carrying
 the same command_id on the run-events topic (see dashboard.py).
 """
 
 import argparse
+import base64
 import json
 import os
 import sys
@@ -26,6 +32,21 @@ from confluent_kafka import Producer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
+
+def load_signing_key(path):
+    """The key file of `sortie keys new`: `id:` and `secret_key:` (base64 Ed25519 seed)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    fields = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line and not line.startswith("#") and ":" in line:
+                name, value = line.split(":", 1)
+                fields[name.strip()] = value.strip()
+    seed = base64.b64decode(fields["secret_key"])
+    return fields["id"], Ed25519PrivateKey.from_private_bytes(seed)
+
 
 SCHEMA = os.path.join(os.path.dirname(__file__), "..", "..", "schemas", "run-command.avsc")
 NS = "dev.sortie.v1."
@@ -61,6 +82,8 @@ def main() -> int:
     parser.add_argument("--principal", default="svc:python-example")
     parser.add_argument("--role", action="append", default=[])
     parser.add_argument("--command-id", default=None, help="defaults to a new UUID")
+    parser.add_argument("--signing-key", default=None,
+                        help="sign the command with this key file (sortie keys new)")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start")
     start.add_argument("--run-id", required=True)
@@ -105,7 +128,12 @@ def main() -> int:
             delivered["partition"] = msg.partition()
             delivered["offset"] = msg.offset()
 
-    producer.produce(topic, key=args.run_id.encode(), value=payload, on_delivery=on_delivery)
+    headers = []
+    if args.signing_key:
+        key_id, key = load_signing_key(args.signing_key)
+        headers = [("sortie-key", key_id.encode()), ("sortie-signature", key.sign(payload))]
+    producer.produce(topic, key=args.run_id.encode(), value=payload, headers=headers,
+                     on_delivery=on_delivery)
     producer.flush(30)
     if delivered.get("err") is not None or "offset" not in delivered:
         print(json.dumps({"error": str(delivered.get("err", "not delivered"))}))

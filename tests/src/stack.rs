@@ -236,6 +236,55 @@ impl Stack {
         .await;
     }
 
+    /// A command's value bytes, as the reducer will read them.
+    pub async fn encode_command(&self, command: &w::RunCommand) -> Vec<u8> {
+        self.codec
+            .encode(&self.topics.commands(), command)
+            .await
+            .expect("encode command")
+    }
+
+    /// Produces `value` (a command's bytes) to `run_id`'s partition of the commands topic
+    /// with `headers` (e.g. a signature).
+    pub async fn send_command_bytes(
+        &self,
+        run_id: &str,
+        value: &[u8],
+        headers: &[(&str, Vec<u8>)],
+    ) {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let producer: FutureProducer = self.kafka.producer().create().expect("producer");
+        let mut owned = OwnedHeaders::new();
+        for (key, bytes) in headers {
+            owned = owned.insert(Header {
+                key,
+                value: Some(bytes),
+            });
+        }
+        let topic = self.topics.commands();
+        let record = FutureRecord::to(&topic)
+            .key(run_id.as_bytes())
+            .payload(value)
+            .partition(partition_for(run_id.as_bytes(), self.partitions))
+            .headers(owned);
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .expect("delivered");
+    }
+
+    /// Produces `command` signed by `signer`.
+    pub async fn send_signed(
+        &self,
+        command: &w::RunCommand,
+        signer: &sortie_wire::signing::Signer,
+    ) {
+        let value = self.encode_command(command).await;
+        let headers = signer.headers(&value);
+        self.send_command_bytes(&command.run_id, &value, &headers)
+            .await;
+    }
+
     pub async fn send_raw(&self, topic: &str, partition: Option<i32>, key: &[u8], value: &[u8]) {
         let producer: FutureProducer = self.kafka.producer().create().expect("producer");
         let mut record = FutureRecord::to(topic).key(key).payload(value);

@@ -187,3 +187,135 @@ async fn a_python_service_starts_and_approves_a_run_and_a_python_dashboard_follo
         "events arrive in order"
     );
 }
+
+/// Issue #14 item 1 from the outside: a Python service with a key made by `sortie keys
+/// new` signs its commands (`--signing-key`, Ed25519 from `cryptography` on PyPI) for a
+/// reducer that requires signatures; the same command unsigned is refused
+/// `unauthenticated` and starts nothing. (Red when the example's headers are left out:
+/// the signed start is refused too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_service_signs_its_commands_for_a_reducer_that_requires_them() {
+    let python = tokio::task::spawn_blocking(sortie_tests::python_venv)
+        .await
+        .expect("join")
+        .expect("venv");
+    let stack = Stack::start("outside-signed", &[DEMO]).await;
+    let (secret, keyring) = (stack.dir.join("py.key"), stack.dir.join("keyring.yaml"));
+    let made = Command::new(sortie_tests::stack::sortie_bin())
+        .args([
+            "keys",
+            "new",
+            "--id",
+            "py-1",
+            "--principal",
+            "svc:python-example",
+        ])
+        .args(["--tenant", "acme", "--role", "approver", "--secret"])
+        .arg(&secret)
+        .arg("--keyring")
+        .arg(&keyring)
+        .output()
+        .expect("sortie keys new");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let _reducer = stack.reducer_with(
+        "0",
+        &[
+            "--keyring",
+            keyring.to_str().expect("path"),
+            "--require-signatures",
+        ],
+    );
+    let _executor = stack.executor("default", succeed);
+    let publish = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec![
+            script("publish_commands.py"),
+            "--bootstrap".to_owned(),
+            stack.bootstrap.clone(),
+            "--registry".to_owned(),
+            stack.registry.url.clone(),
+            "--prefix".to_owned(),
+            stack.prefix.clone(),
+            "--tenant".to_owned(),
+            "acme".to_owned(),
+            "--role".to_owned(),
+            "approver".to_owned(),
+        ];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        args
+    };
+    let start = |run: &str, signed: bool| {
+        let mut extra = vec![];
+        if signed {
+            extra.extend(["--signing-key", secret.to_str().expect("path")]);
+        }
+        extra.extend(["start", "--run-id", run, "--graph", "demo", "--input"]);
+        extra.push(r#"{"name": "Grace"}"#);
+        publish(&extra)
+    };
+    for (run, signed) in [("run-py-unsigned", false), ("run-py-signed", true)] {
+        let args = start(run, signed);
+        let p = python.clone();
+        let (ok, _, err) = tokio::task::spawn_blocking(move || run_python(&p, &args))
+            .await
+            .expect("join");
+        assert!(ok, "publisher failed: {err}");
+    }
+    let states = stack
+        .wait_for_states(
+            "the signed run to wait for approval",
+            &["run-py-signed".to_owned()],
+            Duration::from_secs(60),
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    let refused = sortie_tests::wait_for(
+        "the unsigned start's answer",
+        Duration::from_secs(60),
+        || async {
+            stack.events().await.get("run-py-unsigned").and_then(|h| {
+                h.iter().find_map(|e| match &e.body {
+                    sortie_core::EventBody::CommandRejected { code, .. } => Some(code.clone()),
+                    _ => None,
+                })
+            })
+        },
+    )
+    .await;
+    assert_eq!(refused, "unauthenticated");
+    assert!(!stack.states().await.contains_key("run-py-unsigned"));
+
+    let interrupt = states["run-py-signed"]
+        .interrupts
+        .values()
+        .next()
+        .expect("an interrupt")
+        .clone();
+    let signing_key = secret.to_str().expect("path").to_owned();
+    let args = publish(&[
+        "--signing-key",
+        &signing_key,
+        "approve",
+        "--run-id",
+        "run-py-signed",
+        "--interrupt-id",
+        &interrupt.interrupt_id,
+        "--proposal-hash",
+        &interrupt.proposal_hash,
+    ]);
+    let (ok, _, err) = tokio::task::spawn_blocking(move || run_python(&python, &args))
+        .await
+        .expect("join");
+    assert!(ok, "approval failed: {err}");
+    stack
+        .wait_for_states(
+            "the signed approval to finish the run",
+            &["run-py-signed".to_owned()],
+            Duration::from_secs(60),
+            |s| s.status == RunStatus::Succeeded,
+        )
+        .await;
+}

@@ -56,6 +56,10 @@ pub struct Args {
     /// tool_calls, wall_time) and `prices` per model (input_per_1k, output_per_1k, USD).
     #[arg(long, env = "SORTIE__GATEWAY__BUDGETS_FILE")]
     budgets_file: Option<PathBuf>,
+    /// Sign every published command with this key file (`sortie keys new --delegate`):
+    /// reducers that require signatures take the gateway's commands only signed.
+    #[arg(long, env = "SORTIE_SIGNING_KEY")]
+    signing_key: Option<PathBuf>,
     /// Crash tests only: die on purpose at this point (gateway.after_publish).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
@@ -76,6 +80,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_body_bytes = args.max_body_bytes;
     config.max_streams_per_tenant = args.max_streams_per_tenant;
     config.fault = args.fault;
+    config.signing_key = args.signing_key;
     if let Some(path) = &args.budgets_file {
         config.budgets = sortie_gateway::config::Budgets::load(path)?;
     }

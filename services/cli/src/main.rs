@@ -11,6 +11,7 @@ mod executor;
 mod gateway;
 mod graph;
 mod human;
+mod keys;
 mod ledger;
 mod progress;
 mod reducer;
@@ -52,6 +53,8 @@ enum Command {
     Executor(executor::Args),
     /// Run the HTTP gateway (the run API and read views).
     Gateway(gateway::Args),
+    /// Command-signing keys: make one and add it to a keyring.
+    Keys(keys::Args),
     /// Run the ledger: an HTTP receiver that records every side effect (tests, demos).
     Ledger(ledger::Args),
     /// Replay histories from Kafka and verify them against the state table.
@@ -83,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Reducer(args) => reducer::run(args).await,
         Command::Executor(args) => executor::run(args).await,
         Command::Gateway(args) => gateway::run(args).await,
+        Command::Keys(args) => keys::run(args).await,
         Command::Ledger(args) => ledger::run(args).await,
         Command::Audit(args) => audit::run(args).await,
         Command::Replay(args) => replay::run(args).await,

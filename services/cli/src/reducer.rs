@@ -48,6 +48,14 @@ pub struct Args {
     /// Largest record value accepted; larger ones are dead-lettered.
     #[arg(long, env = "SORTIE__REDUCER__MAX_PAYLOAD_BYTES", default_value_t = 1024 * 1024)]
     max_payload_bytes: usize,
+    /// The keyring command signatures are checked against (YAML `keys: [...]`, see
+    /// `sortie keys new`); re-read when the file changes.
+    #[arg(long, env = "SORTIE_KEYRING")]
+    keyring: Option<PathBuf>,
+    /// Refuse unsigned commands (`CommandRejected{code: unauthenticated}`). Production
+    /// sets it; without it unsigned commands are taken as before, signed ones are checked.
+    #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
+    require_signatures: bool,
     /// Crash tests only: die on purpose at this point (reducer.before_commit,
     /// reducer.after_commit).
     #[arg(long, env = "SORTIE_FAULT")]
@@ -78,6 +86,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_batch = args.max_batch;
     config.session_timeout = Duration::from_millis(args.session_timeout_ms);
     config.max_payload_bytes = args.max_payload_bytes;
+    config.keyring = args.keyring;
+    config.require_signatures = args.require_signatures;
     config.fault = args.fault;
     config.fault_after = args.fault_after;
     if args.print_config {

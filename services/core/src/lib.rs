@@ -26,7 +26,7 @@ pub mod shadow;
 pub mod state;
 pub mod status;
 
-pub use decide::{apply, Applied};
+pub use decide::{apply, refuse, Applied};
 pub use effect::{Effect, Intent, TimerKey};
 pub use event::{Event, EventBody};
 pub use evolve::evolve;

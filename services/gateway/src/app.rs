@@ -21,6 +21,7 @@ use crate::fault::{self, FaultPoint};
 use crate::graphs::Catalog;
 use crate::store::{Store, StoredRun};
 use crate::view::{self, Answer, View};
+use sortie_wire::signing::Signer;
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +36,8 @@ pub enum Error {
     Producer(rdkafka::error::KafkaError),
     #[error("serving HTTP: {0}")]
     Serve(std::io::Error),
+    #[error("the command signing key: {0}")]
+    SigningKey(#[from] sortie_wire::signing::KeyError),
 }
 
 /// Everything a request handler needs; cheap to clone.
@@ -60,6 +63,8 @@ pub(crate) struct Inner {
     codec: Arc<Codec>,
     commands_topic: String,
     partitions: u32,
+    /// Signs every command for the principal behind its bearer token (a delegate key).
+    signer: Option<Signer>,
     stop: watch::Sender<bool>,
     stop_graphs: Arc<AtomicBool>,
     view_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -96,6 +101,11 @@ impl AppState {
             )
             .create()
             .map_err(Error::Producer)?;
+        let signer = config
+            .signing_key
+            .as_deref()
+            .map(Signer::load)
+            .transpose()?;
         let (stop, stopped) = watch::channel(false);
         let (view, view_task) =
             view::start(&config.kafka, &topics, codec.clone(), store, stopped).await?;
@@ -122,6 +132,7 @@ impl AppState {
                 codec,
                 commands_topic: topics.commands(),
                 partitions,
+                signer,
                 stop,
                 stop_graphs,
                 view_task: Mutex::new(Some(view_task)),
@@ -224,11 +235,20 @@ impl AppState {
         let record = FutureRecord::to(&inner.commands_topic)
             .key(command.run_id.as_bytes())
             .payload(&bytes)
-            .partition(partition)
-            .headers(OwnedHeaders::new().insert(Header {
-                key: TRACEPARENT,
-                value: Some(trace.as_bytes()),
-            }));
+            .partition(partition);
+        let mut headers = OwnedHeaders::new().insert(Header {
+            key: TRACEPARENT,
+            value: Some(trace.as_bytes()),
+        });
+        if let Some(signer) = &inner.signer {
+            for (key, value) in signer.headers(&bytes) {
+                headers = headers.insert(Header {
+                    key,
+                    value: Some(&value),
+                });
+            }
+        }
+        let record = record.headers(headers);
         inner
             .producer
             .send(record, inner.config.answer_timeout)

@@ -64,6 +64,10 @@ pub struct GatewayConfig {
     /// Spend budgets: tenants' default limits and the price table runs are started with.
     #[serde(default)]
     pub budgets: Budgets,
+    /// The key file every published command is signed with (a delegate key of the
+    /// reducers' keyring: it signs for the principals its bearer tokens authenticate).
+    #[serde(default)]
+    pub signing_key: Option<PathBuf>,
 }
 
 /// Spend budgets (a `budgets` file): the limits a run gets when its start names none (per
@@ -159,6 +163,7 @@ impl GatewayConfig {
             max_streams_per_tenant: default_max_streams(),
             fault: None,
             budgets: Budgets::default(),
+            signing_key: None,
         }
     }
 }

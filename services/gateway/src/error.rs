@@ -69,6 +69,9 @@ impl ApiError {
             "unknown_run" => StatusCode::NOT_FOUND,
             "unknown_graph" => StatusCode::UNPROCESSABLE_ENTITY,
             "forbidden" | "not_in_group" => StatusCode::FORBIDDEN,
+            // The bearer was fine; the reducers do not accept this gateway's signature
+            // (no --signing-key, or a key missing from their keyring): a deployment fault.
+            "unauthenticated" => StatusCode::BAD_GATEWAY,
             "conflict" | "run_id_unavailable" | "bad_state" | "stale_proposal"
             | "already_decided" | "expired" | "duplicate_approver" | "unknown_interrupt"
             | "unknown_operation" => StatusCode::CONFLICT,

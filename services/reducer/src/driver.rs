@@ -72,6 +72,10 @@ pub struct ReducerConfig {
     pub batch_linger: Duration,
     pub max_batch: usize,
     pub max_payload_bytes: usize,
+    /// The keyring command signatures are checked against (see `keys`).
+    pub keyring: Option<PathBuf>,
+    /// Refuse unsigned commands (production); without it they are taken as before.
+    pub require_signatures: bool,
     pub session_timeout: Duration,
     /// Die on purpose at this point, on its `fault_after`-th pass (crash tests only; never
     /// set by default).
@@ -99,6 +103,8 @@ impl ReducerConfig {
             batch_linger: Duration::ZERO,
             max_batch: 500,
             max_payload_bytes: 1024 * 1024,
+            keyring: None,
+            require_signatures: false,
             session_timeout: Duration::from_secs(10),
             fault: None,
             fault_after: 1,
@@ -196,6 +202,7 @@ impl Reducer {
         health: Health,
     ) -> Result<Self, Error> {
         let topics = &config.topics;
+        let keys = crate::keys::Keys::open(config.keyring.clone(), config.require_signatures)?;
         // The transactional producer (init fences and aborts a previous incarnation's
         // transaction, which the stable offset fetch of the first assignment would
         // otherwise wait out) and the graph table start side by side: both are round
@@ -275,6 +282,7 @@ impl Reducer {
             graphs,
             producer,
             marks,
+            keys,
             partitions,
             tasks: Tasks::default(),
             batch: PendingBatch::default(),
@@ -336,6 +344,7 @@ impl Reducer {
             };
             if engine.batch.is_empty() || idle {
                 engine.graphs.poll();
+                engine.keys.refresh();
                 engine.fire_timers(sortie_kafka::clock::now_ms())?;
             }
             let full = engine.batch.inputs >= self.max_batch

@@ -39,6 +39,8 @@ pub(crate) struct Engine {
     /// restore reads to (see `restore`). Asked through the `read_committed` input consumer
     /// they would be last stable offsets.
     pub marks: BaseConsumer,
+    /// Who may write commands (signatures).
+    pub keys: crate::keys::Keys,
     /// Partition count of the co-partitioned topics.
     pub partitions: u32,
     pub tasks: Tasks,
@@ -128,6 +130,17 @@ impl Engine {
     /// records are encoded before any is added, so an input is in the batch whole or not
     /// at all.
     pub fn apply(&mut self, input: &Input, trace: &TraceContext) -> Result<(), Error> {
+        self.apply_or_refuse(input, None, trace)
+    }
+
+    /// [`Engine::apply`], or — with `refusal` — the command's `unauthenticated` answer
+    /// outside the run's history instead of the fold (`sortie_core::refuse`).
+    pub fn apply_or_refuse(
+        &mut self,
+        input: &Input,
+        refusal: Option<String>,
+        trace: &TraceContext,
+    ) -> Result<(), Error> {
         let run_id = input.run_id().to_owned();
         let span = tracing::info_span!(
             "apply",
@@ -162,7 +175,21 @@ impl Engine {
                 }
             }
         }
-        let mut applied = apply(state.as_ref(), input, self.graphs.graphs());
+        let mut applied = match (refusal, input) {
+            (Some(reason), Input::Command(command)) => {
+                tracing::warn!(
+                    run_id,
+                    command_id = %command.command_id,
+                    tenant = %command.tenant,
+                    principal = %command.principal,
+                    reason,
+                    "Refusing a command that does not prove who sent it."
+                );
+                crate::metrics::command_refused();
+                sortie_core::refuse(command, "unauthenticated", reason, self.graphs.graphs())
+            }
+            _ => apply(state.as_ref(), input, self.graphs.graphs()),
+        };
         // The fold's copy for the state write is `applied.state` again: not kept twice.
         let mut changed = false;
         applied.effects.retain(|e| {

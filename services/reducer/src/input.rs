@@ -9,7 +9,9 @@
 //!    that is not JSON, a key that is not the run id) is dead-lettered with its reason;
 //! 3. a record on another partition than its run's canonical one is forwarded there, once,
 //!    inside the transaction;
-//! 4. everything else is applied by the fold ([`Engine::apply`]).
+//! 4. a command whose signature does not hold (or is missing where required, see
+//!    `keys`) is answered `unauthenticated` outside its run's history;
+//! 5. everything else is applied by the fold ([`Engine::apply`]).
 //!
 //! Cases 2 and 3 still consume the offset: the partition keeps moving.
 
@@ -100,10 +102,11 @@ impl Engine {
                             format!("record key {key:?} is not the command's run id {run_id:?}");
                         return Err(("invalid", reason));
                     }
+                    let refusal = self.keys.refusal(message, &command);
                     convert::command_from_wire(command)
                         .map(|mut command| {
                             command.at = at;
-                            (run_id, Input::Command(command))
+                            (run_id, Input::Command(command), refusal)
                         })
                         .map_err(|e| ("invalid", e.0))
                 })
@@ -117,11 +120,11 @@ impl Engine {
                 .and_then(|result| {
                     let run_id = result.run_id.clone();
                     convert::report_from_wire(result, at)
-                        .map(|report| (run_id, Input::StepReport(report)))
+                        .map(|report| (run_id, Input::StepReport(report), None))
                         .map_err(|e| ("invalid", e.0))
                 })
         };
-        let (run_id, input) = match decoded {
+        let (run_id, input, refusal) = match decoded {
             Ok(decoded) => decoded,
             Err((code, reason)) => {
                 self.dead_letter(message, code, reason)?;
@@ -153,7 +156,7 @@ impl Engine {
             .headers()
             .and_then(|h| TraceContext::from_headers(h.iter().map(|h| (h.key, h.value))))
             .unwrap_or_else(|| TraceContext::for_run(&run_id));
-        self.apply(&input, &trace)?;
+        self.apply_or_refuse(&input, refusal, &trace)?;
         Ok(())
     }
 

@@ -20,6 +20,7 @@ pub mod fault;
 pub use sortie_catalog as graphs;
 pub mod health;
 mod input;
+mod keys;
 pub mod metrics;
 pub mod restore;
 pub mod store;

@@ -40,6 +40,9 @@ pub const RECORDS_RESTORED: &str = "sortie_reducer_restored_records_total";
 pub const PARTITIONS_STOPPED: &str = "sortie_reducer_partitions_stopped_total";
 pub const OWNED_PARTITIONS: &str = "sortie_reducer_owned_partitions";
 /// Records sent to the dead-letter topic, by `reason`.
+/// Commands refused before the fold: unsigned where required, or a signature that does
+/// not hold.
+pub const COMMANDS_REFUSED: &str = "sortie_reducer_commands_refused_total";
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
 /// Runs by `status` in the partitions this instance owns (gauge).
 pub const RUNS: &str = "sortie_runs";
@@ -97,6 +100,7 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
 
 /// Describes every metric (call once, after the recorder is installed).
 pub fn describe() {
+    describe_counter!(COMMANDS_REFUSED, "Commands refused before the fold (unsigned where signatures are required, or a signature that does not hold), counted as they are seen.");
     describe_counter!(INPUTS_APPLIED, "Inputs applied by the fold, by kind (command, step_result, timer); counted when their transaction commits.");
     describe_counter!(
         INPUTS_IGNORED,
@@ -326,6 +330,10 @@ pub(crate) fn restored(records: usize, warm: bool, took: Duration) {
 /// A partition whose changelog does not decode was stopped.
 pub(crate) fn partition_stopped() {
     counter!(PARTITIONS_STOPPED).increment(1);
+}
+
+pub(crate) fn command_refused() {
+    counter!(COMMANDS_REFUSED).increment(1);
 }
 
 pub(crate) fn transaction_failed() {

@@ -14,6 +14,7 @@ mod partitioner;
 pub mod records;
 mod resolve;
 mod schemas;
+pub mod signing;
 mod topics;
 pub mod trace;
 

@@ -125,6 +125,19 @@ fn over_limit(state: Option<&RunState>, input: &Input, graphs: &Graphs, reason: 
     ctx.finish(state, Some("over a limit"))
 }
 
+/// Refuses a command before the fold reads it — its signature does not hold, or it is
+/// unsigned where signatures are required (`code`: `unauthenticated`). Like a foreign
+/// tenant's command, it is answered outside the run's history (seq 0, the command's own
+/// tenant): a party that cannot prove who it is writes nothing to the run and learns
+/// nothing of it. Pure, so replays answer the same.
+pub fn refuse(command: &Command, code: &str, reason: String, graphs: &Graphs) -> Applied {
+    let input = Input::Command(command.clone());
+    let mut ctx = Ctx::new(None, &input, graphs);
+    ctx.command_id = Some(command.command_id.clone());
+    ctx.answer_outside(command, code, reason);
+    ctx.finish(None, Some("refused before the fold"))
+}
+
 fn apply_unchecked(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> Applied {
     let mut ctx = Ctx::new(state.cloned(), input, graphs);
     let ignored = match input {

@@ -1,0 +1,108 @@
+//! `sortie keys new`: a command-signing key (its secret file) and its keyring entry.
+//!
+//! The secret file goes to the signer (a service's secret, the gateway's
+//! `--signing-key`); the entry goes into the keyring every reducer reads (`--keyring`).
+//! Rotation: make a new key for the same principal, add its entry, move the signer to
+//! it, then remove the old entry (reducers re-read the keyring when it changes).
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use sortie_wire::signing::{keyring_entries, keyring_text, Signer};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: KeysCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum KeysCommand {
+    /// Make a new key: write its secret file and add its entry to a keyring file.
+    New(NewArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct NewArgs {
+    /// The key's id (the `sortie-key` header of what it signs).
+    #[arg(long)]
+    id: String,
+    /// The principal it signs as (a delegate key: the signer's own name).
+    #[arg(long)]
+    principal: String,
+    /// A tenant it may sign for (repeatable; `*` for any).
+    #[arg(long = "tenant", required = true)]
+    tenants: Vec<String>,
+    /// A role its commands may claim (repeatable).
+    #[arg(long = "role")]
+    roles: Vec<String>,
+    /// An approver group its commands may claim (repeatable).
+    #[arg(long = "group")]
+    groups: Vec<String>,
+    /// Signs for principals it authenticated itself (the gateway's key).
+    #[arg(long)]
+    delegate: bool,
+    /// Where to write the secret key file (refused if it exists).
+    #[arg(long)]
+    secret: PathBuf,
+    /// The keyring file to add the entry to (created if missing).
+    #[arg(long)]
+    keyring: PathBuf,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    match args.command {
+        KeysCommand::New(args) => new(args),
+    }
+}
+
+fn new(args: NewArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !args.secret.exists(),
+        "{} exists; not overwriting a key",
+        args.secret.display()
+    );
+    let mut entries = if args.keyring.exists() {
+        let text = std::fs::read_to_string(&args.keyring)
+            .with_context(|| format!("reading {}", args.keyring.display()))?;
+        // A keyring that does not load is not made worse.
+        keyring_entries(&text).with_context(|| format!("{}", args.keyring.display()))?
+    } else {
+        Vec::new()
+    };
+    anyhow::ensure!(
+        !entries.iter().any(|e| e.id == args.id),
+        "{} already has a key {:?}",
+        args.keyring.display(),
+        args.id
+    );
+    let signer = Signer::generate(&args.id)?;
+    let mut entry = signer.entry(&args.principal, &args.tenants, &args.roles, args.delegate);
+    entry.groups = args.groups;
+    entries.push(entry);
+    write_secret(&args.secret, &signer.to_file())?;
+    std::fs::write(&args.keyring, keyring_text(&entries))
+        .with_context(|| format!("writing {}", args.keyring.display()))?;
+    println!(
+        "key {} for {}: secret in {}, entry added to {}",
+        args.id,
+        args.principal,
+        args.secret.display(),
+        args.keyring.display()
+    );
+    Ok(())
+}
+
+/// Writes a secret readable by its owner only.
+pub(crate) fn write_secret(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    file.write_all(text.as_bytes())?;
+    Ok(())
+}

@@ -1,0 +1,302 @@
+//! Issue #14, item 1: signed commands. A reducer started with `--keyring` and
+//! `--require-signatures` takes a command only when an Ed25519 signature over its exact
+//! value bytes, by a key of its keyring, vouches for the tenant, principal, roles and
+//! groups it claims. Everything else — a raw producer's forged approval, a tampered
+//! value, an unknown key, a key claiming another principal or more roles — is answered
+//! `CommandRejected{code: unauthenticated}` outside the run's history and changes
+//! nothing. Keys rotate by editing the keyring file, without a restart; the gateway signs
+//! for the principals its bearer tokens authenticate with a delegate key.
+
+use std::time::Duration;
+
+use serde_json::json;
+use sortie_core::{EventBody, RunState, RunStatus};
+use sortie_tests::stack::{command, start_run, succeed, Stack};
+use sortie_wire::records as w;
+use sortie_wire::signing::{keyring_text, KeyEntry, Signer};
+
+const GATED: &str = r#"
+id: gated
+version: 1
+nodes:
+  - {id: prepare, tool: echo, side_effect: pure}
+  - id: refund
+    tool: echo
+    side_effect: keyed
+    args: {amount: $input.amount}
+    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
+edges:
+  - {from: prepare, to: refund}
+"#;
+
+const LONG: Duration = Duration::from_secs(90);
+
+fn roles(r: &[&str]) -> Vec<String> {
+    r.iter().map(|s| s.to_string()).collect()
+}
+
+/// The harness's commands are issued by `svc:test` with roles approver and operator.
+fn service_entry(signer: &Signer) -> KeyEntry {
+    signer.entry(
+        "svc:test",
+        &roles(&["acme"]),
+        &roles(&["approver", "operator"]),
+        false,
+    )
+}
+
+fn approve(run: &str, command_id: &str, state: &RunState) -> w::RunCommand {
+    let interrupt = state.interrupts.values().next().expect("an interrupt");
+    command(
+        run,
+        command_id,
+        w::CommandBody::ResumeRun(w::ResumeRun {
+            interrupt_id: interrupt.interrupt_id.clone(),
+            proposal_hash: interrupt.proposal_hash.clone(),
+            decision: w::Decision::Approve,
+            payload: None,
+            comment: Some("ok".into()),
+            edited_args: None,
+            payload_is_input: false,
+        }),
+    )
+}
+
+/// The `unauthenticated` answer to `command_id`, once it is on the events topic: it must
+/// be outside the run's history (seq 0).
+async fn refused(stack: &Stack, run: &str, command_id: &str) -> String {
+    sortie_tests::wait_for(&format!("the answer to {command_id}"), LONG, || async {
+        let events = stack.events().await;
+        events.get(run).and_then(|history| {
+            history.iter().find_map(|e| match &e.body {
+                EventBody::CommandRejected {
+                    command_id: id,
+                    code,
+                    reason,
+                    ..
+                } if id == command_id => {
+                    assert_eq!(code, "unauthenticated", "{command_id}: {reason}");
+                    assert_eq!(e.seq, 0, "{command_id} is answered outside the history");
+                    Some(reason.clone())
+                }
+                EventBody::CommandAccepted { command_id: id, .. } if id == command_id => {
+                    panic!("{command_id} was accepted: {history:?}")
+                }
+                _ => None,
+            })
+        })
+    })
+    .await
+}
+
+/// Checked: with `Keys::refusal` answering `None` for every command (no check), the
+/// forged approval is accepted and the refund runs — this test fails at the first
+/// `refused`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_commands_signed_by_a_key_that_may_sign_them_are_taken() {
+    let stack = Stack::start("signed", &[GATED]).await;
+    let service = Signer::generate("svc-test-1").expect("key");
+    let stranger = Signer::generate("stranger").expect("key");
+    let keyring = stack.dir.join("keyring.yaml");
+    std::fs::write(&keyring, keyring_text(&[service_entry(&service)])).expect("keyring");
+    let reducer = stack.reducer_with(
+        "0",
+        &[
+            "--keyring",
+            keyring.to_str().expect("path"),
+            "--require-signatures",
+        ],
+    );
+    let _executor = stack.executor("default", succeed);
+
+    let run = "run-signed".to_owned();
+    // Unsigned start: refused, the run never exists.
+    let unsigned = start_run(&run, "gated", r#"{"amount": 5}"#);
+    let unsigned = w::RunCommand {
+        command_id: "start-unsigned".into(),
+        ..unsigned
+    };
+    stack.send(&unsigned).await;
+    let reason = refused(&stack, &run, "start-unsigned").await;
+    assert!(reason.contains("not signed"), "{reason}");
+
+    // Signed start: taken.
+    stack
+        .send_signed(&start_run(&run, "gated", r#"{"amount": 5}"#), &service)
+        .await;
+    let waiting = stack
+        .wait_for_states(
+            "the signed run to wait",
+            std::slice::from_ref(&run),
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    let state = waiting[&run].clone();
+
+    // A raw producer's forged approval (unsigned, claiming approver).
+    stack.send(&approve(&run, "forged", &state)).await;
+    // A signed approval whose value was changed after signing.
+    let signed_for = stack
+        .encode_command(&approve(&run, "tampered-original", &state))
+        .await;
+    let headers = service.headers(&signed_for);
+    let tampered = stack
+        .encode_command(&approve(&run, "tampered", &state))
+        .await;
+    stack.send_command_bytes(&run, &tampered, &headers).await;
+    // A key the keyring does not know.
+    stack
+        .send_signed(&approve(&run, "stranger", &state), &stranger)
+        .await;
+    // The service's key claiming another principal.
+    let mut mallory = approve(&run, "other-principal", &state);
+    mallory.issuer.principal = "user:mallory".into();
+    stack.send_signed(&mallory, &service).await;
+    // The service's key claiming a role it does not have.
+    let mut admin = approve(&run, "more-roles", &state);
+    admin.issuer.roles.push("admin".into());
+    stack.send_signed(&admin, &service).await;
+
+    for (id, says) in [
+        ("forged", "not signed"),
+        ("tampered", "does not match"),
+        ("stranger", "unknown signing key"),
+        ("other-principal", "signs as"),
+        ("more-roles", "may not claim role"),
+    ] {
+        let reason = refused(&stack, &run, id).await;
+        assert!(reason.contains(says), "{id}: {reason}");
+    }
+    // None of them changed the run: it still waits, at the same version.
+    let now = stack.states().await[&run].clone();
+    assert_eq!(now.status, RunStatus::WaitingApproval);
+    assert_eq!(
+        now.version, state.version,
+        "refusals wrote nothing to the run"
+    );
+
+    // The real approval goes through.
+    stack
+        .send_signed(&approve(&run, "approve", &state), &service)
+        .await;
+    stack
+        .wait_for_states(
+            "the approved run to finish",
+            std::slice::from_ref(&run),
+            LONG,
+            |s| s.status == RunStatus::Succeeded,
+        )
+        .await;
+
+    // Rotation without a restart: the keyring now has a new key and not the old one.
+    let rotated = Signer::generate("svc-test-2").expect("key");
+    std::fs::write(&keyring, keyring_text(&[service_entry(&rotated)])).expect("keyring");
+    let reloaded = reducer.own_log_text().matches("keyring changed").count() + 1;
+    sortie_tests::wait_until("the reducer to reload its keyring", LONG, || {
+        let seen = reducer.own_log_text().matches("keyring changed").count();
+        async move { seen >= reloaded }
+    })
+    .await;
+    let old_key = "run-old-key".to_owned();
+    stack
+        .send_signed(&start_run(&old_key, "gated", r#"{"amount": 1}"#), &service)
+        .await;
+    let reason = refused(&stack, &old_key, &format!("start-{old_key}")).await;
+    assert!(reason.contains("unknown signing key"), "{reason}");
+    let new_key = "run-new-key".to_owned();
+    stack
+        .send_signed(&start_run(&new_key, "gated", r#"{"amount": 1}"#), &rotated)
+        .await;
+    stack
+        .wait_for_states(
+            "the run signed by the new key",
+            std::slice::from_ref(&new_key),
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    assert!(!stack.states().await.contains_key(&old_key));
+}
+
+/// The gateway signs for the principal behind the bearer token with its delegate key,
+/// so runs started and approved over HTTP go through a reducer that requires signatures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_signs_for_the_principals_it_authenticates() {
+    let stack = Stack::start("signed-gateway", &[GATED]).await;
+    let gateway_key = Signer::generate("gateway-1").expect("key");
+    let keyring = stack.dir.join("keyring.yaml");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[gateway_key.entry("gateway", &roles(&["acme"]), &[], true)]),
+    )
+    .expect("keyring");
+    let secret = stack.dir.join("gateway.key");
+    std::fs::write(&secret, gateway_key.to_file()).expect("secret");
+    let _reducer = stack.reducer_with(
+        "0",
+        &[
+            "--keyring",
+            keyring.to_str().expect("path"),
+            "--require-signatures",
+        ],
+    );
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            &["acme:user:alice:approver:alice-token"],
+            &["--signing-key", secret.to_str().expect("path")],
+        )
+        .await;
+    let http = reqwest::Client::new();
+    let started = http
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth("alice-token")
+        .json(&json!({"run_id": "run-http", "graph_id": "gated", "input": {"amount": 3}}))
+        .send()
+        .await
+        .expect("POST /v1/runs");
+    let status = started.status().as_u16();
+    let body = started.text().await.unwrap_or_default();
+    assert!(
+        status == 201 || status == 202 || status == 200,
+        "{status}: {body}"
+    );
+    let waiting = stack
+        .wait_for_states(
+            "the run started over HTTP to wait",
+            &["run-http".to_owned()],
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    let interrupt = waiting["run-http"]
+        .interrupts
+        .values()
+        .next()
+        .expect("an interrupt")
+        .clone();
+    let approved = http
+        .post(format!("{url}/v1/runs/run-http/resume"))
+        .bearer_auth("alice-token")
+        .json(&json!({
+            "decision": "approve",
+            "interrupt_id": interrupt.interrupt_id,
+            "proposal_hash": interrupt.proposal_hash,
+        }))
+        .send()
+        .await
+        .expect("approve");
+    let status = approved.status().as_u16();
+    let body = approved.text().await.unwrap_or_default();
+    assert!(status < 300, "{status}: {body}");
+    stack
+        .wait_for_states(
+            "the run approved over HTTP to finish",
+            &["run-http".to_owned()],
+            LONG,
+            |s| s.status == RunStatus::Succeeded,
+        )
+        .await;
+}
