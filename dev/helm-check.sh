@@ -244,6 +244,18 @@ if which == "production":
             volumes = {v["name"]: v for v in spec.get("volumes", [])}
             ok = path and os.path.dirname(path) in mounts and "secret" in volumes.get(mounts[os.path.dirname(path)], {})
             check(ok, f'{w["metadata"]["name"]} {c["name"]}: no Kafka properties file from a Secret')
+    # Only signed commands: every reducer requires them and reads a keyring from a
+    # Secret; the gateway signs with a key from a Secret.
+    for r in reducers:
+        c = next(c for c in r["spec"]["template"]["spec"]["containers"] if c["name"] == "reducer")
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        check(env.get("SORTIE_REQUIRE_SIGNATURES") == "true", "reducer: signatures are not required")
+        check(env.get("SORTIE_KEYRING", "").startswith("/etc/sortie/keyring/"), "reducer: no keyring")
+    gateways = [w for w in workloads if w["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"]
+    for g in gateways:
+        c = next(c for c in g["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway")
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        check(env.get("SORTIE_SIGNING_KEY", "").startswith("/etc/sortie/signing/"), "gateway: no signing key")
     secrets = [d for d in docs if d["kind"] == "Secret" and "kafka.properties" in d.get("stringData", {})]
     check(secrets and all("security.protocol=SASL_SSL" in s["stringData"]["kafka.properties"] for s in secrets),
           "no kafka.properties Secret with security.protocol=SASL_SSL")

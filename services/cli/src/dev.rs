@@ -299,8 +299,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "--dev-routes",
         ],
     )?;
+    let keys = dev_keys(&data_dir)?;
+    let keyring = keys.keyring.display().to_string();
+    let gateway_key = keys.gateway.display().to_string();
     let reducer_dir = data_dir.join("reducer").display().to_string();
-    stack.spawn("reducer", &["reducer", "--data-dir", &reducer_dir])?;
+    stack.spawn(
+        "reducer",
+        &[
+            "reducer",
+            "--data-dir",
+            &reducer_dir,
+            "--keyring",
+            &keyring,
+            "--require-signatures",
+        ],
+    )?;
     stack.spawn("executor", &["executor", "--queue", "default,http,llm"])?;
     let gateway_dir = data_dir.join("gateway").display().to_string();
     let dev_token = format!("dev:dev-user:approver,operator:{token}");
@@ -317,6 +330,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &dev_token,
             "--budgets-file",
             &budgets,
+            "--signing-key",
+            &gateway_key,
         ],
     )?;
     wait_http(
@@ -334,6 +349,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     say!("  registry  {registry_url}");
     say!("  ledger    {receiver_url}/ledger   (every call the graphs' receivers answered)");
     say!("  kafka     {bootstrap}");
+    say!(
+        "  commands  signed: reducers take only what a key of {} signs; a service's key: {}",
+        keys.keyring.display(),
+        keys.examples.display()
+    );
 
     if !args.no_demo {
         demo(&gateway_url, &token).await?;
@@ -365,6 +385,45 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// Starts the demo mission and waits until it stops at its approval.
+/// The dev stack's command keys, under `<data dir>/keys` (made once, then reused).
+struct DevKeys {
+    keyring: PathBuf,
+    /// The gateway's delegate key.
+    gateway: PathBuf,
+    /// A service key for outside producers (`examples/python/publish_commands.py
+    /// --signing-key`): principal `svc:python-example`, tenant `dev`, approver and operator.
+    examples: PathBuf,
+}
+
+fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
+    use sortie_wire::signing::{keyring_text, Signer};
+    let dir = data_dir.join("keys");
+    let keys = DevKeys {
+        keyring: dir.join("keyring.yaml"),
+        gateway: dir.join("gateway.key"),
+        examples: dir.join("examples.key"),
+    };
+    if keys.keyring.exists() && keys.gateway.exists() && keys.examples.exists() {
+        return Ok(keys);
+    }
+    std::fs::create_dir_all(&dir)?;
+    let gateway = Signer::generate("dev-gateway")?;
+    let examples = Signer::generate("dev-examples")?;
+    let tenants = ["dev".to_owned()];
+    let roles = ["approver".to_owned(), "operator".to_owned()];
+    let entries = [
+        gateway.entry("gateway", &tenants, &[], true),
+        examples.entry("svc:python-example", &tenants, &roles, false),
+    ];
+    for path in [&keys.gateway, &keys.examples] {
+        let _ = std::fs::remove_file(path);
+    }
+    crate::keys::write_secret(&keys.gateway, &gateway.to_file())?;
+    crate::keys::write_secret(&keys.examples, &examples.to_file())?;
+    std::fs::write(&keys.keyring, keyring_text(&entries))?;
+    Ok(keys)
+}
+
 async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
     let client = reqwest::Client::new();
     let started: Value = client
