@@ -1072,3 +1072,87 @@ async fn live_streams_are_bounded_per_tenant_and_a_closed_one_frees_its_slot() {
     refused(open().await).await;
     drop((second, third));
 }
+
+/// A graph that says who may start and cancel its runs (issue #14, item 2).
+const GUARDED: &str = r#"
+id: guarded
+version: 1
+access: {start: [approver, operator], cancel: [operator]}
+nodes:
+  - {id: prepare, tool: echo, side_effect: pure}
+  - id: refund
+    tool: echo
+    side_effect: keyed
+    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
+edges:
+  - {from: prepare, to: refund}
+"#;
+
+/// Issue #14, item 2 over HTTP: a graph's `access` is checked by the gateway before it
+/// publishes (403, nothing on the commands topic) and again by the fold (for raw
+/// producers: `services/core/tests/access.rs`). Bob (no roles) can neither start nor
+/// cancel a guarded run; Alice (approver) can start but not cancel; Olga (operator) can
+/// cancel. Checked: with the gateway's check removed the fold still refuses (403
+/// `forbidden` too, but a `CommandRejected` lands in the run's history — which this test
+/// looks for, so it goes red).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graphs_access_decides_who_starts_and_cancels_its_runs() {
+    let stack = Stack::start("gateway-access", &[GUARDED]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+
+    let (status, refused) = api
+        .post(
+            "/v1/runs",
+            "tok-bob",
+            json!({"graph_id": "guarded", "input": {}, "run_id": "by-bob"}),
+        )
+        .await;
+    assert_eq!((status, code(&refused)), (403, "forbidden"), "{refused}");
+    api.start(
+        "tok-alice",
+        json!({"graph_id": "guarded", "input": {}, "run_id": "guarded-1"}),
+    )
+    .await;
+    api.wait_run("the guarded run to wait", "guarded-1", |r| {
+        r["status"] == "waiting_approval"
+    })
+    .await;
+    for token in ["tok-bob", "tok-alice"] {
+        let (status, refused) = api
+            .post("/v1/runs/guarded-1/cancel", token, json!({}))
+            .await;
+        assert_eq!(
+            (status, code(&refused)),
+            (403, "forbidden"),
+            "{token}: {refused}"
+        );
+    }
+    let (status, cancelled) = api
+        .post(
+            "/v1/runs/guarded-1/cancel",
+            "tok-olga",
+            json!({"reason": "ops"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{cancelled}");
+    api.wait_run("the run to be cancelled", "guarded-1", |r| {
+        r["status"] == "cancelled"
+    })
+    .await;
+    // The refusals never reached Kafka: no start for Bob's run, no rejected command in
+    // the run's history.
+    let events = stack.events().await;
+    assert!(!events.contains_key("by-bob"), "{:?}", events.get("by-bob"));
+    let history = &events["guarded-1"];
+    assert!(
+        !history
+            .iter()
+            .any(|e| matches!(e.body, EventBody::CommandRejected { .. })),
+        "{history:?}"
+    );
+}

@@ -60,9 +60,42 @@ pub struct Graph {
     /// What a run does when its next dispatch would exceed its spend budget.
     #[serde(default, skip_serializing_if = "OnBudgetExceeded::is_default")]
     pub on_budget_exceeded: OnBudgetExceeded,
+    /// Who may start and cancel this graph's runs (absent: any principal of the tenant).
+    #[serde(default, skip_serializing_if = "Access::is_open")]
+    pub access: Access,
     pub nodes: Vec<Node>,
     #[serde(default)]
     pub edges: Vec<Edge>,
+}
+
+/// `access: {start: [roles], cancel: [roles]}`: a command needs one of the listed roles
+/// (an empty list: none needed). Checked by the fold (`forbidden`) and by the gateway
+/// before it publishes (403). Approvals have their node's `required_role`; reconciling
+/// needs `operator` whatever the graph says.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Access {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub start: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cancel: Vec<String>,
+}
+
+impl Access {
+    fn is_open(&self) -> bool {
+        self.start.is_empty() && self.cancel.is_empty()
+    }
+
+    /// Why `roles` may not do what needs one of `required`, if they may not.
+    pub fn refusal(what: &str, required: &[String], roles: &[String]) -> Option<String> {
+        if required.is_empty() || required.iter().any(|r| roles.contains(r)) {
+            return None;
+        }
+        Some(format!(
+            "{what} needs one of the roles {}",
+            required.join(", ")
+        ))
+    }
 }
 
 /// `on_budget_exceeded: pause | fail | cancel`.

@@ -13,6 +13,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use sortie_core::graph::Access;
 use sortie_core::{Event, RunStatus};
 use sortie_wire::records as w;
 use ulid::Ulid;
@@ -310,6 +311,13 @@ async fn start_run(
             ));
         }
     }
+    // The graph's own rule, before publishing (the fold checks it again).
+    if let Some(access) = graphs.access(&body.graph_id, body.graph_version) {
+        let what = format!("starting a run of graph {}", body.graph_id);
+        if let Some(reason) = Access::refusal(&what, &access.start, &caller.roles) {
+            return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
+        }
+    }
     let input = body.input.unwrap_or_else(|| json!({}));
     let command = command(
         &caller,
@@ -505,7 +513,15 @@ async fn cancel_run(
     JsonBody(body): JsonBody<Option<CancelRequest>>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
-    known_run(&app, &caller, &run_id)?;
+    if let Some(run) = known_run(&app, &caller, &run_id)? {
+        let graph = (&run.state.graph_id, run.state.graph_version);
+        if let Some(access) = app.inner.graphs.access(graph.0, Some(graph.1)) {
+            let what = format!("cancelling a run of graph {}", graph.0);
+            if let Some(reason) = Access::refusal(&what, &access.cancel, &caller.roles) {
+                return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
+            }
+        }
+    }
     let command = command(
         &caller,
         &run_id,

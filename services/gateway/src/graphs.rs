@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use sortie_catalog::GraphTable;
-use sortie_core::graph::OnReject;
+use sortie_core::graph::{Access, OnReject};
 use sortie_core::Graphs;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, Topics};
@@ -84,6 +84,13 @@ impl Catalog {
             .get(graph_id, Some(version))
             .and_then(|g| g.node(node))
             .map(|n| n.on_reject.clone())
+    }
+
+    /// Who may start and cancel runs of the graph (its latest version for `None`), when
+    /// the graph is known here.
+    pub fn access(&self, graph_id: &str, version: Option<u32>) -> Option<Access> {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        graphs.get(graph_id, version).map(|g| g.access.clone())
     }
 
     fn update(&self, table: &GraphTable) {

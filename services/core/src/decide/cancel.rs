@@ -12,6 +12,16 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     let CommandBody::CancelRun { reason } = &command.body else {
         return;
     };
+    let run = ctx.run();
+    let required = ctx
+        .graphs
+        .get(&run.graph_id, Some(run.graph_version))
+        .map(|g| g.access.cancel.clone())
+        .unwrap_or_default();
+    let what = format!("cancelling a run of graph {}", run.graph_id);
+    if let Some(refusal) = crate::graph::Access::refusal(&what, &required, &command.roles) {
+        return ctx.reject(command, "forbidden", refusal);
+    }
     ctx.accept(command);
     if ctx.run().ending.as_ref().is_some_and(|e| e.cancelled) {
         return; // already cancelling: nothing more to do

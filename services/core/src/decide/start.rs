@@ -61,6 +61,11 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             format!("graph {graph_id}{version} is not published"),
         );
     };
+    let what = format!("starting a run of graph {}", graph.id);
+    if let Some(reason) = crate::graph::Access::refusal(&what, &graph.access.start, &command.roles)
+    {
+        return ctx.reject(command, "forbidden", reason);
+    }
     ctx.emit(
         EventBody::RunStarted {
             graph_id: graph.id.clone(),
