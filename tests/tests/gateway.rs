@@ -60,7 +60,8 @@ const ALICE: &str = "acme:user:alice:approver:tok-alice";
 const BOB: &str = "acme:user:bob::tok-bob";
 const EVE: &str = "globex:user:eve:approver:tok-eve";
 const OLGA: &str = "acme:user:olga:operator:tok-olga";
-const TOKENS: &[&str] = &[ALICE, BOB, EVE, OLGA];
+const OSCAR: &str = "globex:user:oscar:operator,approver:tok-oscar";
+const TOKENS: &[&str] = &[ALICE, BOB, EVE, OLGA, OSCAR];
 
 const LONG: Duration = Duration::from_secs(90);
 
@@ -802,6 +803,35 @@ async fn tenants_are_isolated_and_bad_requests_publish_nothing() {
         )
         .await;
     assert_eq!(status, 404, "{body}");
+    // Every other route that names the run, with the other tenant's operator (so no role
+    // check answers first): the live stream, a fork, a reconciliation.
+    let (status, body) = api
+        .get(
+            &with_position(&format!("/v1/runs/{run_id}/events/stream")),
+            "tok-oscar",
+        )
+        .await;
+    assert_eq!((status, code(&body)), (404, "unknown_run"), "stream: {body}");
+    for (path, payload) in [
+        (
+            format!("/v1/runs/{run_id}/fork"),
+            json!({"at_version": 1}),
+        ),
+        (
+            format!("/v1/runs/{run_id}/operations/op_x/reconcile"),
+            json!({"outcome": "failed"}),
+        ),
+        (format!("/v1/runs/{run_id}/cancel"), json!({})),
+    ] {
+        let (status, body) = api.post(&path, "tok-oscar", payload).await;
+        assert_eq!((status, code(&body)), (404, "unknown_run"), "{path}: {body}");
+    }
+    let (status, inbox) = api.get("/v1/inbox", "tok-oscar").await;
+    assert_eq!(status, 200, "{inbox}");
+    assert!(
+        !inbox.to_string().contains(&run_id),
+        "another tenant's inbox shows the run: {inbox}"
+    );
     // Another tenant starting a run under the taken id: refused without a word about the
     // run. None of the other tenant's commands (the cancel and resume above, this start)
     // left anything in the run's history: they were answered outside it (issue #14, item
