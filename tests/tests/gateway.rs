@@ -811,12 +811,13 @@ async fn tenants_are_isolated_and_bad_requests_publish_nothing() {
             "tok-oscar",
         )
         .await;
-    assert_eq!((status, code(&body)), (404, "unknown_run"), "stream: {body}");
+    assert_eq!(
+        (status, code(&body)),
+        (404, "unknown_run"),
+        "stream: {body}"
+    );
     for (path, payload) in [
-        (
-            format!("/v1/runs/{run_id}/fork"),
-            json!({"at_version": 1}),
-        ),
+        (format!("/v1/runs/{run_id}/fork"), json!({"at_version": 1})),
         (
             format!("/v1/runs/{run_id}/operations/op_x/reconcile"),
             json!({"outcome": "failed"}),
@@ -824,7 +825,11 @@ async fn tenants_are_isolated_and_bad_requests_publish_nothing() {
         (format!("/v1/runs/{run_id}/cancel"), json!({})),
     ] {
         let (status, body) = api.post(&path, "tok-oscar", payload).await;
-        assert_eq!((status, code(&body)), (404, "unknown_run"), "{path}: {body}");
+        assert_eq!(
+            (status, code(&body)),
+            (404, "unknown_run"),
+            "{path}: {body}"
+        );
     }
     let (status, inbox) = api.get("/v1/inbox", "tok-oscar").await;
     assert_eq!(status, 200, "{inbox}");
