@@ -2,8 +2,10 @@
 //! (see `sortie_wire::signing` for the headers and what a key may sign), read from a file
 //! and re-read when the file changes, so keys rotate without a restart.
 //!
-//! A command with signature headers is always checked — a present but wrong signature is
-//! refused even where unsigned commands are still accepted. An unsigned command is refused
+//! With a keyring, a command with signature headers is always checked — a present but
+//! wrong signature is refused even where unsigned commands are still accepted. Without
+//! one, signatures are not read at all (the rollout order: gateways sign, then reducers
+//! get the keyring, then `--require-signatures`). An unsigned command is refused
 //! only with `require_signatures` (production); without it (dev, old clients) it is taken
 //! as before. A refused command is answered `CommandRejected{code: unauthenticated}`
 //! outside the run's history and changes nothing (`sortie_core::refuse`).
@@ -83,6 +85,11 @@ impl Keys {
 
     /// Why `command` (decoded from `message`) is refused, if it is.
     pub fn refusal(&self, message: &OwnedMessage, command: &w::RunCommand) -> Option<String> {
+        if self.path.is_none() {
+            // No keyring: nothing to check against, signatures are not read (so gateways
+            // can start signing before the reducers get their keyring).
+            return None;
+        }
         let headers = message.headers();
         let pairs = headers
             .into_iter()
