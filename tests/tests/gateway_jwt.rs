@@ -7,6 +7,8 @@
 //! skipping the audience check (`set_audience` removed, `validate_aud = false`) turns
 //! `jwts_map_claims_to_the_caller_and_bad_ones_are_refused` red at "wrong audience";
 //! skipping the expiry check (`validate_exp = false`) turns it red at "expired";
+//! letting the token's header choose the algorithm (no check against the key's) turns it
+//! red at "RS384 on an RS256 key";
 //! a reload that ignores file changes turns
 //! `a_jwks_file_and_the_tokens_file_reload_without_a_restart` red at its first wait;
 //! no refetch for an unknown key id turns

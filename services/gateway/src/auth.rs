@@ -535,3 +535,47 @@ fn changed(seen: &Mutex<Option<[u8; 32]>>, bytes: &[u8]) -> bool {
 fn read<T>(lock: &RwLock<Arc<T>>) -> Arc<T> {
     lock.read().unwrap_or_else(PoisonError::into_inner).clone()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const ED_X: &str = "11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo";
+
+    #[test]
+    fn each_jwk_verifies_one_asymmetric_algorithm_and_symmetric_keys_are_skipped() {
+        let document = json!({"keys": [
+            {"kty": "OKP", "crv": "Ed25519", "x": ED_X, "kid": "ed"},
+            {"kty": "OKP", "crv": "Ed25519", "x": ED_X, "kid": "ed-rs", "alg": "RS256"},
+            {"kty": "OKP", "crv": "Ed25519", "x": ED_X, "kid": "enc", "use": "enc"},
+            {"kty": "oct", "k": "c2VjcmV0", "kid": "hmac", "alg": "HS256"},
+            {"kty": "weird", "kid": "unknown"},
+        ]});
+        let keys = parse_jwks(&serde_json::to_vec(&document).expect("json")).expect("a JWKS");
+        let kept: Vec<_> = keys
+            .iter()
+            .map(|k| (k.kid.clone().unwrap_or_default(), k.algorithm))
+            .collect();
+        assert_eq!(kept, vec![("ed".to_owned(), Algorithm::EdDSA)]);
+        assert!(parse_jwks(b"{\"not\": \"a jwks\"}").is_err());
+    }
+
+    #[test]
+    fn claims_become_the_caller_and_the_tenant_is_required() {
+        let names = ClaimNames::default();
+        let claims = |v: Value| v.as_object().cloned().expect("object");
+        let who = principal(
+            &names,
+            &claims(json!({"tenant": "acme", "sub": "u1", "roles": "a b", "groups": ["g"]})),
+        )
+        .expect("a caller");
+        assert_eq!(who.roles, vec!["a", "b"]);
+        assert_eq!(who.groups, vec!["g"]);
+        assert!(principal(&names, &claims(json!({"sub": "u1"})))
+            .is_err_and(|r| r.0.contains("`tenant`")));
+        assert!(principal(&names, &claims(json!({"tenant": "", "sub": "u1"}))).is_err());
+        assert!(principal(&names, &claims(json!({"tenant": 7, "sub": "u1"}))).is_err());
+        assert!(looks_like_jwt("eyJa.b.c") && !looks_like_jwt("tok-alice"));
+    }
+}
