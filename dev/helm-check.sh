@@ -268,4 +268,24 @@ print(f"   image {expected} on {containers} containers; {guarded} workloads with
       f"reducer anti-affinity and /readyz probe" + ("; RF 3, min ISR 2, Kafka properties everywhere" if which == "production" else ""))
 PY
 done
+
+# JWT at the gateway: off by default; with an issuer, the gateway gets issuer, audience
+# and JWKS URL, and an issuer without an audience or a JWKS URL does not render.
+echo "== gateway JWT values"
+if grep -q SORTIE__GATEWAY__JWT "$out/default.yaml"; then
+    echo "FAIL: JWT settings rendered with the default values" >&2
+    exit 1
+fi
+jwt=(--set gateway.jwt.issuer=https://idp.example --set gateway.jwt.audience=sortie)
+"$HELM" template sortie "$CHART" --namespace sortie --kube-version "$KUBE_VERSION" \
+    "${jwt[@]}" --set gateway.jwt.jwksUrl=https://idp.example/jwks.json \
+    --show-only templates/gateway.yaml >"$out/jwt.yaml"
+for name in SORTIE__GATEWAY__JWT_ISSUER SORTIE__GATEWAY__JWT_AUDIENCE SORTIE__GATEWAY__JWKS_URL; do
+    grep -q "name: $name" "$out/jwt.yaml" || { echo "FAIL: $name is not rendered" >&2; exit 1; }
+done
+if "$HELM" template sortie "$CHART" "${jwt[@]}" >/dev/null 2>&1; then
+    echo "FAIL: gateway.jwt.issuer without gateway.jwt.jwksUrl rendered" >&2
+    exit 1
+fi
+echo "   off by default; issuer, audience and JWKS URL when set; refused without a JWKS URL"
 echo "== helm chart OK"

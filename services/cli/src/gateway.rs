@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sortie_gateway::config::ClaimNames;
 use sortie_gateway::fault::FaultPoint;
-use sortie_gateway::{GatewayConfig, TokenEntry};
+use sortie_gateway::{GatewayConfig, JwksSource, JwtConfig, TokenEntry};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -25,9 +26,76 @@ pub struct Args {
     /// A dev token, hashed at start: TENANT:PRINCIPAL:ROLE1,ROLE2:TOKEN (repeatable).
     #[arg(long = "token")]
     tokens: Vec<String>,
-    /// YAML file of hashed tokens: `tokens: [{sha256, tenant, principal, roles}]`.
+    /// YAML file of hashed tokens: `tokens: [{sha256, tenant, principal, roles, groups}]`;
+    /// re-read when it changes (see --auth-reload-ms) and on SIGHUP.
     #[arg(long, env = "SORTIE__GATEWAY__TOKENS_FILE")]
     tokens_file: Option<PathBuf>,
+    /// Accept JWT bearer tokens whose `iss` is this (needs --jwt-audience and a JWKS).
+    #[arg(long, env = "SORTIE__GATEWAY__JWT_ISSUER", requires_all = ["jwt_audience"])]
+    jwt_issuer: Option<String>,
+    /// The audience a JWT's `aud` must hold.
+    #[arg(long, env = "SORTIE__GATEWAY__JWT_AUDIENCE", requires = "jwt_issuer")]
+    jwt_audience: Option<String>,
+    /// A JWKS file with the issuer's public keys; re-read when it changes and on SIGHUP.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__JWKS_FILE",
+        requires = "jwt_issuer",
+        conflicts_with = "jwks_url"
+    )]
+    jwks_file: Option<PathBuf>,
+    /// A JWKS URL; fetched every --jwks-refresh-secs, on SIGHUP, and when a token names
+    /// a key id the set lacks (at most every --jwks-refetch-min-ms).
+    #[arg(long, env = "SORTIE__GATEWAY__JWKS_URL", requires = "jwt_issuer")]
+    jwks_url: Option<String>,
+    /// The claim holding the tenant (a token without it is refused).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__JWT_TENANT_CLAIM",
+        default_value = "tenant"
+    )]
+    jwt_tenant_claim: String,
+    /// The claim holding the principal.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__JWT_PRINCIPAL_CLAIM",
+        default_value = "sub"
+    )]
+    jwt_principal_claim: String,
+    /// The claim holding the roles (an array, or one space-separated string).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__JWT_ROLES_CLAIM",
+        default_value = "roles"
+    )]
+    jwt_roles_claim: String,
+    /// The claim holding the approver groups (an array, or one space-separated string).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__JWT_GROUPS_CLAIM",
+        default_value = "groups"
+    )]
+    jwt_groups_claim: String,
+    /// Clock skew allowed on a JWT's `exp` and `nbf`.
+    #[arg(long, env = "SORTIE__GATEWAY__JWT_LEEWAY_SECS", default_value_t = 30)]
+    jwt_leeway_secs: u64,
+    /// How often a JWKS URL is fetched again.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__JWKS_REFRESH_SECS",
+        default_value_t = 300
+    )]
+    jwks_refresh_secs: u64,
+    /// A token with an unknown key id fetches the JWKS URL again at most this often.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__JWKS_REFETCH_MIN_MS",
+        default_value_t = 10_000
+    )]
+    jwks_refetch_min_ms: u64,
+    /// How often the tokens file and the JWKS file are checked for changes.
+    #[arg(long, env = "SORTIE__GATEWAY__AUTH_RELOAD_MS", default_value_t = 2_000)]
+    auth_reload_ms: u64,
     /// How long a write waits for the reducer's answer (then 504 with the command id).
     #[arg(
         long,
@@ -85,9 +153,28 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         config.budgets = sortie_gateway::config::Budgets::load(path)?;
     }
     if let Some(path) = &args.tokens_file {
-        config
-            .tokens
-            .extend(sortie_gateway::config::load_tokens(path)?);
+        // Read once here so a broken file stops the start with its error.
+        sortie_gateway::config::load_tokens(path)?;
+        config.tokens_file = Some(path.clone());
+    }
+    config.auth_reload_interval = Duration::from_millis(args.auth_reload_ms);
+    if let (Some(issuer), Some(audience)) = (args.jwt_issuer, args.jwt_audience) {
+        let jwks = match (args.jwks_file, args.jwks_url) {
+            (Some(file), None) => JwksSource::File(file),
+            (None, Some(url)) => JwksSource::Url(url),
+            _ => anyhow::bail!("--jwt-issuer needs exactly one of --jwks-file and --jwks-url"),
+        };
+        let mut jwt = JwtConfig::new(issuer, audience, jwks);
+        jwt.claims = ClaimNames {
+            tenant: args.jwt_tenant_claim,
+            principal: args.jwt_principal_claim,
+            roles: args.jwt_roles_claim,
+            groups: args.jwt_groups_claim,
+        };
+        jwt.leeway = Duration::from_secs(args.jwt_leeway_secs);
+        jwt.jwks_refresh = Duration::from_secs(args.jwks_refresh_secs);
+        jwt.unknown_kid_refetch = Duration::from_millis(args.jwks_refetch_min_ms);
+        config.jwt = Some(jwt);
     }
     for spec in &args.tokens {
         config.tokens.push(TokenEntry::from_dev_spec(spec)?);
@@ -99,7 +186,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(point) = config.fault {
         tracing::warn!(%point, "Fault injection is ON: this gateway will die at that point.");
     }
-    if config.tokens.is_empty() {
+    if config.tokens.is_empty() && config.tokens_file.is_none() && config.jwt.is_none() {
         tracing::warn!("No tokens are configured: every API request will be refused (401).");
     }
     let metrics = crate::telemetry::install_metrics(&[sortie_gateway::metrics::HISTOGRAM_BUCKETS])?;

@@ -34,6 +34,8 @@ struct Cli {
     log: telemetry::LogArgs,
 }
 
+// Parsed once at start and matched once: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// The whole local stack in one command: Kafka, registry, topics, graphs, ledger,

@@ -1,4 +1,4 @@
-//! The gateway's shared state: config, tokens, the view, the command producer and the graph
+//! The gateway's shared state: config, auth, the view, the command producer and the graph
 //! catalog; and the write path (publish a command, wait for the reducer's answer).
 
 pub(crate) use sortie_kafka::clock::now_ms;
@@ -15,7 +15,8 @@ use sortie_wire::trace::{TraceContext, TRACEPARENT};
 use sortie_wire::{partition_for, Codec, CodecConfig, RecordKind, Topics};
 use tokio::sync::watch;
 
-use crate::config::{GatewayConfig, TokenEntry};
+use crate::auth::{self, Auth};
+use crate::config::GatewayConfig;
 use crate::error::ApiError;
 use crate::fault::{self, FaultPoint};
 use crate::graphs::Catalog;
@@ -34,6 +35,8 @@ pub enum Error {
     Registry(#[from] sortie_wire::EncodeError),
     #[error("creating the command producer: {0}")]
     Producer(rdkafka::error::KafkaError),
+    #[error(transparent)]
+    Auth(#[from] auth::Error),
     #[error("serving HTTP: {0}")]
     Serve(std::io::Error),
     #[error("the command signing key: {0}")]
@@ -56,7 +59,7 @@ impl std::fmt::Debug for AppState {
 
 pub(crate) struct Inner {
     pub config: GatewayConfig,
-    pub tokens: HashMap<String, TokenEntry>,
+    pub auth: Arc<Auth>,
     pub view: Arc<View>,
     pub graphs: Arc<Catalog>,
     producer: FutureProducer,
@@ -77,6 +80,7 @@ impl AppState {
     /// catalog. Needs Kafka and the registry.
     pub async fn start(config: GatewayConfig) -> Result<AppState, Error> {
         let topics = Topics::new(config.prefix.clone());
+        let auth = Arc::new(Auth::load(&config).await?);
         std::fs::create_dir_all(&config.data_dir).ok();
         let store = Store::open(&config.data_dir, topics.prefix())?;
         let codec = Arc::new(Codec::new(&CodecConfig {
@@ -117,15 +121,11 @@ impl AppState {
             tokio::runtime::Handle::current(),
             stop_graphs.clone(),
         );
-        let tokens = config
-            .tokens
-            .iter()
-            .map(|t| (t.sha256.to_ascii_lowercase(), t.clone()))
-            .collect();
+        tokio::spawn(auth::watch(auth.clone(), stop.subscribe()));
         Ok(AppState {
             inner: Arc::new(Inner {
                 config,
-                tokens,
+                auth,
                 view,
                 graphs,
                 producer,

@@ -1,4 +1,5 @@
-//! The gateway's configuration and its bearer tokens (only their SHA-256 hashes are held).
+//! The gateway's configuration: its static bearer tokens (only their SHA-256 hashes are
+//! held), where JWTs are checked, budgets and limits.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -43,8 +44,18 @@ pub struct GatewayConfig {
     pub prefix: String,
     /// The view's sled store (a cache of the Kafka topics; deleting it costs a catch-up).
     pub data_dir: PathBuf,
+    /// Dev tokens (fixed for the process's life).
     #[serde(default)]
     pub tokens: Vec<TokenEntry>,
+    /// A YAML file of hashed tokens ([`TokensFile`]), re-read when its content changes.
+    #[serde(default)]
+    pub tokens_file: Option<PathBuf>,
+    /// JWT bearer tokens, verified against a JWKS (off when absent).
+    #[serde(default)]
+    pub jwt: Option<JwtConfig>,
+    /// How often the tokens file and a JWKS file are checked for changes (SIGHUP: at once).
+    #[serde(default = "default_auth_reload", with = "millis")]
+    pub auth_reload_interval: Duration,
     /// How long a write waits for the reducer's answer before 504.
     #[serde(default = "default_answer_timeout", with = "millis")]
     pub answer_timeout: Duration,
@@ -134,6 +145,91 @@ fn default_max_streams() -> usize {
     32
 }
 
+fn default_auth_reload() -> Duration {
+    Duration::from_secs(2)
+}
+
+/// JWT bearer tokens: who issues them, for which audience, the keys that sign them, and
+/// which claims name the tenant, principal, roles and groups.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    /// The `iss` a token must carry.
+    pub issuer: String,
+    /// A value the token's `aud` must hold.
+    pub audience: String,
+    pub jwks: JwksSource,
+    #[serde(default)]
+    pub claims: ClaimNames,
+    /// Clock skew allowed on `exp` and `nbf`.
+    #[serde(default = "default_leeway", with = "millis")]
+    pub leeway: Duration,
+    /// How often a JWKS URL is fetched again.
+    #[serde(default = "default_jwks_refresh", with = "millis")]
+    pub jwks_refresh: Duration,
+    /// A token naming a key id the set lacks fetches a JWKS URL again, at most this often.
+    #[serde(default = "default_unknown_kid_refetch", with = "millis")]
+    pub unknown_kid_refetch: Duration,
+}
+
+impl JwtConfig {
+    pub fn new(issuer: impl Into<String>, audience: impl Into<String>, jwks: JwksSource) -> Self {
+        JwtConfig {
+            issuer: issuer.into(),
+            audience: audience.into(),
+            jwks,
+            claims: ClaimNames::default(),
+            leeway: default_leeway(),
+            jwks_refresh: default_jwks_refresh(),
+            unknown_kid_refetch: default_unknown_kid_refetch(),
+        }
+    }
+}
+
+/// Where the JWKS (the issuer's public keys) comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JwksSource {
+    /// A JSON file, re-read when its content changes.
+    File(PathBuf),
+    /// An `https://…/jwks.json` URL, fetched periodically and for unknown key ids.
+    Url(String),
+}
+
+/// The claims a JWT's principal is read from. `roles` and `groups` may be arrays of
+/// strings or one space-separated string.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClaimNames {
+    pub tenant: String,
+    pub principal: String,
+    pub roles: String,
+    pub groups: String,
+}
+
+impl Default for ClaimNames {
+    fn default() -> Self {
+        ClaimNames {
+            tenant: "tenant".into(),
+            principal: "sub".into(),
+            roles: "roles".into(),
+            groups: "groups".into(),
+        }
+    }
+}
+
+fn default_leeway() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_jwks_refresh() -> Duration {
+    Duration::from_secs(300)
+}
+
+fn default_unknown_kid_refetch() -> Duration {
+    Duration::from_secs(10)
+}
+
 mod millis {
     use std::time::Duration;
 
@@ -157,6 +253,9 @@ impl GatewayConfig {
             prefix: default_prefix(),
             data_dir,
             tokens: Vec::new(),
+            tokens_file: None,
+            jwt: None,
+            auth_reload_interval: default_auth_reload(),
             answer_timeout: default_answer_timeout(),
             read_wait_timeout: default_answer_timeout(),
             max_body_bytes: default_max_body(),

@@ -7,16 +7,15 @@ use axum::http::{header, StatusCode};
 use serde::de::DeserializeOwned;
 
 use crate::app::AppState;
-use crate::config::token_hash;
 use crate::error::ApiError;
 
-/// Who is calling, from the bearer token.
+/// Who is calling, from the bearer token (a static token or a JWT, see [`crate::auth`]).
 #[derive(Debug, Clone)]
 pub struct Caller {
     pub tenant: String,
     pub principal: String,
     pub roles: Vec<String>,
-    /// Approver groups (the token's `groups` claim).
+    /// Approver groups (the token's `groups`).
     pub groups: Vec<String>,
 }
 
@@ -46,16 +45,17 @@ impl FromRequestParts<AppState> for Caller {
                     "the Authorization header must be `Bearer <token>`",
                 )
             })?;
-        let entry = state
+        let who = state
             .inner
-            .tokens
-            .get(&token_hash(token))
-            .ok_or_else(|| unauthorized("invalid_token", "the bearer token is not known"))?;
+            .auth
+            .authenticate(token)
+            .await
+            .map_err(|refused| unauthorized("invalid_token", &refused.0))?;
         Ok(Caller {
-            tenant: entry.tenant.clone(),
-            principal: entry.principal.clone(),
-            roles: entry.roles.clone(),
-            groups: entry.groups.clone(),
+            tenant: who.tenant,
+            principal: who.principal,
+            roles: who.roles,
+            groups: who.groups,
         })
     }
 }

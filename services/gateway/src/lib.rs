@@ -12,6 +12,7 @@
 
 mod api;
 mod app;
+pub mod auth;
 pub mod config;
 pub mod error;
 mod extract;
@@ -31,7 +32,7 @@ use std::future::Future;
 
 pub use api::{router, IDEMPOTENCY_HEADER, MIN_POSITION_HEADER};
 pub use app::{AppState, Error};
-pub use config::{GatewayConfig, TokenEntry};
+pub use config::{GatewayConfig, JwksSource, JwtConfig, TokenEntry};
 pub use openapi::document as openapi_document;
 
 /// Serves the API on `listener` until `shutdown` resolves, then stops the view (flushing
