@@ -23,7 +23,8 @@ pub struct Args {
         default_value = "target/dev/gateway"
     )]
     data_dir: PathBuf,
-    /// A dev token, hashed at start: TENANT:PRINCIPAL:ROLE1,ROLE2:TOKEN (repeatable).
+    /// A dev token, hashed at start: TENANT:PRINCIPAL:ROLE1,ROLE2,@GROUP:TOKEN (repeatable;
+    /// entries starting `@` are approver groups).
     #[arg(long = "token")]
     tokens: Vec<String>,
     /// YAML file of hashed tokens: `tokens: [{sha256, tenant, principal, roles, groups}]`;

@@ -58,7 +58,7 @@ fn idempotency_key() -> Value {
 fn write_errors(mut responses: Value) -> Value {
     for (code, text) in [
         ("400", "Bad JSON or a missing or invalid field."),
-        ("401", "No or unknown bearer token."),
+        ("401", "No bearer token, an unknown static token, or a JWT that does not verify (signature, issuer, audience, expiry, tenant claim)."),
         ("403", "Forbidden: another tenant's namespace, or the reducer's `forbidden` (missing role)."),
         ("404", "Unknown run (also another tenant's run)."),
         ("409", "Refused by the reducer: conflict, bad_state, stale_proposal, already_decided, expired, duplicate_approver, unknown_interrupt, unknown_operation."),
@@ -72,7 +72,7 @@ fn write_errors(mut responses: Value) -> Value {
 
 fn read_errors(mut responses: Value) -> Value {
     for (code, text) in [
-        ("401", "No or unknown bearer token."),
+        ("401", "No bearer token, an unknown static token, or a JWT that does not verify (signature, issuer, audience, expiry, tenant claim)."),
         ("404", "Unknown run (also another tenant's run)."),
         ("504", "The view did not reach min_position in time."),
     ] {
