@@ -565,6 +565,27 @@ pub fn start_run(run_id: &str, graph: &str, input: &str) -> w::RunCommand {
     )
 }
 
+/// An approval of `interrupt` of `run_id` as proposed (no payload, no edits).
+pub fn approve(
+    run_id: &str,
+    command_id: &str,
+    interrupt: &sortie_core::state::Interrupt,
+) -> w::RunCommand {
+    command(
+        run_id,
+        command_id,
+        w::CommandBody::ResumeRun(w::ResumeRun {
+            interrupt_id: interrupt.interrupt_id.clone(),
+            proposal_hash: interrupt.proposal_hash.clone(),
+            decision: w::Decision::Approve,
+            payload: None,
+            comment: Some("ok".into()),
+            edited_args: None,
+            payload_is_input: false,
+        }),
+    )
+}
+
 pub fn command(run_id: &str, command_id: &str, body: w::CommandBody) -> w::RunCommand {
     w::RunCommand {
         command_id: command_id.into(),

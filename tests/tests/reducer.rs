@@ -7,7 +7,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use sortie_core::{EventBody, RunState, RunStatus};
-use sortie_tests::stack::{command, start_run, succeed, Stack, PARTITIONS};
+use sortie_tests::stack::{start_run, succeed, Stack, PARTITIONS};
 use sortie_wire::partition_for;
 use sortie_wire::records as w;
 
@@ -186,19 +186,7 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
         .next()
         .expect("an interrupt")
         .clone();
-    let approve = command(
-        &run,
-        "approve-1",
-        w::CommandBody::ResumeRun(w::ResumeRun {
-            interrupt_id: interrupt.interrupt_id.clone(),
-            proposal_hash: interrupt.proposal_hash.clone(),
-            decision: w::Decision::Approve,
-            payload: None,
-            comment: Some("ok".into()),
-            edited_args: None,
-            payload_is_input: false,
-        }),
-    );
+    let approve = sortie_tests::stack::approve(&run, "approve-1", &interrupt);
     stack.send(&approve).await;
     let states = stack
         .wait_for_states(
@@ -770,19 +758,7 @@ async fn a_changelog_transaction_open_at_a_restore_is_waited_out() {
         .next()
         .expect("an interrupt")
         .clone();
-    let approve = command(
-        &run,
-        "approve-copy",
-        w::CommandBody::ResumeRun(w::ResumeRun {
-            interrupt_id: interrupt.interrupt_id.clone(),
-            proposal_hash: interrupt.proposal_hash.clone(),
-            decision: w::Decision::Approve,
-            payload: None,
-            comment: Some("ok".into()),
-            edited_args: None,
-            payload_is_input: false,
-        }),
-    );
+    let approve = sortie_tests::stack::approve(&run, "approve-copy", &interrupt);
     stack.send(&approve).await;
     stack
         .wait_for_states(

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use sortie_core::{EventBody, RunState, RunStatus};
-use sortie_tests::stack::{command, start_run, succeed, Stack};
+use sortie_tests::stack::{start_run, succeed, Stack};
 use sortie_wire::records as w;
 use sortie_wire::signing::{keyring_text, KeyEntry, Signer};
 
@@ -47,19 +47,7 @@ fn service_entry(signer: &Signer) -> KeyEntry {
 
 fn approve(run: &str, command_id: &str, state: &RunState) -> w::RunCommand {
     let interrupt = state.interrupts.values().next().expect("an interrupt");
-    command(
-        run,
-        command_id,
-        w::CommandBody::ResumeRun(w::ResumeRun {
-            interrupt_id: interrupt.interrupt_id.clone(),
-            proposal_hash: interrupt.proposal_hash.clone(),
-            decision: w::Decision::Approve,
-            payload: None,
-            comment: Some("ok".into()),
-            edited_args: None,
-            payload_is_input: false,
-        }),
-    )
+    sortie_tests::stack::approve(run, command_id, interrupt)
 }
 
 /// The `unauthenticated` answer to `command_id`, once it is on the events topic: it must
