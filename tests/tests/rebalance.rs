@@ -978,7 +978,19 @@ fn all_topics(stack: &Stack) -> Vec<String> {
 /// stable. Fixed in the restore (the high watermark, asked read_uncommitted; see
 /// `reducer.rs` `a_changelog_transaction_open_at_a_restore_is_waited_out`); 4 of 4 runs
 /// under load passed after it, settling 12–18 s after the kill.
+///
+/// Ignored again because of a third failure, outside Sortie (CI rehearsal of 2026-12-01,
+/// 1 run in 3): when the killed node is the reducers' *group coordinator*, librdkafka's
+/// `send_offsets_to_transaction` does not return — its timeout is never checked
+/// (confluentinc/librdkafka#5456, open, fix in PR #5457) and a coordinator whose broker was
+/// decommissioned stays cached (#5511). The reducer's thread backtrace showed it inside
+/// that call 4 minutes after its 10 s timeout, and the other reducer waiting for it to
+/// rejoin the group. With the node back (a supervisor restarting a broker) the call goes
+/// on. Next step (issue #17): a watchdog that ends a reducer whose transactional call
+/// outlives its own timeout by far, so its supervisor restarts it with fresh clients, and
+/// this test restarting exited reducers as a supervisor would; or librdkafka with #5457.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "librdkafka#5456/#5511: send_offsets_to_transaction hangs when the group coordinator's broker dies (see the doc comment)"]
 async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
     let _turn = HEAVY.lock().await;
     let began = Instant::now();
