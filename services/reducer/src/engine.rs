@@ -161,22 +161,9 @@ impl Engine {
             _ => {}
         }
         let _entered = span.enter();
-        let (state, from_batch) = self.take_state(&run_id)?;
-        if let Input::Command(c) = input {
-            if let sortie_core::CommandBody::StartRun {
-                graph_id,
-                graph_version,
-                ..
-            } = &c.body
-            {
-                if state.is_none() && self.graphs.graphs().get(graph_id, *graph_version).is_none() {
-                    // A graph published a moment ago may not have reached the table yet.
-                    self.graphs.catch_up(Duration::from_secs(5))?;
-                }
-            }
-        }
-        let mut applied = match (refusal, input) {
+        let (mut applied, state, from_batch) = match (refusal, input) {
             (Some(reason), Input::Command(command)) => {
+                // Refused before the fold: the run's state is not read, no graph waited for.
                 tracing::warn!(
                     run_id,
                     command_id = %command.command_id,
@@ -186,9 +173,30 @@ impl Engine {
                     "Refusing a command that does not prove who sent it."
                 );
                 crate::metrics::command_refused();
-                sortie_core::refuse(command, "unauthenticated", reason, self.graphs.graphs())
+                let refused =
+                    sortie_core::refuse(command, "unauthenticated", reason, self.graphs.graphs());
+                (refused, None, false)
             }
-            _ => apply(state.as_ref(), input, self.graphs.graphs()),
+            _ => {
+                let (state, from_batch) = self.take_state(&run_id)?;
+                if let Input::Command(c) = input {
+                    if let sortie_core::CommandBody::StartRun {
+                        graph_id,
+                        graph_version,
+                        ..
+                    } = &c.body
+                    {
+                        if state.is_none()
+                            && self.graphs.graphs().get(graph_id, *graph_version).is_none()
+                        {
+                            // A graph published a moment ago may not have reached the table yet.
+                            self.graphs.catch_up(Duration::from_secs(5))?;
+                        }
+                    }
+                }
+                let applied = apply(state.as_ref(), input, self.graphs.graphs());
+                (applied, state, from_batch)
+            }
         };
         // The fold's copy for the state write is `applied.state` again: not kept twice.
         let mut changed = false;
