@@ -86,13 +86,29 @@ impl Access {
         self.start.is_empty() && self.cancel.is_empty()
     }
 
-    /// Why `roles` may not do what needs one of `required`, if they may not.
-    pub fn refusal(what: &str, required: &[String], roles: &[String]) -> Option<String> {
+    /// Why `roles` may not start a run of graph `graph_id`, if they may not.
+    pub fn start_refusal(&self, graph_id: &str, roles: &[String]) -> Option<String> {
+        let what = || format!("starting a run of graph {graph_id}");
+        Self::refusal(what, &self.start, roles)
+    }
+
+    /// Why `roles` may not cancel a run of graph `graph_id`, if they may not.
+    pub fn cancel_refusal(&self, graph_id: &str, roles: &[String]) -> Option<String> {
+        let what = || format!("cancelling a run of graph {graph_id}");
+        Self::refusal(what, &self.cancel, roles)
+    }
+
+    fn refusal(
+        what: impl FnOnce() -> String,
+        required: &[String],
+        roles: &[String],
+    ) -> Option<String> {
         if required.is_empty() || required.iter().any(|r| roles.contains(r)) {
             return None;
         }
         Some(format!(
-            "{what} needs one of the roles {}",
+            "{} needs one of the roles {}",
+            what(),
             required.join(", ")
         ))
     }

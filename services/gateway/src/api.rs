@@ -13,7 +13,6 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use sortie_core::graph::Access;
 use sortie_core::{Event, RunStatus};
 use sortie_wire::records as w;
 use ulid::Ulid;
@@ -312,11 +311,9 @@ async fn start_run(
         }
     }
     // The graph's own rule, before publishing (the fold checks it again).
-    if let Some(access) = graphs.access(&body.graph_id, body.graph_version) {
-        let what = format!("starting a run of graph {}", body.graph_id);
-        if let Some(reason) = Access::refusal(&what, &access.start, &caller.roles) {
-            return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
-        }
+    let access = graphs.access(&body.graph_id, body.graph_version);
+    if let Some(reason) = access.and_then(|a| a.start_refusal(&body.graph_id, &caller.roles)) {
+        return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
     }
     let input = body.input.unwrap_or_else(|| json!({}));
     let command = command(
@@ -514,12 +511,10 @@ async fn cancel_run(
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
     if let Some(run) = known_run(&app, &caller, &run_id)? {
-        let graph = (&run.state.graph_id, run.state.graph_version);
-        if let Some(access) = app.inner.graphs.access(graph.0, Some(graph.1)) {
-            let what = format!("cancelling a run of graph {}", graph.0);
-            if let Some(reason) = Access::refusal(&what, &access.cancel, &caller.roles) {
-                return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
-            }
+        let (graph, version) = (&run.state.graph_id, run.state.graph_version);
+        let access = app.inner.graphs.access(graph, Some(version));
+        if let Some(reason) = access.and_then(|a| a.cancel_refusal(graph, &caller.roles)) {
+            return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
         }
     }
     let command = command(

@@ -13,13 +13,11 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         return;
     };
     let run = ctx.run();
-    let required = ctx
+    let refusal = ctx
         .graphs
         .get(&run.graph_id, Some(run.graph_version))
-        .map(|g| g.access.cancel.clone())
-        .unwrap_or_default();
-    let what = format!("cancelling a run of graph {}", run.graph_id);
-    if let Some(refusal) = crate::graph::Access::refusal(&what, &required, &command.roles) {
+        .and_then(|g| g.access.cancel_refusal(&g.id, &command.roles));
+    if let Some(refusal) = refusal {
         return ctx.reject(command, "forbidden", refusal);
     }
     ctx.accept(command);

@@ -61,9 +61,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             format!("graph {graph_id}{version} is not published"),
         );
     };
-    let what = format!("starting a run of graph {}", graph.id);
-    if let Some(reason) = crate::graph::Access::refusal(&what, &graph.access.start, &command.roles)
-    {
+    if let Some(reason) = graph.access.start_refusal(&graph.id, &command.roles) {
         return ctx.reject(command, "forbidden", reason);
     }
     ctx.emit(
