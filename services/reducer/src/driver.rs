@@ -266,14 +266,8 @@ impl Reducer {
         }
         // The restore's end is the changelog's high watermark, asked read_uncommitted
         // (see `restore`); this client does nothing else (never subscribes or commits).
-        let marks: BaseConsumer = config
-            .kafka
-            .client()
-            .set("group.id", format!("{}restore", topics.prefix()))
-            .set("enable.auto.commit", "false")
-            .set("isolation.level", "read_uncommitted")
-            .set("allow.auto.create.topics", "false")
-            .create()?;
+        let marks: BaseConsumer =
+            crate::restore::client(&config.kafka, topics, "read_uncommitted").create()?;
         let engine = Arc::new(Mutex::new(Engine {
             config: config.clone(),
             runtime,

@@ -28,7 +28,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sortie_core::RunState;
 use sortie_kafka::read::{Next, ReadError};
 use sortie_kafka::KafkaConfig;
@@ -150,12 +150,8 @@ pub fn partitions(
     if progress.is_empty() {
         return Ok(restored);
     }
-    let mut config = kafka.client();
+    let mut config = client(kafka, topics, "read_committed");
     config
-        .set("group.id", format!("{}restore", topics.prefix()))
-        .set("enable.auto.commit", "false")
-        .set("isolation.level", "read_committed")
-        .set("allow.auto.create.topics", "false")
         .set("fetch.max.bytes", "67108864")
         .set("max.partition.fetch.bytes", "16777216");
     let consumer: BaseConsumer = config.create()?;
@@ -265,6 +261,18 @@ pub fn partitions(
     // Closing a consumer takes librdkafka ~100 ms; nothing waits for it.
     std::thread::spawn(move || drop(consumer));
     Ok(restored)
+}
+
+/// A client of the restore's (never subscribes, never commits) with `isolation`: the
+/// reader is `read_committed`, the engine's watermark client `read_uncommitted`.
+pub(crate) fn client(kafka: &KafkaConfig, topics: &Topics, isolation: &str) -> ClientConfig {
+    let mut config = kafka.client();
+    config
+        .set("group.id", format!("{}restore", topics.prefix()))
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", isolation)
+        .set("allow.auto.create.topics", "false");
+    config
 }
 
 /// One changelog record as read, before decoding.
