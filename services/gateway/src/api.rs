@@ -311,7 +311,12 @@ async fn start_run(
         }
     }
     // The graph's own rule, before publishing (the fold checks it again).
-    let access = graphs.access(&body.graph_id, body.graph_version);
+    let mut access = graphs.access(&body.graph_id, body.graph_version);
+    if access.is_none() {
+        // The table has not loaded this graph yet (a gateway just started).
+        graphs.refresh(Duration::from_secs(3)).await;
+        access = graphs.access(&body.graph_id, body.graph_version);
+    }
     if let Some(reason) = access.and_then(|a| a.start_refusal(&body.graph_id, &caller.roles)) {
         return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
     }
