@@ -235,6 +235,52 @@ async fn a_reducer_killed_after_commit_before_its_cache_write_restores_from_the_
     );
 }
 
+/// Issue #17: librdkafka's `send_offsets_to_transaction` can block past its timeout for
+/// good when the group coordinator's broker dies (librdkafka#5456, #5511). A reducer told
+/// to hang there on its 4th batch (`reducer.hang_in_send_offsets`: the thread parks inside
+/// the watchdog's bound, its transaction open) must end itself with status 75 once the
+/// call is past its 10 s timeout and the grace (1 s here), instead of holding its
+/// partitions forever; started again, as its supervisor would, it fences the open
+/// transaction and every run finishes with each effect once.
+///
+/// Checked red: with the watchdog thread not started, the reducer never exits
+/// ("the wedged reducer ended itself with status 75 … None").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reducer_wedged_in_a_kafka_call_ends_itself_and_its_restart_loses_nothing() {
+    let stack = Stack::start("crash-wedged", &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&chain_graph(&ledger.url)).await;
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let mut reducer = stack.reducer_with(
+        "0",
+        &[
+            "--fault",
+            "reducer.hang_in_send_offsets",
+            "--fault-after",
+            "4",
+            "--stall-grace-ms",
+            "1000",
+        ],
+    );
+    let runs = runs(16);
+    start_runs(&stack, &runs).await;
+    let status = reducer.wait_exit(LONG).await;
+    let log = reducer.own_log_text();
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(75), // sortie_reducer::watchdog::WEDGED_EXIT_CODE
+        "the wedged reducer ended itself with status 75 ({status:?}):\n{log}"
+    );
+    assert!(
+        log.contains("hangs here on purpose")
+            && log.contains("outlived its timeout")
+            && log.contains("send_offsets_to_transaction"),
+        "it said which call wedged:\n{log}"
+    );
+    let _restarted = stack.reducer("0");
+    assert_exactly_once(&stack, &ledger, &runs, true).await;
+}
+
 /// SPEC §10 "broker restarted mid-run": a broker of this test's own (the shared one
 /// serves the suites running beside it) is stopped with runs in flight and started again
 /// on its data; every service rides it out. The runs started before and after all finish,

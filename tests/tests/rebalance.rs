@@ -312,8 +312,20 @@ async fn wait_settled_or(
     deadline: Duration,
     on_timeout: impl FnOnce(),
 ) -> HashMap<String, RunState> {
+    wait_settled_supervised(stack, runs, deadline, || {}, on_timeout).await
+}
+
+/// [`wait_settled_or`], calling `tick` between two looks (a supervisor's round).
+async fn wait_settled_supervised(
+    stack: &Stack,
+    runs: &[String],
+    deadline: Duration,
+    mut tick: impl FnMut(),
+    on_timeout: impl FnOnce(),
+) -> HashMap<String, RunState> {
     let until = Instant::now() + deadline;
     loop {
+        tick();
         let states = stack.states().await;
         if runs.iter().all(|r| states.get(r).is_some_and(settled)) {
             return states;
@@ -979,29 +991,72 @@ fn all_topics(stack: &Stack) -> Vec<String> {
 /// `reducer.rs` `a_changelog_transaction_open_at_a_restore_is_waited_out`); 4 of 4 runs
 /// under load passed after it, settling 12–18 s after the kill.
 ///
-/// Ignored again because of a third failure, outside Sortie (CI rehearsal of 2026-12-01,
-/// 1 run in 3): when the killed node is the reducers' *group coordinator*, librdkafka's
+/// A third failure was outside Sortie (CI rehearsal of 2026-12-01, 1 run in 3): when the
+/// killed node is the reducers' *group coordinator*, librdkafka's
 /// `send_offsets_to_transaction` does not return — its timeout is never checked
 /// (confluentinc/librdkafka#5456, open, fix in PR #5457) and a coordinator whose broker was
 /// decommissioned stays cached (#5511). The reducer's thread backtrace showed it inside
 /// that call 4 minutes after its 10 s timeout, and the other reducer waiting for it to
-/// rejoin the group. With the node back (a supervisor restarting a broker) the call goes
-/// on. Next step (issue #17): a watchdog that ends a reducer whose transactional call
-/// outlives its own timeout by far, so its supervisor restarts it with fresh clients, and
-/// this test restarting exited reducers as a supervisor would; or librdkafka with #5457.
+/// rejoin the group. Now the reducer's watchdog ends a process whose transactional call
+/// outlives its timeout by the grace (30 s, the default) with status 75, and this test
+/// restarts such a reducer as its supervisor would (Kubernetes, `sortie dev`); any other
+/// exit of a reducer fails the test. The watchdog itself is proved by
+/// `crash.rs::a_reducer_wedged_in_a_kafka_call_ends_itself_and_its_restart_loses_nothing`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "librdkafka#5456/#5511: send_offsets_to_transaction hangs when the group coordinator's broker dies (see the doc comment)"]
 async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
+    cluster_node_sigkill_mid_run("leader-kill", Victim::RunLeader).await;
+}
+
+/// Issue #17, the node the previous test found the librdkafka hang with, every time: the
+/// broker coordinating the reducers' consumer group (the leader of the `__consumer_offsets`
+/// partition of the group), SIGKILLed mid-run. A reducer whose
+/// `send_offsets_to_transaction` wedges ends itself (status 75) and is restarted; the
+/// other rides it out. Every run succeeds, one effect per operation, audit clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_group_coordinator_sigkill_mid_run_loses_nothing() {
+    cluster_node_sigkill_mid_run("coordinator-kill", Victim::GroupCoordinator).await;
+}
+
+/// Which node of the cluster a test kills.
+#[derive(Debug, Clone, Copy)]
+enum Victim {
+    /// The leader of the most run partitions (commands and run-state).
+    RunLeader,
+    /// The reducers' group coordinator.
+    GroupCoordinator,
+}
+
+/// The partition of `__consumer_offsets` that holds `group`, as Kafka picks it:
+/// `Utils.abs(group.hashCode()) % offsets.topic.num.partitions` (Java's `String.hashCode`).
+fn offsets_partition(group: &str, partitions: i32) -> i32 {
+    let hash = group.encode_utf16().fold(0i32, |h, unit| {
+        h.wrapping_mul(31).wrapping_add(i32::from(unit))
+    });
+    (hash & 0x7fff_ffff) % partitions
+}
+
+#[test]
+fn offsets_partition_is_javas() {
+    // Known Java values: "hello".hashCode() == 99162322; "polygenelubricants".hashCode()
+    // == Integer.MIN_VALUE, which Kafka's Utils.abs maps to 0.
+    assert_eq!(offsets_partition("hello", 10), 2);
+    assert_eq!(offsets_partition("hello", 50), 99162322 % 50);
+    assert_eq!(offsets_partition("polygenelubricants", 10), 0);
+    assert_eq!(offsets_partition("", 10), 0);
+}
+
+async fn cluster_node_sigkill_mid_run(name: &str, choice: Victim) {
     let _turn = HEAVY.lock().await;
     let began = Instant::now();
-    let cluster = PrivateCluster::start("leader-kill", 3).await;
-    let stack =
-        Stack::start_on_replicated(cluster.bootstrap(), "leader-kill", &[], 6, Some((3, 2))).await;
+    let cluster = PrivateCluster::start(name, 3).await;
+    let stack = Stack::start_on_replicated(cluster.bootstrap(), name, &[], 6, Some((3, 2))).await;
     let ledgers = ledgers(&stack).await;
     let _executors: Vec<Process> = (0..2)
         .map(|i| stack.executor_process(&format!("executor-{i}"), &["default"], &[]))
         .collect();
-    let reducers: Vec<Process> = (0..2).map(|i| stack.reducer(&i.to_string())).collect();
+    let reducers: std::cell::RefCell<Vec<Process>> =
+        std::cell::RefCell::new((0..2).map(|i| stack.reducer(&i.to_string())).collect());
+    let restarts = std::cell::Cell::new(0usize);
     for ledger in ledgers.values() {
         ledger.fault(json!({"delay_ms": 1500, "times": 1000})).await;
     }
@@ -1011,37 +1066,74 @@ async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
     stack.send_many(before).await;
     wait_calls_on_every_ledger(&ledgers).await;
 
-    // The node leading the most partitions of the run topics.
     let mut led: BTreeMap<i32, usize> = BTreeMap::new();
     for topic in [stack.topics.commands(), stack.topics.run_state()] {
         for (leader, _, _) in cluster.partitions(&topic).await.values() {
             *led.entry(*leader).or_default() += 1;
         }
     }
-    let (&victim, &count) = led.iter().max_by_key(|(_, n)| **n).expect("leaders");
+    // The reducers' group coordinator (the dev cluster has 10 offsets partitions).
+    let offsets = cluster.partitions("__consumer_offsets").await;
+    let group = format!("{}reducer", stack.topics.prefix());
+    let coordinator = offsets
+        .get(&offsets_partition(&group, offsets.len() as i32))
+        .map(|(leader, _, _)| *leader)
+        .expect("the group's offsets partition");
+    let victim = match choice {
+        Victim::RunLeader => *led.iter().max_by_key(|(_, n)| **n).expect("leaders").0,
+        Victim::GroupCoordinator => coordinator,
+    };
     let pid = cluster.kill(victim).await;
     let down = Instant::now();
-    println!("cluster: node {victim} (pid {pid}, leader of {count} run partitions) SIGKILLed");
-    stack.send_many(after).await;
-    let states = wait_settled_or(&stack, &runs, Duration::from_secs(240), || {
-        // Keep what the next person needs: where each reducer's threads are.
-        for (i, reducer) in reducers.iter().enumerate() {
-            let path = stack.dir.join(format!("reducer-{i}.backtraces"));
-            let _ = std::fs::write(&path, reducer.backtraces());
-            println!("cluster: reducer {i} backtraces in {}", path.display());
-            // CI keeps only what the test prints: the end of each reducer's log.
-            let log = reducer.own_log_text();
-            let lines: Vec<&str> = log.lines().collect();
-            println!("cluster: reducer {i}, last lines of its log:");
-            for line in &lines[lines.len().saturating_sub(60)..] {
-                println!("  | {line}");
-            }
-        }
-    })
-    .await;
     println!(
-        "cluster: every run settled {:.1}s after the kill, with node {victim} down",
-        down.elapsed().as_secs_f64()
+        "cluster: node {victim} (pid {pid}, leader of {} run partitions{}) SIGKILLed",
+        led.get(&victim).copied().unwrap_or(0),
+        if victim == coordinator {
+            ", the reducers' group coordinator"
+        } else {
+            ""
+        }
+    );
+    stack.send_many(after).await;
+    // The supervisor: a reducer that ended itself because a Kafka call wedged (status 75,
+    // `sortie_reducer::watchdog`) is started again on its data; any other exit is a defect.
+    let supervise = || {
+        for (i, reducer) in reducers.borrow_mut().iter_mut().enumerate() {
+            let Some(status) = reducer.try_exit() else {
+                continue;
+            };
+            assert_eq!(
+                status.code(),
+                Some(75),
+                "reducer {i} exited ({status}) other than as a wedged one:\n{}",
+                reducer.own_log_text()
+            );
+            println!("cluster: reducer {i} ended itself (a wedged Kafka call); restarted");
+            restarts.set(restarts.get() + 1);
+            *reducer = stack.reducer(&i.to_string());
+        }
+    };
+    let states =
+        wait_settled_supervised(&stack, &runs, Duration::from_secs(240), supervise, || {
+            // Keep what the next person needs: where each reducer's threads are.
+            for (i, reducer) in reducers.borrow().iter().enumerate() {
+                let path = stack.dir.join(format!("reducer-{i}.backtraces"));
+                let _ = std::fs::write(&path, reducer.backtraces());
+                println!("cluster: reducer {i} backtraces in {}", path.display());
+                // CI keeps only what the test prints: the end of each reducer's log.
+                let log = reducer.own_log_text();
+                let lines: Vec<&str> = log.lines().collect();
+                println!("cluster: reducer {i}, last lines of its log:");
+                for line in &lines[lines.len().saturating_sub(60)..] {
+                    println!("  | {line}");
+                }
+            }
+        })
+        .await;
+    println!(
+        "cluster: every run settled {:.1}s after the kill, with node {victim} down ({} reducer restarts)",
+        down.elapsed().as_secs_f64(),
+        restarts.get()
     );
     cluster.ensure_running().await;
     cluster
@@ -1067,7 +1159,7 @@ async fn a_cluster_leader_sigkill_mid_run_loses_nothing() {
         by_status(&states, &runs),
         began.elapsed().as_secs_f64()
     );
-    fail_with("cluster leader sigkill", &problems);
+    fail_with(name, &problems);
 }
 
 /// Waits until `process`'s own log shows `line` (a readiness signal for a restarted

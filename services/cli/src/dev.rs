@@ -77,6 +77,7 @@ fn repo_file(relative: &str) -> anyhow::Result<PathBuf> {
 
 struct Service {
     name: &'static str,
+    args: Vec<String>,
     child: Child,
     log: PathBuf,
 }
@@ -90,6 +91,13 @@ struct Stack {
 
 impl Stack {
     fn spawn(&mut self, name: &'static str, args: &[&str]) -> anyhow::Result<()> {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let service = self.start(name, args)?;
+        self.services.push(service);
+        Ok(())
+    }
+
+    fn start(&self, name: &'static str, args: Vec<String>) -> anyhow::Result<Service> {
         let log = self.logs.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -97,7 +105,7 @@ impl Stack {
             .open(&log)?;
         let mut command = Command::new(&self.exe);
         command
-            .args(args)
+            .args(&args)
             .stdout(Stdio::from(file.try_clone()?))
             .stderr(Stdio::from(file));
         for (key, value) in &self.env {
@@ -111,16 +119,36 @@ impl Stack {
             child.id(),
             log.display()
         );
-        self.services.push(Service { name, child, log });
-        Ok(())
+        Ok(Service {
+            name,
+            args,
+            child,
+            log,
+        })
     }
 
-    /// A service that exited on its own, if any.
+    /// A service that exited on its own, if any. One that exited asking to be restarted
+    /// (a reducer whose Kafka client wedged: status 75, see `sortie_reducer::watchdog`)
+    /// is started again in its place, as Kubernetes would.
     fn exited(&mut self) -> Option<(&'static str, PathBuf, String)> {
-        for service in &mut self.services {
-            if let Ok(Some(status)) = service.child.try_wait() {
-                return Some((service.name, service.log.clone(), status.to_string()));
+        for at in 0..self.services.len() {
+            let service = &mut self.services[at];
+            let Ok(Some(status)) = service.child.try_wait() else {
+                continue;
+            };
+            let (name, log) = (service.name, service.log.clone());
+            if status.code() == Some(sortie_reducer::watchdog::WEDGED_EXIT_CODE) {
+                let args = service.args.clone();
+                match self.start(name, args) {
+                    Ok(again) => {
+                        say!("  {name:<9} exited ({status}: a wedged Kafka client); restarted");
+                        self.services[at] = again;
+                        continue;
+                    }
+                    Err(e) => return Some((name, log, format!("{status}; restarting it: {e}"))),
+                }
             }
+            return Some((name, log, status.to_string()));
         }
         None
     }
@@ -481,4 +509,64 @@ fn refund_story(gateway: &str, receiver: &str, token: &str) {
     say!("  {sortie} watch <run_id>      # the timeline, until the run has succeeded");
     say!("  curl -s {receiver}/ledger      # one refund per idempotency key");
     say!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stack of `sh` "services": one exits as a wedged reducer does, one as a broken one.
+    fn stack(dir: &Path) -> Stack {
+        Stack {
+            services: Vec::new(),
+            exe: PathBuf::from("/bin/sh"),
+            logs: dir.to_path_buf(),
+            env: Vec::new(),
+        }
+    }
+
+    fn wait_exited(stack: &mut Stack) -> Option<(&'static str, PathBuf, String)> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(exited) = stack.exited() {
+                return Some(exited);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Checked red: with the status-75 branch of `exited` removed, "status 75 does not
+    /// stop the stack" fails.
+    #[test]
+    fn a_service_that_exits_wedged_is_restarted_and_any_other_exit_stops_the_stack() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut stack = stack(dir.path());
+        // Exits 75 the first time only (its marker file then exists), then stays up.
+        let marker = dir.path().join("once");
+        let script = format!(
+            "if [ -e {m} ]; then exec sleep 30; else touch {m}; exit 75; fi",
+            m = marker.display()
+        );
+        stack.spawn("reducer", &["-c", &script]).expect("spawn");
+        let first = stack.services[0].child.id();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while stack.services[0].child.id() == first {
+            assert!(
+                stack.exited().is_none(),
+                "status 75 does not stop the stack"
+            );
+            assert!(
+                Instant::now() < deadline,
+                "the wedged service was not restarted"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(stack.services.len(), 1);
+
+        stack.spawn("gateway", &["-c", "exit 3"]).expect("spawn");
+        let (name, _, status) = wait_exited(&mut stack).expect("the broken service is reported");
+        assert_eq!(name, "gateway");
+        assert!(status.contains('3'), "{status}");
+    }
 }

@@ -56,8 +56,18 @@ pub struct Args {
     /// sets it; without it unsigned commands are taken as before, signed ones are checked.
     #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
     require_signatures: bool,
+    /// How long past its own timeout a Kafka transactional call may block before the
+    /// reducer exits with status 75 for its supervisor to restart it with fresh clients
+    /// (librdkafka#5456: a call that ignores its timeout when the group coordinator's
+    /// broker dies).
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__STALL_GRACE_MS",
+        default_value_t = 30_000
+    )]
+    stall_grace_ms: u64,
     /// Crash tests only: die on purpose at this point (reducer.before_commit,
-    /// reducer.after_commit).
+    /// reducer.after_commit), or hang (reducer.hang_in_send_offsets).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
     /// With --fault: die on the Nth pass through the point (1: the first).
@@ -88,6 +98,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_payload_bytes = args.max_payload_bytes;
     config.keyring = args.keyring;
     config.require_signatures = args.require_signatures;
+    config.stall_grace = Duration::from_millis(args.stall_grace_ms);
     config.fault = args.fault;
     config.fault_after = args.fault_after;
     if args.print_config {

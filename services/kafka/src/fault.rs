@@ -115,14 +115,25 @@ static REACHED: AtomicU32 = AtomicU32::new(0);
 /// Dies at `point` if it is the `configured` one and this is its `after`-th pass (1 or 0:
 /// the first): calls `log` with the pass number, then aborts the process.
 pub fn check<P: FaultPoint>(configured: Option<P>, after: u32, point: P, log: impl FnOnce(u32)) {
-    if configured != Some(point) {
-        return;
-    }
-    let pass = REACHED.fetch_add(1, Ordering::SeqCst) + 1;
-    if pass >= after.max(1) {
+    if let Some(pass) = reached(configured, after, point) {
         log(pass);
         std::process::abort();
     }
+}
+
+/// Whether `point` fires on this pass, for a point that does something other than dying
+/// (counted as [`check`] counts).
+pub fn fires<P: FaultPoint>(configured: Option<P>, after: u32, point: P) -> bool {
+    reached(configured, after, point).is_some()
+}
+
+/// The pass through the configured `point`, once it is the `after`-th or later.
+fn reached<P: FaultPoint>(configured: Option<P>, after: u32, point: P) -> Option<u32> {
+    if configured != Some(point) {
+        return None;
+    }
+    let pass = REACHED.fetch_add(1, Ordering::SeqCst) + 1;
+    (pass >= after.max(1)).then_some(pass)
 }
 
 #[cfg(test)]

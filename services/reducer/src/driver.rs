@@ -48,6 +48,7 @@ use crate::metrics::{self as meter, RunGauges};
 use crate::store::{self, Store};
 use crate::tasks::{ReducerContext, Tasks};
 use crate::txn::{Deliveries, Failure, TxnProducer};
+use crate::watchdog::Watchdog;
 
 /// How a reducer instance runs.
 #[derive(Debug, Clone)]
@@ -77,6 +78,9 @@ pub struct ReducerConfig {
     /// Refuse unsigned commands (production); without it they are taken as before.
     pub require_signatures: bool,
     pub session_timeout: Duration,
+    /// How long past its own timeout a transactional call may block before the process
+    /// ends itself for its supervisor to restart it (see `watchdog`).
+    pub stall_grace: Duration,
     /// Die on purpose at this point, on its `fault_after`-th pass (crash tests only; never
     /// set by default).
     pub fault: Option<FaultPoint>,
@@ -106,6 +110,7 @@ impl ReducerConfig {
             keyring: None,
             require_signatures: false,
             session_timeout: Duration::from_secs(10),
+            stall_grace: Duration::from_secs(30),
             fault: None,
             fault_after: 1,
         }
@@ -151,6 +156,7 @@ pub fn run_with_health(
         registry_url: config.registry_url.clone(),
         auto_register: config.auto_register,
     }));
+    let watchdog = Watchdog::start(config.stall_grace);
     let mut failures = 0u32;
     while !shutdown.load(Ordering::Relaxed) {
         match Reducer::new(
@@ -159,6 +165,7 @@ pub fn run_with_health(
             codec.clone(),
             store.clone(),
             health.clone(),
+            watchdog.clone(),
         )
         .and_then(|mut r| r.run(&shutdown))
         {
@@ -200,6 +207,7 @@ impl Reducer {
         codec: Arc<Codec>,
         store: Arc<Store>,
         health: Health,
+        watchdog: Watchdog,
     ) -> Result<Self, Error> {
         let topics = &config.topics;
         let keys = crate::keys::Keys::open(config.keyring.clone(), config.require_signatures)?;
@@ -215,7 +223,10 @@ impl Reducer {
                     .set("linger.ms", "2")
                     .set("compression.type", "zstd")
                     .create_with_context(Deliveries::default())?;
-                producer.init_transactions(Duration::from_secs(30))?;
+                let timeout = Duration::from_secs(30);
+                watchdog.bound("init_transactions", timeout, || {
+                    producer.init_transactions(timeout)
+                })?;
                 Ok(producer)
             });
             let graphs = GraphTable::open(&config.kafka, topics, codec.clone(), runtime.clone())
@@ -282,6 +293,7 @@ impl Reducer {
             batch: PendingBatch::default(),
             gauges: RunGauges::default(),
             health,
+            watchdog,
             hot: Default::default(),
             fatal: None,
         }));

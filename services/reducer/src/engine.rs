@@ -47,6 +47,8 @@ pub(crate) struct Engine {
     pub batch: PendingBatch,
     pub gauges: RunGauges,
     pub health: Health,
+    /// Bounds the producer's blocking calls (see `watchdog`).
+    pub watchdog: crate::watchdog::Watchdog,
     /// Committed states of recently changed, unfinished runs of the owned partitions, so
     /// the next input of a busy run is not re-read and re-parsed from sled. Holds only
     /// what Kafka has committed (filled after a commit), bounded by [`HOT_RUNS`], emptied

@@ -18,7 +18,21 @@ sortie_kafka::fault_points! {
         /// `reducer.after_commit`: the transaction is committed; sled was not written, so the
         /// cache is one batch behind the changelog.
         AfterCommit = "reducer.after_commit",
+        /// `reducer.hang_in_send_offsets`: the thread blocks for good where it sends the
+        /// batch's offsets to the transaction, as librdkafka's call does when the group
+        /// coordinator's broker dies (librdkafka#5456); the watchdog ends the process.
+        HangInSendOffsets = "reducer.hang_in_send_offsets",
     }
+}
+
+/// Whether `point` fires now (for a point that does something other than dying): the
+/// same passes as [`check`]; logged when it does.
+pub(crate) fn fires(configured: Option<FaultPoint>, after: u32, point: FaultPoint) -> bool {
+    let fires = sortie_kafka::fault::fires(configured, after, point);
+    if fires {
+        tracing::error!(fault = %point, "Fault injection: the reducer hangs here on purpose.");
+    }
+    fires
 }
 
 /// Dies at `point` if it is the configured one and this is its `after`-th pass (1: the
@@ -47,7 +61,7 @@ mod tests {
         assert_eq!(
             "x".parse::<FaultPoint>().map_err(|e| e.to_string()),
             Err(
-                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit"
+                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.hang_in_send_offsets"
                     .to_owned()
             )
         );

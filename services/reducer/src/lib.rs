@@ -26,3 +26,4 @@ pub mod restore;
 pub mod store;
 mod tasks;
 mod txn;
+pub mod watchdog;

@@ -211,8 +211,13 @@ impl Engine {
             let Some(metadata) = consumer.group_metadata() else {
                 return Err(self.abort_after(KafkaError::Global(RDKafkaErrorCode::State)));
             };
+            let timeout = Duration::from_secs(10);
             retrying("send offsets", || {
-                producer.send_offsets_to_transaction(&offsets, &metadata, Duration::from_secs(10))
+                self.watchdog
+                    .bound("send_offsets_to_transaction", timeout, || {
+                        self.hang_if(FaultPoint::HangInSendOffsets);
+                        producer.send_offsets_to_transaction(&offsets, &metadata, timeout)
+                    })
             })
             .map_err(|e| self.abort_after(e))?;
         }
@@ -249,8 +254,11 @@ impl Engine {
         let phase = Instant::now();
         let fault = |point| fault::check(self.config.fault, self.config.fault_after, point);
         fault(FaultPoint::BeforeCommit);
+        let timeout = Duration::from_secs(15);
         retrying("commit", || {
-            producer.commit_transaction(Duration::from_secs(15))
+            self.watchdog.bound("commit_transaction", timeout, || {
+                producer.commit_transaction(timeout)
+            })
         })
         .map_err(|e| self.abort_after(e))?;
         phases[4] = ms(phase);
@@ -264,6 +272,16 @@ impl Engine {
         })
     }
 
+    /// Blocks this thread for good at `point` if it is the configured fault: a wedged
+    /// librdkafka call, for the watchdog's test.
+    fn hang_if(&self, point: FaultPoint) {
+        if fault::fires(self.config.fault, self.config.fault_after, point) {
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+
     /// Aborts the open transaction after `e`. A fatal error, or an abort that fails,
     /// leaves a producer that cannot go on.
     pub fn abort_after(&self, e: KafkaError) -> Failure {
@@ -272,7 +290,11 @@ impl Engine {
             return Failure::Fatal(Error::Fenced);
         }
         tracing::warn!(error = %e, "Aborting the batch's transaction.");
-        match self.producer.abort_transaction(Duration::from_secs(10)) {
+        let timeout = Duration::from_secs(10);
+        let aborted = self.watchdog.bound("abort_transaction", timeout, || {
+            self.producer.abort_transaction(timeout)
+        });
+        match aborted {
             Ok(()) => Failure::Aborted(Error::Kafka(e)),
             Err(abort) if matches!(&abort, KafkaError::Transaction(inner) if inner.code() == RDKafkaErrorCode::State) =>
             {
