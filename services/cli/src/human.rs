@@ -356,6 +356,12 @@ impl Timeline {
                     if *approve { "approval" } else { "rejection" }
                 ),
             ),
+            EventBody::RunForgotten { reason } => (
+                "run".into(),
+                "forgotten",
+                DIM,
+                format!("payloads dropped ({reason})"),
+            ),
         };
         let line = format!(
             "{}  {:<18} {} {}",
@@ -481,6 +487,7 @@ mod tests {
                 status: RunStatus::Succeeded,
                 reason: None,
                 output: None,
+                forget_at: None,
             },
         ));
         assert!(done.ends_with("run                succeeded"), "{done:?}");
@@ -497,6 +504,7 @@ mod tests {
                 status: RunStatus::Failed,
                 reason: Some("boom".into()),
                 output: None,
+                forget_at: None,
             },
         ));
         assert!(line.contains("\x1b[31mfailed"), "{line:?}");

@@ -21,6 +21,12 @@ pub enum Effect {
     DisarmTimer { run_id: String, timer: TimerKey },
     /// Write the run's new state (`sortie.run-state`).
     WriteState(Box<RunState>),
+    /// The run was forgotten (its retention passed): remove what else holds its
+    /// payloads — a tombstone for each operation's record in `sortie.step-results`.
+    Forget {
+        run_id: String,
+        operations: Vec<String>,
+    },
 }
 
 /// "Perform operation X, attempt N."
@@ -54,6 +60,8 @@ pub enum TimerKey {
     ApprovalExpiry { interrupt_id: String, round: u32 },
     /// The run's wall-clock cap.
     RunDeadline,
+    /// A finished run's retention ends: its payloads are forgotten.
+    Retention,
 }
 
 impl TimerKey {
@@ -67,14 +75,17 @@ impl TimerKey {
                 round,
             } => format!("expiry/{interrupt_id}/{round}"),
             TimerKey::RunDeadline => "deadline".to_owned(),
+            TimerKey::Retention => "retention".to_owned(),
         }
     }
 
     pub fn decode(text: &str) -> Option<TimerKey> {
         let mut parts = text.splitn(3, '/');
         let kind = parts.next()?;
-        if kind == "deadline" {
-            return Some(TimerKey::RunDeadline);
+        match kind {
+            "deadline" => return Some(TimerKey::RunDeadline),
+            "retention" => return Some(TimerKey::Retention),
+            _ => {}
         }
         let id = parts.next()?.to_owned();
         let n: u32 = parts.next()?.parse().ok()?;
@@ -116,6 +127,7 @@ mod tests {
                 round: 0,
             },
             TimerKey::RunDeadline,
+            TimerKey::Retention,
         ] {
             assert_eq!(TimerKey::decode(&key.encode()), Some(key));
         }

@@ -24,6 +24,51 @@ pub struct Event {
 }
 
 impl Event {
+    /// This event as a view shows it once its run was forgotten: every payload it
+    /// carried dropped, as [`crate::RunState::forget`] drops them from the state. The
+    /// hashes stay those of the event as written (the history in Kafka is unchanged, and
+    /// `audit replay --verify` checks that history, not a view).
+    pub fn forget(&mut self) {
+        match &mut self.body {
+            EventBody::RunStarted { input, .. } => *input = Value::Null,
+            EventBody::StepDispatched { args, .. } => *args = Value::Null,
+            EventBody::StepSucceeded { output, .. } => *output = Value::Null,
+            EventBody::StepFailed { message, .. } => message.clear(),
+            EventBody::StepOutcomeUnknown { message, .. } => message.clear(),
+            EventBody::OperationReconciled { output, error, .. } => {
+                *output = None;
+                *error = None;
+            }
+            EventBody::Interrupted {
+                proposal, context, ..
+            } => {
+                *proposal = Value::Null;
+                *context = None;
+            }
+            EventBody::InterruptDecided {
+                payload,
+                edited_args,
+                ..
+            }
+            | EventBody::DecisionBuffered {
+                payload,
+                edited_args,
+                ..
+            } => {
+                *payload = None;
+                *edited_args = None;
+            }
+            EventBody::RunStatusChanged { output, .. } => *output = None,
+            EventBody::CommandAccepted { .. }
+            | EventBody::CommandRejected { .. }
+            | EventBody::StepStarted { .. }
+            | EventBody::InterruptEscalated { .. }
+            | EventBody::InterruptExpired { .. }
+            | EventBody::CancelRequested { .. }
+            | EventBody::RunForgotten { .. } => {}
+        }
+    }
+
     /// The hash chaining this event to the previous one: SHA-256 over the previous hash and
     /// the canonical JSON of everything else in the event.
     pub fn compute_hash(&self) -> String {
@@ -167,6 +212,17 @@ pub enum EventBody {
         status: RunStatus,
         reason: Option<String>,
         output: Option<Value>,
+        /// On a terminal status of a graph with a `retention`: when the run's payloads
+        /// are forgotten (`RunForgotten`). Absent: kept.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        forget_at: Option<i64>,
+    },
+    /// The run's retention passed: its payloads (input, arguments, outputs, proposals,
+    /// decision payloads, errors, output) are dropped from its state, which is from now
+    /// on its audit summary: who started it, what, when, the outcome, every step's
+    /// status and operation id, and the hash chain's head over its whole history.
+    RunForgotten {
+        reason: String,
     },
     /// A decision named an interrupt that is not registered yet: it waits in the run's
     /// state and is applied (and answered) when the interrupt is registered.
@@ -218,6 +274,7 @@ impl EventBody {
             EventBody::InterruptExpired { .. } => "InterruptExpired",
             EventBody::CancelRequested { .. } => "CancelRequested",
             EventBody::RunStatusChanged { .. } => "RunStatusChanged",
+            EventBody::RunForgotten { .. } => "RunForgotten",
             EventBody::DecisionBuffered { .. } => "DecisionBuffered",
         }
     }

@@ -50,6 +50,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 budget: budget.clone(),
                 spend: Default::default(),
                 forked_from: None,
+                forgotten: None,
             };
             if let Some(fork) = forked_from {
                 crate::decide::fork::carry(&mut state, fork);
@@ -407,6 +408,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
             status,
             reason,
             output,
+            forget_at,
         } => {
             state.status = *status;
             if *status == crate::RunStatus::Compensating && state.ending.is_none() {
@@ -419,8 +421,12 @@ fn apply_body(state: &mut RunState, event: &Event) {
             if status.is_terminal() {
                 state.output = output.clone();
                 state.timers.clear();
+                if let Some(due) = forget_at {
+                    state.timers.insert(TimerKey::Retention.encode(), *due);
+                }
             }
         }
+        EventBody::RunForgotten { reason } => state.forget(event.at, reason),
     }
 }
 

@@ -63,6 +63,10 @@ pub struct Graph {
     /// Who may start and cancel this graph's runs (absent: any principal of the tenant).
     #[serde(default, skip_serializing_if = "Access::is_open")]
     pub access: Access,
+    /// How long a finished run keeps its payloads; then its state becomes its audit
+    /// summary (`RunForgotten`). Absent: kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention: Option<Millis>,
     pub nodes: Vec<Node>,
     #[serde(default)]
     pub edges: Vec<Edge>,

@@ -32,5 +32,5 @@ pub use event::{Event, EventBody};
 pub use evolve::evolve;
 pub use graph::{Graph, GraphError, GraphRef, Graphs, Node, SideEffect};
 pub use input::{Command, CommandBody, Input, StepOutcome, StepReport};
-pub use state::RunState;
+pub use state::{Forgotten, RunState};
 pub use status::RunStatus;

@@ -52,6 +52,17 @@ pub struct RunState {
     /// Lineage of a forked run: `{run_id, version}` of the checkpoint it started from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<Value>,
+    /// Set once the run's retention passed (`RunForgotten`): its payloads are gone and
+    /// this state is its audit summary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forgotten: Option<Forgotten>,
+}
+
+/// When and why a run's payloads were forgotten.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Forgotten {
+    pub at: i64,
+    pub reason: String,
 }
 
 /// A decision waiting for its interrupt.
@@ -228,6 +239,33 @@ pub struct Ending {
 }
 
 impl RunState {
+    /// Drops every payload the run carried — its input and output, each step's
+    /// arguments, output and error, each interrupt's proposal, context and decision
+    /// payload, buffered decisions — and keeps its shape: ids, graph, who started it,
+    /// labels, statuses, operation ids, timestamps, spend, command answers and the hash
+    /// chain's head. What is left is the run's audit summary.
+    pub fn forget(&mut self, at: i64, reason: &str) {
+        self.input = Value::Null;
+        self.output = None;
+        for step in self.steps.values_mut() {
+            step.args = Value::Null;
+            step.output = None;
+            step.error = None;
+        }
+        for interrupt in self.interrupts.values_mut() {
+            interrupt.proposal = Value::Null;
+            interrupt.context = None;
+            interrupt.payload = None;
+            interrupt.edited_args = None;
+        }
+        self.buffered.clear();
+        self.timers.clear();
+        self.forgotten = Some(Forgotten {
+            at,
+            reason: reason.to_owned(),
+        });
+    }
+
     pub fn step_by_operation(&self, operation_id: &str) -> Option<&Step> {
         self.steps.values().find(|s| s.operation_id == operation_id)
     }

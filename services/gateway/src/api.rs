@@ -978,6 +978,17 @@ async fn fork_run(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let key = idempotency_key(&headers)?;
     let run = visible_run(&app, &caller, &run_id)?;
+    if let Some(forgotten) = &run.state.forgotten {
+        // Its checkpoints keep the run's shape only: a fork would start without payloads.
+        return Err(ApiError::new(
+            StatusCode::GONE,
+            "run_forgotten",
+            format!(
+                "run {run_id} was forgotten ({}) at {}: its payloads are gone, so it cannot be forked",
+                forgotten.reason, forgotten.at
+            ),
+        ));
+    }
     let unknown = || {
         ApiError::new(
             StatusCode::NOT_FOUND,

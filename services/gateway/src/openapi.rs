@@ -283,7 +283,10 @@ pub fn document() -> Value {
                     "security": security,
                     "parameters": [run_id(), idempotency_key()],
                     "requestBody": body("Fork", true),
-                    "responses": write_errors(json!({"201": ok("The new run: run_id, status, forked_from {run_id, version}.", "Written")}))
+                    "responses": write_errors(json!({
+                        "201": ok("The new run: run_id, status, forked_from {run_id, version}.", "Written"),
+                        "410": error_response("run_forgotten: the run's retention passed and its payloads are gone (its checkpoints keep its shape only).")
+                    }))
                 }
             },
             "/v1/runs/{run_id}/cancel": {

@@ -57,6 +57,7 @@ fn common(state: &RunState) -> serde_json::Map<String, Value> {
         "budget": state.budget,
         "spend": state.spend,
         "forked_from": state.forked_from,
+        "forgotten": state.forgotten,
     });
     match body {
         Value::Object(map) => map,
@@ -89,6 +90,7 @@ pub fn summary(state: &RunState) -> Value {
         "created_at": state.created_at,
         "updated_at": state.updated_at,
         "labels": state.labels,
+        "forgotten": state.forgotten.is_some(),
     })
 }
 

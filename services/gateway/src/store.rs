@@ -213,7 +213,29 @@ impl Store {
                 &next.to_be_bytes(),
             );
         }
+        // A forgotten run's events are kept without their payloads, like its state: the
+        // ones already stored are rewritten, and those arriving with the news are too.
+        let forgotten: Vec<&str> = write
+            .events
+            .iter()
+            .filter(|e| matches!(e.body, EventBody::RunForgotten { .. }))
+            .map(|e| e.run_id.as_str())
+            .collect();
+        for run_id in &forgotten {
+            for item in self.tree.scan_prefix(event_prefix(run_id)) {
+                let (key, bytes) = item?;
+                let mut event: Event = decode(&key, &bytes)?;
+                event.forget();
+                batch.insert(key, encode(&event));
+            }
+        }
         for event in &write.events {
+            if forgotten.contains(&event.run_id.as_str()) {
+                let mut event = event.clone();
+                event.forget();
+                batch.insert(event_key(&event.run_id, event.seq), encode(&event));
+                continue;
+            }
             batch.insert(event_key(&event.run_id, event.seq), encode(event));
             // Lineage: a fork's first event names its source; index it under the source.
             if let EventBody::RunStarted {

@@ -430,10 +430,15 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             status,
             reason,
             output,
+            forget_at,
         } => w::EventBody::RunStatusChanged(w::RunStatusChanged {
             status: status_to_wire(*status),
             reason: reason.clone(),
             output: output.as_ref().map(text),
+            forget_at: *forget_at,
+        }),
+        EventBody::RunForgotten { reason } => w::EventBody::RunForgotten(w::RunForgotten {
+            reason: reason.clone(),
         }),
         EventBody::DecisionBuffered {
             interrupt_id,
@@ -589,7 +594,9 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             status: status_from_wire(e.status),
             reason: e.reason,
             output: json_opt("output", &e.output)?,
+            forget_at: e.forget_at,
         },
+        w::EventBody::RunForgotten(e) => EventBody::RunForgotten { reason: e.reason },
         w::EventBody::DecisionBuffered(e) => EventBody::DecisionBuffered {
             interrupt_id: e.interrupt_id,
             proposal_hash: e.proposal_hash,

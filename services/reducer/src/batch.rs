@@ -20,7 +20,8 @@ pub(crate) struct Output {
     /// `None`: the producer's partitioner decides (intents, dead letters).
     pub partition: Option<i32>,
     pub key: Vec<u8>,
-    pub value: Vec<u8>,
+    /// `None`: a tombstone (a forgotten run's step results).
+    pub value: Option<Vec<u8>>,
     pub headers: Vec<(String, Option<Vec<u8>>)>,
 }
 

@@ -241,7 +241,7 @@ impl Engine {
                         topic,
                         partition: Some(partition),
                         key: run_id.clone().into_bytes(),
-                        value,
+                        value: Some(value),
                         headers: vec![trace.child(&event.seq.to_string()).header()],
                     });
                 }
@@ -252,11 +252,24 @@ impl Engine {
                         topic,
                         partition: None,
                         key: intent.operation_id.clone().into_bytes(),
-                        value,
+                        value: Some(value),
                         headers: vec![trace
                             .child(&format!("{}/{}", intent.operation_id, intent.attempt))
                             .header()],
                     });
+                }
+                Effect::Forget { operations, .. } => {
+                    // The step results hold outputs: tombstoned, so compaction drops them.
+                    let topic = self.config.topics.step_results();
+                    for operation in operations {
+                        outputs.push(Output {
+                            topic: topic.clone(),
+                            partition: Some(partition),
+                            key: operation.clone().into_bytes(),
+                            value: None,
+                            headers: vec![],
+                        });
+                    }
                 }
                 // Taken out above; timers are derived from states at commit.
                 Effect::WriteState(_) | Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {}

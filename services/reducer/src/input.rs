@@ -75,6 +75,11 @@ impl Engine {
             .timestamp()
             .to_millis()
             .unwrap_or_else(sortie_kafka::clock::now_ms);
+        if message.payload().is_none() && topic == self.config.topics.step_results() {
+            // A forgotten run's step result, tombstoned by the reducer itself (`Forget`).
+            self.batch.counts.ignored("tombstone");
+            return Ok(());
+        }
         let size = message.payload().map_or(0, <[u8]>::len);
         if size > self.config.max_payload_bytes {
             let reason = format!(
@@ -146,7 +151,7 @@ impl Engine {
                 topic,
                 partition: Some(canonical),
                 key: message.key().unwrap_or_default().to_vec(),
-                value: message.payload().unwrap_or_default().to_vec(),
+                value: Some(message.payload().unwrap_or_default().to_vec()),
                 headers: headers_of(message),
             });
             self.batch.counts.forwarded();
@@ -187,7 +192,7 @@ impl Engine {
             topic,
             partition: None,
             key: message.key().unwrap_or_default().to_vec(),
-            value,
+            value: Some(value),
             headers: vec![],
         });
         self.batch.dead_letters += 1;

@@ -221,6 +221,11 @@ impl BatchCounts {
         self.add(FORWARDED, vec![]);
     }
 
+    /// An input record skipped before the fold (`reason`: a tombstone).
+    pub fn ignored(&mut self, reason: &str) {
+        self.add(INPUTS_IGNORED, vec![("reason", reason.to_owned())]);
+    }
+
     /// One applied input: its kind, whether it was ignored, and the events it emitted
     /// (`state` is the run after it, for the tool of a step).
     pub fn applied(

@@ -157,7 +157,7 @@ impl Engine {
                 topic: run_state_topic.clone(),
                 partition: Some(self.partition_of(run_id)),
                 key: run_id.clone().into_bytes(),
-                value,
+                value: Some(value),
                 headers: vec![],
             });
             // The same JSON goes to sled: one serialisation per state.
@@ -182,8 +182,10 @@ impl Engine {
             }
             let mut record = BaseRecord::with_opaque_to(&output.topic, index)
                 .key(&output.key)
-                .payload(&output.value)
                 .headers(headers);
+            if let Some(value) = &output.value {
+                record = record.payload(value);
+            }
             if let Some(p) = output.partition {
                 record = record.partition(p);
             }

@@ -230,6 +230,12 @@ pub enum EventBody {
     CancelRequested(CancelRequested),
     RunStatusChanged(RunStatusChanged),
     DecisionBuffered(DecisionBuffered),
+    RunForgotten(RunForgotten),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunForgotten {
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -396,6 +402,8 @@ pub struct RunStatusChanged {
     pub status: RunStatus,
     pub reason: Option<String>,
     pub output: Option<String>,
+    #[serde(default)]
+    pub forget_at: Option<i64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

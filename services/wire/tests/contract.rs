@@ -417,6 +417,7 @@ fn every_event_kind_round_trips() {
             status: RunStatus::Succeeded,
             reason: None,
             output: Some("{}".into()),
+            forget_at: Some(3000),
         }),
         EventBody::DecisionBuffered(DecisionBuffered {
             interrupt_id: "i".into(),
@@ -428,6 +429,9 @@ fn every_event_kind_round_trips() {
             comment: None,
             groups: vec![],
             edited_args: None,
+        }),
+        EventBody::RunForgotten(RunForgotten {
+            reason: "retention".into(),
         }),
     ];
     let schema: Json = serde_json::from_str(RecordKind::RunEvent.schema_text()).expect("json");

@@ -84,7 +84,7 @@ fn breach(applied: &Applied) -> Option<String> {
                     ));
                 }
             }
-            Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {}
+            Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } | Effect::Forget { .. } => {}
         }
     }
     None
@@ -378,11 +378,18 @@ impl<'g> Ctx<'g> {
         if !current.can_become(status) {
             return;
         }
+        // A finished run of a graph with a retention is forgotten that long after.
+        let forget_at = self
+            .graph()
+            .and_then(|g| g.retention)
+            .filter(|_| status.is_terminal())
+            .map(|retention| self.at.saturating_add(retention.0));
         self.emit(
             EventBody::RunStatusChanged {
                 status,
                 reason,
                 output,
+                forget_at,
             },
             None,
         );
@@ -508,6 +515,10 @@ impl<'g> Ctx<'g> {
     }
 
     fn finish(self, before: Option<&RunState>, ignored: Option<&'static str>) -> Applied {
+        let forgotten = self
+            .events
+            .iter()
+            .any(|e| matches!(e.body, EventBody::RunForgotten { .. }));
         let mut effects: Vec<Effect> = self.events.into_iter().map(Effect::Emit).collect();
         effects.extend(self.intents.into_iter().map(Effect::Dispatch));
         let changed = self.state.as_ref() != before;
@@ -535,6 +546,19 @@ impl<'g> Ctx<'g> {
                 }
             }
             effects.push(Effect::WriteState(Box::new(after.clone())));
+        }
+        if let (Some(before), true) = (before, forgotten) {
+            let mut operations: Vec<String> = before
+                .steps
+                .values()
+                .map(|s| s.operation_id.clone())
+                .collect();
+            operations.sort();
+            operations.dedup();
+            effects.push(Effect::Forget {
+                run_id: before.run_id.clone(),
+                operations,
+            });
         }
         let ignored = if effects.is_empty() {
             ignored.or(Some("no change"))

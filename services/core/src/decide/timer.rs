@@ -14,6 +14,9 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, timer: &TimerKey) -> Result<(), &'static
     let Some(run) = &ctx.state else {
         return Err("unknown run");
     };
+    if *timer == TimerKey::Retention {
+        return forget(ctx);
+    }
     if run.status.is_terminal() {
         return Err("run already ended");
     }
@@ -108,7 +111,28 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, timer: &TimerKey) -> Result<(), &'static
             begin_failure(ctx, "the run exceeded its graph's max_duration".into());
             return Ok(());
         }
+        TimerKey::Retention => return forget(ctx),
     }
     advance(ctx);
+    Ok(())
+}
+
+/// A finished run's retention passed: its state becomes its audit summary.
+fn forget(ctx: &mut Ctx<'_>) -> Result<(), &'static str> {
+    let run = ctx.run();
+    if !run.status.is_terminal() || run.forgotten.is_some() {
+        return Err("nothing to forget");
+    }
+    match run.timer_due(&TimerKey::Retention) {
+        None => return Err("timer not armed"),
+        Some(due) if due > ctx.at => return Err("timer not yet due"),
+        Some(_) => {}
+    }
+    ctx.emit(
+        EventBody::RunForgotten {
+            reason: "retention".into(),
+        },
+        None,
+    );
     Ok(())
 }

@@ -249,6 +249,7 @@ pub fn summary(event: &Event) -> String {
         EventBody::DecisionBuffered { interrupt_id, .. } => {
             format!("DecisionBuffered {interrupt_id}")
         }
+        EventBody::RunForgotten { reason } => format!("RunForgotten {reason}"),
     }
 }
 

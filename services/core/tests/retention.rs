@@ -1,0 +1,174 @@
+//! Issue #14, item 9: a graph's `retention`. A finished run arms a retention timer that
+//! long after its end; when it fires, the fold appends `RunForgotten` and the run's state
+//! becomes its audit summary — no input, arguments, outputs or final output; ids,
+//! statuses, operation ids, who and when kept, the hash chain continued — and asks the
+//! reducer to tombstone the run's step results (`Effect::Forget`). Replaying the history
+//! (what `audit replay` does) gives the same summary.
+//!
+//! Checked red: with `RunState::forget` keeping the input, `a_finished_run_is_forgotten…`
+//! fails on "the input is gone".
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+
+use serde_json::json;
+use sortie_core::input::{Command, StepReport};
+use sortie_core::{
+    apply, evolve, CommandBody, Effect, EventBody, Graph, Graphs, Input, RunState, RunStatus,
+    StepOutcome, TimerKey,
+};
+
+const HOUR: i64 = 3_600_000;
+const KEPT: &str = "id: kept\nversion: 1\nretention: 1h\nnodes:\n  - {id: read, tool: echo, side_effect: pure, args: {secret: $input.secret}}\n";
+const FOREVER: &str =
+    "id: forever\nversion: 1\nnodes:\n  - {id: read, tool: echo, side_effect: pure}\n";
+
+fn graphs() -> Graphs {
+    let mut graphs = Graphs::new();
+    graphs.insert(Graph::parse(KEPT).unwrap()).unwrap();
+    graphs.insert(Graph::parse(FOREVER).unwrap()).unwrap();
+    graphs
+}
+
+/// Starts a run of `graph` at 1000 and lets its one step succeed at 2000; returns the
+/// finished state and every event so far.
+fn finished(graph: &str, graphs: &Graphs) -> (RunState, Vec<sortie_core::Event>) {
+    let start = Input::Command(Command {
+        command_id: "c1".into(),
+        tenant: "t".into(),
+        run_id: "r".into(),
+        principal: "alice".into(),
+        roles: vec![],
+        groups: vec![],
+        at: 1000,
+        body: CommandBody::StartRun {
+            graph_id: graph.into(),
+            graph_version: None,
+            input: json!({"secret": "card 4111"}),
+            labels: BTreeMap::new(),
+            budget: None,
+            fork: None,
+        },
+    });
+    let started = apply(None, &start, graphs);
+    let mut events = emitted(&started.effects);
+    let state = started.state.unwrap();
+    let step = state.steps.values().next().unwrap().clone();
+    let report = Input::StepReport(StepReport {
+        operation_id: step.operation_id.clone(),
+        attempt: step.attempt,
+        tenant: "t".into(),
+        run_id: "r".into(),
+        step_id: step.step_id.clone(),
+        outcome: StepOutcome::Succeeded {
+            output: json!({"echo": "card 4111"}),
+        },
+        at: 2000,
+    });
+    let done = apply(Some(&state), &report, graphs);
+    events.extend(emitted(&done.effects));
+    (done.state.unwrap(), events)
+}
+
+fn emitted(effects: &[Effect]) -> Vec<sortie_core::Event> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Emit(event) => Some(event.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn fire(state: &RunState, at: i64, graphs: &Graphs) -> sortie_core::Applied {
+    let timer = Input::TimerFired {
+        run_id: "r".into(),
+        timer: TimerKey::Retention,
+        at,
+    };
+    apply(Some(state), &timer, graphs)
+}
+
+#[test]
+fn a_finished_run_is_forgotten_when_its_retention_passes() {
+    let graphs = graphs();
+    let (state, mut events) = finished("kept", &graphs);
+    assert_eq!(state.status, RunStatus::Succeeded);
+    let due = state.timer_due(&TimerKey::Retention);
+    assert_eq!(due, Some(2000 + HOUR), "armed an hour after the end");
+    assert!(serde_json::to_string(&state).unwrap().contains("card 4111"));
+
+    let early = fire(&state, 2000 + HOUR - 1, &graphs);
+    assert_eq!(early.ignored, Some("timer not yet due"));
+
+    let forgotten = fire(&state, 2000 + HOUR, &graphs);
+    let new_events = emitted(&forgotten.effects);
+    assert_eq!(new_events.len(), 1);
+    assert!(matches!(
+        &new_events[0].body,
+        EventBody::RunForgotten { reason } if reason == "retention"
+    ));
+    assert_eq!(new_events[0].seq, state.last_event_seq + 1);
+    assert_eq!(
+        new_events[0].prev_hash, state.last_hash,
+        "the chain goes on"
+    );
+    let operations: Vec<String> = state
+        .steps
+        .values()
+        .map(|s| s.operation_id.clone())
+        .collect();
+    assert!(
+        forgotten.effects.iter().any(|e| matches!(
+            e,
+            Effect::Forget { run_id, operations: ops } if run_id == "r" && *ops == operations
+        )),
+        "the step results are tombstoned: {:?}",
+        forgotten.effects
+    );
+    assert!(forgotten.effects.iter().any(|e| matches!(
+        e,
+        Effect::DisarmTimer {
+            timer: TimerKey::Retention,
+            ..
+        }
+    )));
+
+    let summary = forgotten.state.clone().unwrap();
+    let text = serde_json::to_string(&summary).unwrap();
+    assert!(!text.contains("card 4111"), "the input is gone: {text}");
+    assert_eq!(summary.input, serde_json::Value::Null);
+    assert!(summary.output.is_none());
+    assert!(summary
+        .steps
+        .values()
+        .all(|s| s.args.is_null() && s.output.is_none()));
+    assert!(summary.timers.is_empty());
+    assert_eq!(summary.status, RunStatus::Succeeded, "the outcome is kept");
+    assert_eq!(summary.started_by, "alice");
+    assert_eq!(summary.steps.len(), state.steps.len());
+    assert_eq!(summary.forgotten.as_ref().unwrap().at, 2000 + HOUR);
+
+    // An auditor re-folding the history gets the same summary.
+    events.extend(new_events);
+    let replayed = events.iter().fold(None, evolve).unwrap();
+    assert_eq!(
+        serde_json::to_value(&replayed).unwrap()["forgotten"],
+        serde_json::to_value(&summary).unwrap()["forgotten"]
+    );
+    assert_eq!(replayed.input, summary.input);
+    assert_eq!(replayed.last_hash, summary.last_hash);
+
+    let again = fire(&summary, 3 * HOUR, &graphs);
+    assert!(again.ignored.is_some(), "forgotten once");
+}
+
+#[test]
+fn a_graph_without_retention_keeps_its_runs() {
+    let graphs = graphs();
+    let (state, _) = finished("forever", &graphs);
+    assert_eq!(state.status, RunStatus::Succeeded);
+    assert_eq!(state.timer_due(&TimerKey::Retention), None);
+    assert!(fire(&state, i64::MAX / 2, &graphs).ignored.is_some());
+}
