@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use futures::future::BoxFuture;
 use futures::FutureExt as _;
 use serde_json::Value;
+pub use sortie_core::blob::has_refs;
 use sortie_core::blob::{refs, sha256_hex, BlobRef, JSON_MEDIA_TYPE};
 use sortie_core::json::at_path;
 
