@@ -122,7 +122,11 @@ pub struct Args {
     #[arg(long, env = "SORTIE__GATEWAY__BLOB_STORE")]
     blob_store: Option<String>,
     /// The endpoint of an S3-compatible server (MinIO, Ceph, ...) for an s3:// store.
-    #[arg(long, env = "SORTIE__GATEWAY__BLOB_S3_ENDPOINT", requires = "blob_store")]
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__BLOB_S3_ENDPOINT",
+        requires = "blob_store"
+    )]
     blob_s3_endpoint: Option<String>,
     /// A value whose JSON is larger than this many bytes goes to the blob store.
     #[arg(long, env = "SORTIE__GATEWAY__BLOB_THRESHOLD", default_value_t = sortie_blob::DEFAULT_THRESHOLD)]

@@ -952,8 +952,9 @@ async fn blob(
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.code(), e.to_string())
             }
         })?;
-    let content_type = axum::http::HeaderValue::from_str(&reference.media_type)
-        .unwrap_or(axum::http::HeaderValue::from_static("application/octet-stream"));
+    let content_type = axum::http::HeaderValue::from_str(&reference.media_type).unwrap_or(
+        axum::http::HeaderValue::from_static("application/octet-stream"),
+    );
     Ok((
         [
             (header::CONTENT_TYPE, content_type),

@@ -100,7 +100,9 @@ impl Worker {
                 tracing::warn!(%error, "The output could not be stored in the blob store.");
                 let message = format!("the step's output could not be stored: {error}");
                 Err(match intent.side_effect {
-                    SideEffectClass::Pure | SideEffectClass::Idempotent | SideEffectClass::Keyed => {
+                    SideEffectClass::Pure
+                    | SideEffectClass::Idempotent
+                    | SideEffectClass::Keyed => {
                         HandlerError::retryable("blob_unavailable", message)
                     }
                     SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
