@@ -11,7 +11,7 @@
 //!   step's `$steps.read.output.wrapped.doc.total` reads *into* the stored output (the
 //!   fold hands the executor a reference with a path), the blob route serves exactly the
 //!   stored bytes and another tenant gets 404. Red: with `--blob-threshold` above the
-//!   input (offloading disabled) the start is refused `too_large` and no run exists;
+//!   input (offloading disabled) the start is refused 413 `too_large` and no run exists;
 //!   with the tenant check of the blob route skipped (`known_run` replaced by an
 //!   unchecked read of the view) the other tenant got 200 and the bytes.
 //! - `a_tampered_blob_fails_its_step_blob_corrupt_and_the_handler_is_never_called`: one
@@ -237,8 +237,10 @@ async fn large_inputs_and_outputs_travel_by_reference_and_records_stay_small() {
             &json!({"graph_id": "big", "run_id": "run-big", "input": input}),
         )
         .await;
-    // Red proof (offloading disabled, `--blob-threshold 100000000` on both services):
-    // 409 too_large here - the 2 MiB input rode in the command and the reducer refused it.
+    // Red proof (offloading disabled: `--blob-threshold 100000000` on both services):
+    // 413 too_large here - the 2 MiB input would ride in the command, a record Kafka
+    // refuses (before the gateway checked the size, 503 kafka_unavailable:
+    // MessageSizeTooLarge, an invitation to retry what can never succeed).
     assert_eq!(status, 201, "{started}");
     api.wait_status("run-big", "succeeded").await;
 

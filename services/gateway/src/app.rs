@@ -259,6 +259,19 @@ impl AppState {
             .encode(&inner.commands_topic, command)
             .await
             .map_err(|e| ApiError::unavailable("registry_unavailable", e.to_string()))?;
+        // Kafka would refuse it (MessageSizeTooLarge): not an outage to retry, a request
+        // to change. Headers (trace, signature) get the margin.
+        if bytes.len() + 4096 > sortie_kafka::MAX_RECORD_BYTES {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!(
+                    "the command would be a {} byte record; Kafka takes at most {}. Large inputs and payloads go by reference with a blob store (--blob-store, --blob-threshold)",
+                    bytes.len(),
+                    sortie_kafka::MAX_RECORD_BYTES
+                ),
+            ));
+        }
         let partition = partition_for(command.run_id.as_bytes(), inner.partitions);
         // The request's trace (or the run's) travels on to the reducer, intents and results.
         let trace = crate::metrics::current_trace()
