@@ -255,7 +255,7 @@ mod tests {
         std::fs::write(&file, &bytes).expect("tamper");
         let err = resolve(Some(&store), "acme", carried.clone())
             .await
-            .unwrap_err();
+            .expect_err("refused");
         assert_eq!(err.code(), "blob_corrupt", "{err}");
         assert!(!err.is_retryable());
 
@@ -263,21 +263,23 @@ mod tests {
         std::fs::write(&file, &bytes).expect("truncate");
         let err = resolve(Some(&store), "acme", carried.clone())
             .await
-            .unwrap_err();
+            .expect_err("refused");
         assert_eq!(err.code(), "blob_corrupt", "{err}");
 
         std::fs::remove_file(&file).expect("lose");
         let err = resolve(Some(&store), "acme", carried.clone())
             .await
-            .unwrap_err();
+            .expect_err("refused");
         assert_eq!(err.code(), "blob_missing", "{err}");
 
         let err = resolve(Some(&store), "globex", carried.clone())
             .await
-            .unwrap_err();
+            .expect_err("refused");
         assert_eq!(err.code(), "blob_forbidden", "{err}");
 
-        let err = resolve(None, "acme", carried.clone()).await.unwrap_err();
+        let err = resolve(None, "acme", carried.clone())
+            .await
+            .expect_err("refused");
         assert!(err.is_retryable(), "{err}");
 
         // A reference whose hash is not its URI's.
@@ -286,7 +288,7 @@ mod tests {
         forged.uri = format!("sortie-blob:{other}");
         let err = resolve(Some(&store), "acme", forged.to_value())
             .await
-            .unwrap_err();
+            .expect_err("refused");
         assert_eq!(err.code(), "blob_invalid_reference", "{err}");
     }
 }

@@ -54,13 +54,14 @@ impl S3Store {
             check_key(prefix)?;
             Some(prefix.to_owned())
         };
-        let mut retry = RetryConfig::default();
-        retry.max_retries = 3;
-        retry.retry_timeout = RETRY_TIMEOUT;
-        retry.backoff = BackoffConfig {
-            init_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(2),
-            base: 2.0,
+        let retry = RetryConfig {
+            max_retries: 3,
+            retry_timeout: RETRY_TIMEOUT,
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(2),
+                base: 2.0,
+            },
         };
         let mut builder = AmazonS3Builder::from_env()
             .with_bucket_name(bucket)
