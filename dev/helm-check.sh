@@ -256,6 +256,20 @@ if which == "production":
         c = next(c for c in g["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway")
         env = {e["name"]: e.get("value") for e in c["env"]}
         check(env.get("SORTIE_SIGNING_KEY", "").startswith("/etc/sortie/signing/"), "gateway: no signing key")
+    # Large payloads go to S3: the gateway and every executor get the store and AWS
+    # credentials from a Secret.
+    for w in workloads:
+        component = w["metadata"]["labels"].get("app.kubernetes.io/component", "")
+        if component != "gateway" and not component.startswith("executor-"):
+            continue
+        section = "GATEWAY" if component == "gateway" else "EXECUTOR"
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            store = env.get(f"SORTIE__{section}__BLOB_STORE", {}).get("value", "")
+            check(store.startswith("s3://"), f'{component}: no s3:// blob store ({store!r})')
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                ref = env.get(key, {}).get("valueFrom", {}).get("secretKeyRef", {})
+                check(ref.get("key") == key and ref.get("name"), f"{component}: {key} not from a Secret")
     secrets = [d for d in docs if d["kind"] == "Secret" and "kafka.properties" in d.get("stringData", {})]
     check(secrets and all("security.protocol=SASL_SSL" in s["stringData"]["kafka.properties"] for s in secrets),
           "no kafka.properties Secret with security.protocol=SASL_SSL")
@@ -265,7 +279,7 @@ for f in failures:
 if failures:
     sys.exit(1)
 print(f"   image {expected} on {containers} containers; {guarded} workloads with a PDB; "
-      f"reducer anti-affinity and /readyz probe" + ("; RF 3, min ISR 2, Kafka properties everywhere" if which == "production" else ""))
+      f"reducer anti-affinity and /readyz probe" + ("; RF 3, min ISR 2, Kafka properties everywhere; S3 blob store with Secret credentials" if which == "production" else ""))
 PY
 done
 
@@ -288,4 +302,21 @@ if "$HELM" template sortie "$CHART" "${jwt[@]}" >/dev/null 2>&1; then
     exit 1
 fi
 echo "   off by default; issuer, audience and JWKS URL when set; refused without a JWKS URL"
+
+# Blob store: off by default; a file:// store with a claim mounts it in the gateway and
+# every executor.
+echo "== blob store values"
+if grep -q BLOB_STORE "$out/default.yaml"; then
+    echo "FAIL: a blob store rendered with the default values" >&2
+    exit 1
+fi
+"$HELM" template sortie "$CHART" --namespace sortie --kube-version "$KUBE_VERSION" \
+    --set blobs.store=file:///var/lib/sortie/blobs --set blobs.fileClaim=sortie-blobs \
+    >"$out/blobs-file.yaml"
+"$KUBECONFORM" -strict -summary -kubernetes-version "$KUBE_VERSION" \
+    -schema-location "$SCHEMAS/{{ .NormalizedKubernetesVersion }}-standalone{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
+    "$out/blobs-file.yaml" >/dev/null
+mounts=$(grep -c 'claimName: sortie-blobs' "$out/blobs-file.yaml")
+[ "$mounts" -eq 4 ] || { echo "FAIL: the blob claim is mounted in $mounts workloads, not the gateway and 3 executors" >&2; exit 1; }
+echo "   off by default; a file:// store's claim mounted in the gateway and every executor; S3 with Secret credentials in production"
 echo "== helm chart OK"

@@ -13,6 +13,7 @@ use std::process::Command;
 /// Every workspace crate except the CLI (`sortie`) and the reducer itself.
 const MUST_NOT_LINK_THE_REDUCER: &[&str] = &[
     "sortie-core",
+    "sortie-blob",
     "sortie-wire",
     "sortie-model",
     "sortie-kafka",
@@ -28,6 +29,7 @@ const MUST_NOT_LINK_THE_REDUCER: &[&str] = &[
 /// below fails naming the executor.)
 const MUST_NOT_LINK_THE_DEVKIT: &[&str] = &[
     "sortie-core",
+    "sortie-blob",
     "sortie-wire",
     "sortie-model",
     "sortie-kafka",

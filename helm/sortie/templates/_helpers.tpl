@@ -203,3 +203,54 @@ volumeMounts:
     readOnly: true
   {{- end }}
 {{- end }}
+
+{{/*
+The blob store (README "Large payloads") for the gateway or an executor: the store, its
+S3 endpoint and threshold as the component's environment (`section` is GATEWAY or
+EXECUTOR), and AWS credentials and region for an s3:// store.
+*/}}
+{{- define "sortie.blobEnv" -}}
+{{- $b := .root.Values.blobs }}
+{{- if $b.store }}
+- name: SORTIE__{{ .section }}__BLOB_STORE
+  value: {{ $b.store | quote }}
+- name: SORTIE__{{ .section }}__BLOB_THRESHOLD
+  value: {{ $b.thresholdBytes | quote }}
+{{- if $b.s3Endpoint }}
+- name: SORTIE__{{ .section }}__BLOB_S3_ENDPOINT
+  value: {{ $b.s3Endpoint | quote }}
+{{- end }}
+{{- if $b.region }}
+- name: AWS_REGION
+  value: {{ $b.region | quote }}
+{{- end }}
+{{- if $b.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $b.existingSecret }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $b.existingSecret }}
+      key: AWS_SECRET_ACCESS_KEY
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A directory blob store's shared volume (blobs.fileClaim), when there is one. */}}
+{{- define "sortie.blobVolumeMount" -}}
+{{- if and .Values.blobs.store .Values.blobs.fileClaim }}
+- name: blobs
+  mountPath: /var/lib/sortie/blobs
+{{- end }}
+{{- end }}
+
+{{- define "sortie.blobVolume" -}}
+{{- if and .Values.blobs.store .Values.blobs.fileClaim }}
+- name: blobs
+  persistentVolumeClaim:
+    claimName: {{ .Values.blobs.fileClaim }}
+{{- end }}
+{{- end }}

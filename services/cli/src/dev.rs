@@ -342,7 +342,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "--require-signatures",
         ],
     )?;
-    stack.spawn("executor", &["executor", "--queue", "default,http,llm"])?;
+    // One blob store for the executor and the gateway: large inputs and outputs go by
+    // reference (README, "Large payloads").
+    let blobs = format!(
+        "file://{}",
+        std::path::absolute(data_dir.join("blobs"))?.display()
+    );
+    stack.spawn(
+        "executor",
+        &[
+            "executor",
+            "--queue",
+            "default,http,llm",
+            "--blob-store",
+            &blobs,
+        ],
+    )?;
     let gateway_dir = data_dir.join("gateway").display().to_string();
     let dev_token = format!("dev:dev-user:approver,operator:{token}");
     let budgets = repo_file("topology/budgets.yaml")?.display().to_string();
@@ -360,6 +375,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &budgets,
             "--signing-key",
             &gateway_key,
+            "--blob-store",
+            &blobs,
         ],
     )?;
     wait_http(

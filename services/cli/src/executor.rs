@@ -59,6 +59,22 @@ pub struct Args {
         default_value_t = 30_000
     )]
     default_timeout_ms: u64,
+    /// Where large values are stored: `file:///path` or `s3://bucket/prefix` (region and
+    /// credentials from the AWS environment variables). Arguments referencing a blob are
+    /// resolved from it before the handler runs; an output over --blob-threshold is
+    /// stored there and reported by reference. Unset: outputs stay inline.
+    #[arg(long, env = "SORTIE__EXECUTOR__BLOB_STORE")]
+    blob_store: Option<String>,
+    /// The endpoint of an S3-compatible server (MinIO, Ceph, ...) for an s3:// store.
+    #[arg(
+        long,
+        env = "SORTIE__EXECUTOR__BLOB_S3_ENDPOINT",
+        requires = "blob_store"
+    )]
+    blob_s3_endpoint: Option<String>,
+    /// An output whose JSON is larger than this many bytes goes to the blob store.
+    #[arg(long, env = "SORTIE__EXECUTOR__BLOB_THRESHOLD", default_value_t = sortie_blob::DEFAULT_THRESHOLD)]
+    blob_threshold: usize,
     /// Crash tests only: die on purpose at this point (executor.before_call,
     /// executor.after_call, executor.after_result).
     #[arg(long, env = "SORTIE_FAULT")]
@@ -95,6 +111,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.session_timeout = Duration::from_millis(args.session_timeout_ms);
     config.default_timeout = Duration::from_millis(args.default_timeout_ms);
     config.fault = args.fault;
+    config.blobs = args.blob_store.map(|store| sortie_blob::BlobConfig {
+        store,
+        s3_endpoint: args.blob_s3_endpoint,
+        threshold: args.blob_threshold,
+    });
     if args.print_config {
         println!("{config:#?}");
         return Ok(());

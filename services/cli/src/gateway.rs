@@ -111,9 +111,26 @@ pub struct Args {
         default_value_t = 10_000
     )]
     read_wait_timeout_ms: u64,
-    /// Largest request body accepted.
-    #[arg(long, env = "SORTIE__GATEWAY__MAX_BODY_BYTES", default_value_t = 256 * 1024)]
-    max_body_bytes: usize,
+    /// Largest request body accepted. Default: 256 KiB, or 16 MiB with --blob-store
+    /// (large inputs are then stored by reference instead of travelling in the command).
+    #[arg(long, env = "SORTIE__GATEWAY__MAX_BODY_BYTES")]
+    max_body_bytes: Option<usize>,
+    /// Where large run inputs and decision payloads are stored: `file:///path` or
+    /// `s3://bucket/prefix` (region and credentials from the AWS environment variables).
+    /// A value over --blob-threshold is stored there before the command is published and
+    /// the command carries a reference; `GET /v1/runs/{id}/blobs/{sha256}` serves it.
+    #[arg(long, env = "SORTIE__GATEWAY__BLOB_STORE")]
+    blob_store: Option<String>,
+    /// The endpoint of an S3-compatible server (MinIO, Ceph, ...) for an s3:// store.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__BLOB_S3_ENDPOINT",
+        requires = "blob_store"
+    )]
+    blob_s3_endpoint: Option<String>,
+    /// A value whose JSON is larger than this many bytes goes to the blob store.
+    #[arg(long, env = "SORTIE__GATEWAY__BLOB_THRESHOLD", default_value_t = sortie_blob::DEFAULT_THRESHOLD)]
+    blob_threshold: usize,
     /// Live event streams one tenant may hold open at once (429 `too_many_streams` above).
     #[arg(
         long,
@@ -146,7 +163,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.prefix = args.connection.prefix;
     config.answer_timeout = Duration::from_millis(args.answer_timeout_ms);
     config.read_wait_timeout = Duration::from_millis(args.read_wait_timeout_ms);
-    config.max_body_bytes = args.max_body_bytes;
+    config.max_body_bytes = args.max_body_bytes.unwrap_or(if args.blob_store.is_some() {
+        16 * 1024 * 1024
+    } else {
+        256 * 1024
+    });
+    config.blobs = args.blob_store.map(|store| sortie_blob::BlobConfig {
+        store,
+        s3_endpoint: args.blob_s3_endpoint,
+        threshold: args.blob_threshold,
+    });
     config.max_streams_per_tenant = args.max_streams_per_tenant;
     config.fault = args.fault;
     config.signing_key = args.signing_key;

@@ -11,6 +11,7 @@
 //! event into the state. Everything the state knows came from an event, so folding a
 //! run's history reproduces its state at any version.
 
+pub mod blob;
 pub mod budget;
 pub mod decide;
 pub mod duration;

@@ -23,6 +23,12 @@
 //! it. A lookup that does not find the operation settles nothing on a later attempt (the
 //! outcome stays unknown, for an operator) unless the node's config says
 //! `lookup_authoritative: true`. See [`runtime`] for the offset-commit design.
+//!
+//! With a blob store (`ExecutorConfig::blobs`), blob references in an intent's arguments
+//! are fetched, checked (size, SHA-256, tenant) and projected before anything else
+//! happens, so handlers see plain JSON and a tampered or lost blob fails the step without
+//! a call; an output over the threshold is stored before its result is produced and
+//! reported by reference (`sortie-blob`).
 
 pub mod fault;
 pub mod handler;

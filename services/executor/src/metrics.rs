@@ -21,6 +21,13 @@ pub const HANDED_BACK: &str = "sortie_executor_handed_back_total";
 /// Records sent to the dead-letter topic, by `reason`.
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
 
+/// Intents whose arguments held blob references, by `outcome` (`resolved`, or the
+/// refusal's code: `blob_corrupt`, `blob_missing`, `blob_forbidden`,
+/// `blob_invalid_reference`, `blob_unavailable`).
+pub const BLOB_READS: &str = "sortie_executor_blob_reads_total";
+/// Outputs that could not be stored in the blob store (the attempt failed or went unknown).
+pub const BLOB_WRITE_FAILURES: &str = "sortie_executor_blob_write_failures_total";
+
 /// Explicit buckets: without them the exporter renders histograms as summaries.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[(
     STEP_SECONDS,
@@ -51,7 +58,24 @@ pub fn describe() {
         DEAD_LETTERS,
         "Records sent to sortie.dead-letters, by reason code."
     );
+    describe_counter!(
+        BLOB_READS,
+        "Intents whose arguments referenced blobs, by outcome (resolved, or the refusal's code)."
+    );
+    describe_counter!(
+        BLOB_WRITE_FAILURES,
+        "Step outputs that could not be stored in the blob store."
+    );
     counter!(HANDED_BACK).increment(0);
+    counter!(BLOB_WRITE_FAILURES).increment(0);
+}
+
+pub(crate) fn blobs_read(outcome: &'static str) {
+    counter!(BLOB_READS, "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn blob_write_failed() {
+    counter!(BLOB_WRITE_FAILURES).increment(1);
 }
 
 pub(crate) fn intent(queue: &str) {

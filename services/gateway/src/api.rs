@@ -54,6 +54,7 @@ pub fn router(state: AppState) -> Router {
             get(checkpoint),
         )
         .route("/v1/runs/{run_id}/fork", post(fork_run))
+        .route("/v1/runs/{run_id}/blobs/{sha256}", get(blob))
         .route(
             "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
             post(reconcile),
@@ -321,6 +322,7 @@ async fn start_run(
         return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
     }
     let input = body.input.unwrap_or_else(|| json!({}));
+    let input = app.offload(&caller.tenant, &run_id, input).await?;
     let command = command(
         &caller,
         &run_id,
@@ -466,6 +468,10 @@ async fn resume_run(
         body.edited_args,
         interrupt.and_then(|i| i.proposal.get("args")),
     );
+    let payload = match payload {
+        Some(payload) => Some(app.offload(&caller.tenant, &run_id, payload).await?),
+        None => None,
+    };
     let decision = match body.decision {
         DecisionIn::Approve => w::Decision::Approve,
         DecisionIn::Reject => w::Decision::Reject,
@@ -895,6 +901,72 @@ async fn checkpoint(
         .ok_or_else(unknown)?;
     let state = state_at(&app, &run_id, version)?.ok_or_else(unknown)?;
     Ok(Json(render::checkpoint(&state, version)))
+}
+
+/// A blob the run references (its input, an output, a decision's payload stored by
+/// reference), to the run's own tenant: the bytes exactly as stored, with the media type
+/// of the reference. Only a hash the run's state references is served (through that
+/// reference's key, so a fork serves what it carries from its source); the bytes are
+/// checked against the reference's size and hash before they are sent.
+async fn blob(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params((run_id, sha256)): Params<(String, String)>,
+    QueryParams(query): QueryParams<ReadQuery>,
+) -> Result<Response, ApiError> {
+    read_after(&app, &headers, query.min_position.as_deref()).await?;
+    let run = visible_run(&app, &caller, &run_id)?;
+    let unknown = || {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_blob",
+            format!("run {run_id} references no blob {sha256}"),
+        )
+    };
+    if !sortie_core::blob::is_sha256_hex(&sha256) {
+        return Err(unknown());
+    }
+    let state = serde_json::to_value(&run.state).map_err(|e| ApiError::internal(e.to_string()))?;
+    let reference = sortie_core::blob::refs(&state)
+        .into_iter()
+        .find(|r| r.sha256 == sha256)
+        .ok_or_else(unknown)?;
+    let Some(store) = app.inner.blobs.as_deref() else {
+        return Err(ApiError::unavailable(
+            "blob_store_unavailable",
+            "this gateway has no blob store configured (--blob-store)",
+        ));
+    };
+    use sortie_blob::resolve::ResolveError as E;
+    let bytes = sortie_blob::resolve::fetch_verified(store, &reference, &caller.tenant)
+        .await
+        .map_err(|e| match e {
+            E::Missing { .. } => ApiError::new(StatusCode::NOT_FOUND, "blob_missing", e.to_string()),
+            E::Unavailable { .. } | E::NoStore { .. } => {
+                ApiError::unavailable("blob_store_unavailable", e.to_string())
+            }
+            E::Forbidden { .. } => unknown(),
+            E::Corrupt { .. } | E::Invalid { .. } => {
+                tracing::error!(run_id = %run_id, error = %e, "A referenced blob failed its check; not served.");
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.code(), e.to_string())
+            }
+        })?;
+    let content_type = axum::http::HeaderValue::from_str(&reference.media_type).unwrap_or(
+        axum::http::HeaderValue::from_static("application/octet-stream"),
+    );
+    Ok((
+        [
+            (header::CONTENT_TYPE, content_type),
+            (
+                header::ETAG,
+                axum::http::HeaderValue::from_str(&format!("\"{sha256}\""))
+                    .map_err(|e| ApiError::internal(e.to_string()))?,
+            ),
+        ],
+        bytes,
+    )
+        .into_response())
 }
 
 /// The run's state after `version`: every version is recoverable from history, by

@@ -41,6 +41,8 @@ pub enum Error {
     Serve(std::io::Error),
     #[error("the command signing key: {0}")]
     SigningKey(#[from] sortie_wire::signing::KeyError),
+    #[error(transparent)]
+    Blobs(#[from] sortie_blob::Error),
 }
 
 /// Everything a request handler needs; cheap to clone.
@@ -73,6 +75,8 @@ pub(crate) struct Inner {
     view_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Open live event streams per tenant.
     streams: Mutex<HashMap<String, usize>>,
+    /// The blob store of `config.blobs`, opened.
+    pub blobs: Option<Arc<dyn sortie_blob::BlobStore>>,
 }
 
 impl AppState {
@@ -81,6 +85,10 @@ impl AppState {
     pub async fn start(config: GatewayConfig) -> Result<AppState, Error> {
         let topics = Topics::new(config.prefix.clone());
         let auth = Arc::new(Auth::load(&config).await?);
+        let blobs = config.blobs.as_ref().map(|b| b.open()).transpose()?;
+        if let Some(store) = &blobs {
+            tracing::info!(store = %store.location(), "Large inputs and payloads go to the blob store.");
+        }
         std::fs::create_dir_all(&config.data_dir).ok();
         let store = Store::open(&config.data_dir, topics.prefix())?;
         let codec = Arc::new(Codec::new(&CodecConfig {
@@ -137,6 +145,7 @@ impl AppState {
                 stop_graphs,
                 view_task: Mutex::new(Some(view_task)),
                 streams: Mutex::new(HashMap::new()),
+                blobs,
             }),
         })
     }
@@ -188,6 +197,30 @@ impl AppState {
         &self.inner.config
     }
 
+    /// `value` as a command carries it: with a blob store, the parts over its threshold are
+    /// stored (before anything is published, so the command never references a blob
+    /// that is not there) and referenced; a store that fails is 503 `blob_store_unavailable`
+    /// and nothing is published.
+    pub(crate) async fn offload(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        value: serde_json::Value,
+    ) -> Result<serde_json::Value, ApiError> {
+        let (Some(store), Some(config)) = (&self.inner.blobs, &self.inner.config.blobs) else {
+            return Ok(value);
+        };
+        sortie_blob::offload::offload(store.as_ref(), tenant, run_id, value, config.threshold)
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "A large value could not be stored; nothing was published.");
+                ApiError::unavailable(
+                    "blob_store_unavailable",
+                    format!("the blob store could not store a large value: {e}"),
+                )
+            })
+    }
+
     /// Publishes `command` to the run's canonical partition and waits for the reducer's
     /// answer, at most the answer timeout (then 504 with the command id).
     pub(crate) async fn submit(&self, command: &RunCommand) -> Result<Answer, ApiError> {
@@ -226,6 +259,19 @@ impl AppState {
             .encode(&inner.commands_topic, command)
             .await
             .map_err(|e| ApiError::unavailable("registry_unavailable", e.to_string()))?;
+        // Kafka would refuse it (MessageSizeTooLarge): not an outage to retry, a request
+        // to change. Headers (trace, signature) get the margin.
+        if bytes.len() + 4096 > sortie_kafka::MAX_RECORD_BYTES {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!(
+                    "the command would be a {} byte record; Kafka takes at most {}. Large inputs and payloads go by reference with a blob store (--blob-store, --blob-threshold)",
+                    bytes.len(),
+                    sortie_kafka::MAX_RECORD_BYTES
+                ),
+            ));
+        }
         let partition = partition_for(command.run_id.as_bytes(), inner.partitions);
         // The request's trace (or the run's) travels on to the reducer, intents and results.
         let trace = crate::metrics::current_trace()

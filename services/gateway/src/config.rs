@@ -79,6 +79,10 @@ pub struct GatewayConfig {
     /// reducers' keyring: it signs for the principals its bearer tokens authenticate).
     #[serde(default)]
     pub signing_key: Option<PathBuf>,
+    /// Where a run's large input and large decision payloads are stored (by reference),
+    /// and where `GET /v1/runs/{id}/blobs/{sha256}` reads. `None`: payloads stay inline.
+    #[serde(default)]
+    pub blobs: Option<sortie_blob::BlobConfig>,
 }
 
 /// Spend budgets (a `budgets` file): the limits a run gets when its start names none (per
@@ -263,6 +267,7 @@ impl GatewayConfig {
             fault: None,
             budgets: Budgets::default(),
             signing_key: None,
+            blobs: None,
         }
     }
 }

@@ -82,7 +82,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
-        if declared.is_some_and(|n| n > DRAIN_LIMIT) {
+        if declared.is_some_and(|n| n > cap && n > DRAIN_LIMIT) {
             // Not worth reading: answered at once, and the connection closes.
             return Err(too_large().closing());
         }
@@ -120,7 +120,8 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
 /// (hyper reports `IncompleteMessage`): reading the rest first delivers the JSON error.
 const DRAIN_LIMIT: usize = 8 * 1024 * 1024;
 
-/// The body if it holds at most `cap` bytes. A larger one is read on to its end and
+/// The body if it holds at most `cap` bytes (which may exceed [`DRAIN_LIMIT`]: a
+/// gateway with a blob store takes large inputs). A larger one is read on to its end and
 /// thrown away, up to [`DRAIN_LIMIT`]: `Err(true)` when it was read whole, `Err(false)`
 /// when it was cut off (or failed) and the connection should close.
 async fn read_capped(body: axum::body::Body, cap: usize) -> Result<Vec<u8>, bool> {
@@ -133,7 +134,7 @@ async fn read_capped(body: axum::body::Body, cap: usize) -> Result<Vec<u8>, bool
             return Err(false);
         };
         seen += chunk.len();
-        if seen > DRAIN_LIMIT {
+        if seen > cap && seen > DRAIN_LIMIT {
             return Err(false);
         }
         if seen <= cap {

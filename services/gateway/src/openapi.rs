@@ -376,6 +376,28 @@ pub fn document() -> Value {
             "responses": read_errors(json!({"200": {"description": "{\"tenant\", \"principal\", \"roles\", \"groups\"}"}}))
         }
     });
+    doc["paths"]["/v1/runs/{run_id}/blobs/{sha256}"] = json!({
+        "get": {
+            "summary": "A large value the run references (its input, a step's output, a decision's payload stored by reference as {\"$blob\", \"sha256\", \"size\", \"media_type\"}): the stored bytes, checked against the reference's size and hash",
+            "security": security,
+            "parameters": [
+                run_id(),
+                param("sha256", "path", "The reference's sha256 (64 lower-case hex digits).", json!({"type": "string", "pattern": "^[0-9a-f]{64}$"})),
+                min_position()
+            ],
+            "responses": read_errors(json!({
+                "200": {
+                    "description": "The bytes exactly as stored; Content-Type is the reference's media_type (application/json for Sortie's own), ETag the hash.",
+                    "content": {"application/json": {"schema": {}}, "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+                },
+                "500": error_response("blob_corrupt: the stored bytes are not the referenced ones (size or hash); nothing is served."),
+                "503": error_response("blob_store_unavailable: the blob store did not answer, or none is configured.")
+            }))
+        }
+    });
+    doc["paths"]["/v1/runs/{run_id}/blobs/{sha256}"]["get"]["responses"]["404"] = error_response(
+        "unknown_run (also another tenant's run), unknown_blob (the run references no blob with that hash), or blob_missing (referenced, but no longer in the store).",
+    );
     doc["paths"]["/ui/"] = json!({
         "get": {"summary": "The web console (HTML; signs in with a bearer token)", "responses": {"200": {"description": "text/html"}}}
     });

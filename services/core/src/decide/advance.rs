@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 
 use super::Ctx;
 use crate::{
+    blob::project,
     event::StepRole,
     graph::{Graph, Node, OnReject},
     json::{self as j, Reference},
@@ -530,6 +531,10 @@ fn iteration(step_id: &str) -> u32 {
 /// compensation) the step being compensated, and the human input of a decided interrupt.
 /// Without an interrupt, `$interrupt.payload` references stay as they are: a gated node's
 /// proposal shows them, and the approval fills them in ([`fill_interrupt`]).
+///
+/// A path that leads into a blob reference (a large input or output stored by reference)
+/// renders as that reference narrowed by the rest of the path ([`project`]): the fold
+/// never reads a blob; the executor resolves the reference before the handler runs.
 pub(crate) fn render(
     run: &RunState,
     compensated: Option<&Step>,
@@ -548,9 +553,9 @@ pub(crate) fn render(
         }
     };
     j::render(template, &|reference| match reference {
-        Reference::Input(path) => j::at_path(&run.input, path).cloned(),
+        Reference::Input(path) => project(&run.input, path),
         Reference::Step { node, part, path } => {
-            latest_output(node, part).and_then(|v| j::at_path(&v, path).cloned())
+            latest_output(node, part).and_then(|v| project(&v, path))
         }
         Reference::Compensated { part, path } => {
             let step = compensated?;
@@ -559,13 +564,10 @@ pub(crate) fn render(
             } else {
                 step.output.clone()
             };
-            whole.and_then(|v| j::at_path(&v, path).cloned())
+            whole.and_then(|v| project(&v, path))
         }
         Reference::Interrupt(path) => match interrupt {
-            Some(i) => i
-                .payload
-                .as_ref()
-                .and_then(|p| j::at_path(p, path).cloned()),
+            Some(i) => i.payload.as_ref().and_then(|p| project(p, path)),
             None if path.is_empty() => Some(Value::String("$interrupt.payload".into())),
             None => Some(Value::String(format!("$interrupt.payload.{path}"))),
         },
@@ -579,7 +581,7 @@ pub(crate) fn fill_interrupt(template: &Value, args: &Value, payload: Option<&Va
     match (template, args) {
         (Value::String(t), Value::String(a)) if t == a => match j::reference(t) {
             Some(Ok(Reference::Interrupt(path))) => payload
-                .and_then(|p| j::at_path(p, path).cloned())
+                .and_then(|p| project(p, path))
                 .unwrap_or(Value::Null),
             _ => args.clone(),
         },

@@ -13,6 +13,8 @@ pub(super) struct Worker {
     pub(super) health: Health,
     /// A lock per reconcilable operation with an attempt here ([`Worker::exclusive`]).
     pub(super) operations: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The blob store of `config.blobs`, opened.
+    pub(super) blobs: Option<Arc<dyn sortie_blob::BlobStore>>,
 }
 
 impl Worker {
@@ -70,6 +72,16 @@ impl Worker {
             ticket.done();
             return;
         }
+        // Before anything is recorded or called: a handler sees plain JSON, and a blob
+        // that is lost or not the referenced one fails the step without a call.
+        let call = match self.resolve_args(call).await {
+            Ok(call) => call,
+            Err(error) => {
+                self.report(intent, Err(error), started_at).await;
+                ticket.done();
+                return;
+            }
+        };
         tracing::debug!(class = ?intent.side_effect, "Intent received.");
         match intent.side_effect {
             SideEffectClass::Pure | SideEffectClass::Idempotent | SideEffectClass::Keyed => {
@@ -131,6 +143,35 @@ impl Worker {
                 .clone()
         };
         lock.lock_owned().await
+    }
+
+    /// The call with every blob reference in its arguments replaced by the referenced
+    /// value (fetched, size and SHA-256 checked, `path` applied; see
+    /// `sortie_blob::resolve`). A tampered, lost or foreign blob is a permanent failure
+    /// (`blob_corrupt`, `blob_missing`, `blob_forbidden`); a store that cannot be reached
+    /// (or none configured) a retryable one (`blob_unavailable`).
+    pub(super) async fn resolve_args(&self, mut call: Call) -> Result<Call, HandlerError> {
+        if !sortie_blob::resolve::has_refs(&call.args) {
+            return Ok(call);
+        }
+        let args = std::mem::take(&mut call.args);
+        match sortie_blob::resolve::resolve(self.blobs.as_deref(), &call.tenant, args).await {
+            Ok(args) => {
+                meter::blobs_read("resolved");
+                call.args = args;
+                Ok(call)
+            }
+            Err(error) => {
+                meter::blobs_read(error.code());
+                if error.is_retryable() {
+                    tracing::warn!(code = error.code(), %error, "A blob in the arguments could not be read.");
+                    Err(HandlerError::retryable(error.code(), error.to_string()))
+                } else {
+                    tracing::error!(code = error.code(), %error, "A blob in the arguments was refused; the handler is not called.");
+                    Err(HandlerError::permanent(error.code(), error.to_string()))
+                }
+            }
+        }
     }
 
     /// One handler call, timed for [`meter::STEP_SECONDS`].

@@ -110,6 +110,11 @@ pub struct ExecutorConfig {
     pub default_timeout: Duration,
     /// Die on purpose at this point (crash tests only; never set by default).
     pub fault: Option<FaultPoint>,
+    /// Where large values go: arguments that reference a blob are resolved from it before
+    /// the handler runs, and an output over its threshold is stored there and reported
+    /// by reference. `None`: outputs stay inline, and a reference in arguments fails the
+    /// attempt retryably (`blob_unavailable`).
+    pub blobs: Option<sortie_blob::BlobConfig>,
 }
 
 impl ExecutorConfig {
@@ -133,6 +138,7 @@ impl ExecutorConfig {
             session_timeout: Duration::from_secs(10),
             default_timeout: Duration::from_secs(30),
             fault: None,
+            blobs: None,
         }
     }
 
@@ -152,6 +158,8 @@ pub enum Error {
     Setup(String),
     #[error("the consumer of queue {0} stopped unexpectedly")]
     ConsumerDied(String),
+    #[error(transparent)]
+    Blobs(#[from] sortie_blob::Error),
 }
 
 /// Runs the executor until `shutdown` resolves, then drains and returns.
@@ -180,6 +188,14 @@ pub async fn run_with_health(
     }
     if config.max_in_flight == 0 {
         return Err(Error::Setup("max_in_flight must be at least 1".into()));
+    }
+    let blobs = config.blobs.as_ref().map(|b| b.open()).transpose()?;
+    if let Some(store) = &blobs {
+        tracing::info!(
+            store = %store.location(),
+            threshold = config.blobs.as_ref().map_or(0, |b| b.threshold),
+            "Large outputs go to the blob store."
+        );
     }
     let codec = Codec::new(&CodecConfig {
         registry_url: config.registry_url.clone(),
@@ -217,6 +233,7 @@ pub async fn run_with_health(
         result_partitions,
         health: health.clone(),
         operations: Mutex::new(HashMap::new()),
+        blobs,
     });
     health.serving(&worker.config.queues);
     let runtime = Handle::current();

@@ -32,6 +32,10 @@ impl Worker {
         outcome: Result<Value, HandlerError>,
         started_at: i64,
     ) {
+        let outcome = match outcome {
+            Ok(output) => self.store_large(intent, output).await,
+            failed => failed,
+        };
         let mut result = match &outcome {
             Ok(_) => self.result(intent, w::StepStatus::Succeeded, started_at),
             Err(HandlerError::Unknown { .. }) => {
@@ -68,6 +72,44 @@ impl Worker {
                 message = %error.message,
                 "Reported the attempt's outcome."
             ),
+        }
+    }
+
+    /// The output to report: parts over the blob threshold stored first and referenced
+    /// (`sortie_blob::offload`), so the result is never produced before its blobs exist.
+    /// A failed write loses nothing and claims nothing: for `pure`, `idempotent` and
+    /// `keyed` steps (a repeat is harmless) the attempt fails retryably; for
+    /// `reconcilable` and `unsafe` ones the call did happen, so its outcome is reported
+    /// unknown (the next attempt asks the receiver, or an operator records it).
+    async fn store_large(&self, intent: &StepIntent, output: Value) -> Result<Value, HandlerError> {
+        let (Some(store), Some(config)) = (&self.blobs, &self.config.blobs) else {
+            return Ok(output);
+        };
+        match sortie_blob::offload::offload(
+            store.as_ref(),
+            &intent.tenant,
+            &intent.run_id,
+            output,
+            config.threshold,
+        )
+        .await
+        {
+            Ok(output) => Ok(output),
+            Err(error) => {
+                meter::blob_write_failed();
+                tracing::warn!(%error, "The output could not be stored in the blob store.");
+                let message = format!("the step's output could not be stored: {error}");
+                Err(match intent.side_effect {
+                    SideEffectClass::Pure
+                    | SideEffectClass::Idempotent
+                    | SideEffectClass::Keyed => {
+                        HandlerError::retryable("blob_unavailable", message)
+                    }
+                    SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+                        HandlerError::unknown("blob_unavailable", message)
+                    }
+                })
+            }
         }
     }
 
