@@ -302,12 +302,7 @@ pub fn project(value: &Value, path: &str) -> Option<Value> {
         return Some(value.clone());
     }
     let (segment, rest) = path.split_once('.').unwrap_or((path, ""));
-    let next = match value {
-        Value::Object(map) => map.get(segment)?,
-        Value::Array(items) => items.get(segment.parse::<usize>().ok()?)?,
-        _ => return None,
-    };
-    project(next, rest)
+    project(crate::json::step(value, segment)?, rest)
 }
 
 #[cfg(test)]

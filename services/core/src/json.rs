@@ -27,12 +27,16 @@ pub fn at_path<'v>(value: &'v Value, path: &str) -> Option<&'v Value> {
     if path.is_empty() {
         return Some(value);
     }
-    path.split('.')
-        .try_fold(value, |current, segment| match current {
-            Value::Object(map) => map.get(segment),
-            Value::Array(items) => segment.parse::<usize>().ok().and_then(|i| items.get(i)),
-            _ => None,
-        })
+    path.split('.').try_fold(value, step)
+}
+
+/// One segment of a path: an object's field, or an array's element by index.
+pub fn step<'v>(value: &'v Value, segment: &str) -> Option<&'v Value> {
+    match value {
+        Value::Object(map) => map.get(segment),
+        Value::Array(items) => segment.parse::<usize>().ok().and_then(|i| items.get(i)),
+        _ => None,
+    }
 }
 
 /// Where a template reference points.
