@@ -36,6 +36,22 @@ pub mod stack;
 
 /// The environment variable that points the tests at an existing broker.
 pub const BOOTSTRAP_ENV: &str = "SORTIE_TEST_BOOTSTRAP";
+/// A two-node graph whose refund waits for an `approver` (24 h): the approval suites'
+/// common mission.
+pub const GATED: &str = r#"
+id: gated
+version: 1
+nodes:
+  - {id: prepare, tool: echo, side_effect: pure}
+  - id: refund
+    tool: echo
+    side_effect: keyed
+    args: {amount: $input.amount}
+    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
+edges:
+  - {from: prepare, to: refund}
+"#;
+
 /// The test broker's PLAINTEXT port (its controller listens on the next one).
 pub const TEST_BROKER_PORT: u16 = 19092;
 

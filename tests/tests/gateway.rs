@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use sortie_core::EventBody;
 use sortie_tests::stack::{succeed, Stack};
 use sortie_tests::Isolation;
+use sortie_tests::GATED;
 
 const THREE_STEPS: &str = r#"
 id: three
@@ -22,20 +23,6 @@ nodes:
 edges:
   - {from: fetch, to: price}
   - {from: price, to: notify}
-"#;
-
-const GATED: &str = r#"
-id: gated
-version: 1
-nodes:
-  - {id: prepare, tool: echo, side_effect: pure}
-  - id: refund
-    tool: echo
-    side_effect: keyed
-    args: {amount: $input.amount}
-    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
-edges:
-  - {from: prepare, to: refund}
 "#;
 
 /// A gate whose proposal carries the agent's rationale, and whose rejection skips to a

@@ -27,24 +27,11 @@ use jsonwebtoken::jwk::{
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
 use sortie_tests::stack::{now_ms, succeed, Stack};
+use sortie_tests::GATED;
 
 const ISSUER: &str = "https://idp.test";
 const AUDIENCE: &str = "sortie-api";
 const LONG: Duration = Duration::from_secs(90);
-
-const GATED: &str = r#"
-id: gated
-version: 1
-nodes:
-  - {id: prepare, tool: echo, side_effect: pure}
-  - id: refund
-    tool: echo
-    side_effect: keyed
-    args: {amount: $input.amount}
-    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
-edges:
-  - {from: prepare, to: refund}
-"#;
 
 /// A test signing key and its public JWK.
 struct TestKey {

@@ -12,20 +12,7 @@ use rdkafka::Message as _;
 use serde_json::{json, Value};
 use sortie_tests::stack::{metric_sum, scrape, Stack};
 use sortie_tests::Isolation;
-
-const GATED: &str = r#"
-id: gated
-version: 1
-nodes:
-  - {id: prepare, tool: echo, side_effect: pure}
-  - id: refund
-    tool: echo
-    side_effect: keyed
-    args: {amount: $input.amount}
-    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
-edges:
-  - {from: prepare, to: refund}
-"#;
+use sortie_tests::GATED;
 
 const ALICE: &str = "acme:user:alice:approver:tok-alice";
 const LONG: Duration = Duration::from_secs(90);

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use sortie_core::{EventBody, RunState, RunStatus};
 use sortie_tests::stack::{start_run, succeed, Stack, PARTITIONS};
+use sortie_tests::GATED;
 use sortie_wire::partition_for;
 use sortie_wire::records as w;
 
@@ -21,20 +22,6 @@ nodes:
 edges:
   - {from: fetch, to: price}
   - {from: price, to: notify}
-"#;
-
-const GATED: &str = r#"
-id: gated
-version: 1
-nodes:
-  - {id: prepare, tool: echo, side_effect: pure}
-  - id: refund
-    tool: echo
-    side_effect: keyed
-    args: {amount: $input.amount}
-    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
-edges:
-  - {from: prepare, to: refund}
 "#;
 
 const LONG: Duration = Duration::from_secs(90);

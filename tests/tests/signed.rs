@@ -12,22 +12,9 @@ use std::time::Duration;
 use serde_json::json;
 use sortie_core::{EventBody, RunState, RunStatus};
 use sortie_tests::stack::{start_run, succeed, Stack};
+use sortie_tests::GATED;
 use sortie_wire::records as w;
 use sortie_wire::signing::{keyring_text, KeyEntry, Signer};
-
-const GATED: &str = r#"
-id: gated
-version: 1
-nodes:
-  - {id: prepare, tool: echo, side_effect: pure}
-  - id: refund
-    tool: echo
-    side_effect: keyed
-    args: {amount: $input.amount}
-    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}
-edges:
-  - {from: prepare, to: refund}
-"#;
 
 const LONG: Duration = Duration::from_secs(90);
 
