@@ -90,6 +90,12 @@ pub enum CommandBody {
         output: Option<Value>,
         error: Option<String>,
     },
+    /// Forget a finished run now (`DELETE /v1/runs/{id}`): its payloads are dropped from
+    /// its state, its step results tombstoned, as when its retention passes. Sent after
+    /// its data key was destroyed (crypto-shredding); needs the operator role.
+    ForgetRun {
+        reason: Option<String>,
+    },
 }
 
 /// Where a forked run starts: the source run's state at one of its versions, as the
@@ -110,6 +116,7 @@ impl CommandBody {
             CommandBody::ResumeRun { .. } => "ResumeRun",
             CommandBody::CancelRun { .. } => "CancelRun",
             CommandBody::ReconcileOperation { .. } => "ReconcileOperation",
+            CommandBody::ForgetRun { .. } => "ForgetRun",
         }
     }
 }

@@ -23,15 +23,17 @@ pub mod ids;
 pub mod input;
 pub mod json;
 pub mod limits;
+pub mod seal;
 pub mod shadow;
 pub mod state;
 pub mod status;
 
-pub use decide::{apply, refuse, Applied};
+pub use decide::{apply, apply_sealed, refuse, Applied};
 pub use effect::{Effect, Intent, TimerKey};
 pub use event::{Event, EventBody};
 pub use evolve::evolve;
 pub use graph::{Graph, GraphError, GraphRef, Graphs, Node, SideEffect};
 pub use input::{Command, CommandBody, Input, StepOutcome, StepReport};
+pub use seal::{Plain, Seal};
 pub use state::{Forgotten, RunState};
 pub use status::RunStatus;

@@ -172,3 +172,149 @@ fn a_graph_without_retention_keeps_its_runs() {
     assert_eq!(state.timer_due(&TimerKey::Retention), None);
     assert!(fire(&state, i64::MAX / 2, &graphs).ignored.is_some());
 }
+
+fn forget_command(id: &str, roles: &[&str], at: i64) -> Input {
+    Input::Command(Command {
+        command_id: id.into(),
+        tenant: "t".into(),
+        run_id: "r".into(),
+        principal: "ops".into(),
+        roles: roles.iter().map(|r| r.to_string()).collect(),
+        groups: vec![],
+        at,
+        body: CommandBody::ForgetRun {
+            reason: Some("erasure request".into()),
+        },
+    })
+}
+
+fn rejection(applied: &sortie_core::Applied) -> Option<String> {
+    emitted(&applied.effects)
+        .iter()
+        .find_map(|e| match &e.body {
+            EventBody::CommandRejected { code, .. } => Some(code.clone()),
+            _ => None,
+        })
+}
+
+/// Issue #14, item 8: `ForgetRun` (`DELETE /v1/runs/{id}`) forgets a finished run now,
+/// as its retention would; only an operator may, and only once the run has ended.
+/// Checked red: with the role check removed from `decide::forget`, "a viewer may not"
+/// fails.
+#[test]
+fn an_operator_forgets_a_finished_run_at_once_and_only_then() {
+    let graphs = graphs();
+    let (state, _) = finished("forever", &graphs);
+    let viewer = apply(Some(&state), &forget_command("f0", &[], 3000), &graphs);
+    assert_eq!(
+        rejection(&viewer).as_deref(),
+        Some("forbidden"),
+        "a viewer may not"
+    );
+    assert!(viewer.state.unwrap().forgotten.is_none());
+
+    let forgotten = apply(
+        Some(&state),
+        &forget_command("f1", &["operator"], 3000),
+        &graphs,
+    );
+    assert_eq!(rejection(&forgotten), None);
+    let events = emitted(&forgotten.effects);
+    assert!(events.iter().any(|e| matches!(
+        &e.body,
+        EventBody::RunForgotten { reason } if reason == "deleted: erasure request"
+    )));
+    assert!(forgotten
+        .effects
+        .iter()
+        .any(|e| matches!(e, Effect::Forget { .. })));
+    let summary = forgotten.state.unwrap();
+    assert!(!serde_json::to_string(&summary)
+        .unwrap()
+        .contains("card 4111"));
+    assert_eq!(summary.status, RunStatus::Succeeded);
+
+    let again = apply(
+        Some(&summary),
+        &forget_command("f2", &["operator"], 4000),
+        &graphs,
+    );
+    assert_eq!(rejection(&again), None, "idempotent");
+    assert!(!emitted(&again.effects)
+        .iter()
+        .any(|e| matches!(e.body, EventBody::RunForgotten { .. })));
+}
+
+#[test]
+fn a_running_run_is_not_forgotten() {
+    let graphs = graphs();
+    let start = Input::Command(Command {
+        command_id: "c1".into(),
+        tenant: "t".into(),
+        run_id: "r".into(),
+        principal: "alice".into(),
+        roles: vec![],
+        groups: vec![],
+        at: 1000,
+        body: CommandBody::StartRun {
+            graph_id: "kept".into(),
+            graph_version: None,
+            input: json!({"secret": "card 4111"}),
+            labels: BTreeMap::new(),
+            budget: None,
+            fork: None,
+        },
+    });
+    let running = apply(None, &start, &graphs).state.unwrap();
+    let refused = apply(
+        Some(&running),
+        &forget_command("f1", &["operator"], 1500),
+        &graphs,
+    );
+    assert_eq!(rejection(&refused).as_deref(), Some("bad_state"));
+    assert!(refused.state.unwrap().forgotten.is_none());
+}
+
+/// Issue #14, item 7: with a seal, the fold's hash chain is taken over the sealed events
+/// (what Kafka holds), so it verifies without the key; the effects stay plaintext.
+#[test]
+fn a_sealed_runs_hash_chain_is_taken_over_its_sealed_events() {
+    struct Tagged;
+    impl sortie_core::Seal for Tagged {
+        fn seal(&self, value: &serde_json::Value) -> serde_json::Value {
+            json!({"$sealed": format!("t.{}", value.to_string().len())})
+        }
+        fn active(&self) -> bool {
+            true
+        }
+    }
+    let graphs = graphs();
+    let start = Input::Command(Command {
+        command_id: "c1".into(),
+        tenant: "t".into(),
+        run_id: "r".into(),
+        principal: "alice".into(),
+        roles: vec![],
+        groups: vec![],
+        at: 1000,
+        body: CommandBody::StartRun {
+            graph_id: "kept".into(),
+            graph_version: None,
+            input: json!({"secret": "card 4111"}),
+            labels: BTreeMap::new(),
+            budget: None,
+            fork: None,
+        },
+    });
+    let sealed = sortie_core::apply_sealed(None, &start, &graphs, &Tagged);
+    let plain = apply(None, &start, &graphs);
+    let (sealed_events, plain_events) = (emitted(&sealed.effects), emitted(&plain.effects));
+    assert_eq!(sealed_events.len(), plain_events.len());
+    for (s, p) in sealed_events.iter().zip(&plain_events) {
+        assert_eq!(s.body, p.body, "the effects are plaintext");
+        let written = s.sealed(&Tagged);
+        assert_eq!(s.hash, Some(written.compute_hash()), "hashed as written");
+        assert_ne!(s.hash, p.hash);
+    }
+    assert_eq!(sealed.state.unwrap().input, json!({"secret": "card 4111"}));
+}

@@ -87,6 +87,9 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
         w::CommandBody::CancelRun(cancel) => CommandBody::CancelRun {
             reason: cancel.reason,
         },
+        w::CommandBody::ForgetRun(forget) => CommandBody::ForgetRun {
+            reason: forget.reason,
+        },
         w::CommandBody::ReconcileOperation(reconcile) => CommandBody::ReconcileOperation {
             operation_id: reconcile.operation_id,
             succeeded: reconcile.outcome == w::ReconcileOutcome::Succeeded,

@@ -48,6 +48,8 @@ pub enum CommandBody {
     ResumeRun(ResumeRun),
     CancelRun(CancelRun),
     ReconcileOperation(ReconcileOperation),
+    /// Added in 0.3: forget a finished run now (crypto-shredding).
+    ForgetRun(ForgetRun),
 }
 
 impl CommandBody {
@@ -58,6 +60,7 @@ impl CommandBody {
             CommandBody::ResumeRun(_) => "ResumeRun",
             CommandBody::CancelRun(_) => "CancelRun",
             CommandBody::ReconcileOperation(_) => "ReconcileOperation",
+            CommandBody::ForgetRun(_) => "ForgetRun",
         }
     }
 }
@@ -101,6 +104,11 @@ pub enum Decision {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CancelRun {
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForgetRun {
     pub reason: Option<String>,
 }
 

@@ -206,6 +206,11 @@ fn every_command_round_trips() {
     round_trip(command(CommandBody::CancelRun(CancelRun {
         reason: Some("customer asked".into()),
     })));
+    round_trip(command(CommandBody::ForgetRun(
+        sortie_wire::records::ForgetRun {
+            reason: Some("erasure request".into()),
+        },
+    )));
     round_trip(command(CommandBody::ReconcileOperation(
         ReconcileOperation {
             operation_id: "op-1".into(),
@@ -544,8 +549,11 @@ fn union_branches_resolve_by_name_not_by_shape() {
     body["type"].as_array_mut().expect("union").reverse();
     let reordered = Schema::parse_str(&json.to_string()).expect("parses");
 
+    // Variant index = branch index in the reversed union: ForgetRun is now first.
     #[derive(serde::Serialize)]
+    #[allow(dead_code)]
     enum Reversed {
+        ForgetRun(sortie_wire::records::ForgetRun),
         ReconcileOperation(ReconcileOperation),
     }
     #[derive(serde::Serialize)]

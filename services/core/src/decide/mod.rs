@@ -5,6 +5,7 @@ mod advance;
 mod budget;
 mod cancel;
 mod context;
+mod forget;
 pub(crate) mod fork;
 pub mod reconcile;
 mod report;
@@ -22,6 +23,7 @@ use crate::{
     ids,
     input::{Command, CommandBody, Input, StepOutcome, StepReport},
     limits,
+    seal::{Plain, Seal},
     state::{Answer, RunState},
     status::RunStatus,
 };
@@ -44,19 +46,34 @@ pub struct Applied {
 /// What the input would write is held to [`crate::limits`]; an input that would break
 /// a limit is answered as that module says instead of being applied as is.
 pub fn apply(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> Applied {
-    let applied = apply_unchecked(state, input, graphs);
-    match breach(&applied) {
+    apply_sealed(state, input, graphs, &Plain)
+}
+
+/// [`apply`] for a run whose payloads are written sealed: every event's hash is taken
+/// over its sealed form (what Kafka holds), and the limits over the sealed sizes. The
+/// effects themselves stay plaintext; the writer seals them with the same `seal`.
+pub fn apply_sealed(
+    state: Option<&RunState>,
+    input: &Input,
+    graphs: &Graphs,
+    seal: &dyn Seal,
+) -> Applied {
+    let applied = apply_unchecked(state, input, graphs, seal);
+    match breach(&applied, seal) {
         None => applied,
-        Some(reason) => over_limit(state, input, graphs, reason),
+        Some(reason) => over_limit(state, input, graphs, seal, reason),
     }
 }
 
 /// Why `applied` would write more than a run may, if it would.
-fn breach(applied: &Applied) -> Option<String> {
+fn breach(applied: &Applied, seal: &dyn Seal) -> Option<String> {
     for effect in &applied.effects {
         match effect {
             Effect::Emit(event) => {
-                let size = limits::json_len(event);
+                let size = match seal.active() {
+                    true => limits::json_len(&event.sealed(seal)),
+                    false => limits::json_len(event),
+                };
                 if size > limits::MAX_RECORD_BYTES {
                     return Some(format!(
                         "a {} event of {size} bytes would exceed the {}-byte record limit",
@@ -66,7 +83,14 @@ fn breach(applied: &Applied) -> Option<String> {
                 }
             }
             Effect::Dispatch(intent) => {
-                let size = limits::json_len(intent);
+                let size = match seal.active() {
+                    true => {
+                        let mut sealed = intent.clone();
+                        sealed.map_payloads(&mut |v| *v = seal.seal(v));
+                        limits::json_len(&sealed)
+                    }
+                    false => limits::json_len(intent),
+                };
                 if size > limits::MAX_RECORD_BYTES {
                     return Some(format!(
                         "the intent of step {} ({size} bytes) would exceed the {}-byte record limit",
@@ -76,7 +100,14 @@ fn breach(applied: &Applied) -> Option<String> {
                 }
             }
             Effect::WriteState(state) => {
-                let size = limits::json_len(state);
+                let size = match seal.active() {
+                    true => {
+                        let mut sealed = state.clone();
+                        sealed.map_payloads(&mut |v| *v = seal.seal(v));
+                        limits::json_len(&sealed)
+                    }
+                    false => limits::json_len(state),
+                };
                 if size > limits::MAX_STATE_BYTES {
                     return Some(format!(
                         "the run state would grow to {size} bytes, over the {}-byte limit",
@@ -91,7 +122,13 @@ fn breach(applied: &Applied) -> Option<String> {
 }
 
 /// The answer to an input that would break a limit (see [`crate::limits`]).
-fn over_limit(state: Option<&RunState>, input: &Input, graphs: &Graphs, reason: String) -> Applied {
+fn over_limit(
+    state: Option<&RunState>,
+    input: &Input,
+    graphs: &Graphs,
+    seal: &dyn Seal,
+    reason: String,
+) -> Applied {
     if let Input::StepReport(report) = input {
         if matches!(report.outcome, StepOutcome::Succeeded { .. }) {
             // The output cannot be kept: the step failed, and its node's policy decides.
@@ -104,13 +141,13 @@ fn over_limit(state: Option<&RunState>, input: &Input, graphs: &Graphs, reason: 
                 },
                 ..report.clone()
             });
-            let applied = apply_unchecked(state, &failed, graphs);
-            if breach(&applied).is_none() {
+            let applied = apply_unchecked(state, &failed, graphs, seal);
+            if breach(&applied, seal).is_none() {
                 return applied;
             }
         }
     }
-    let mut ctx = Ctx::new(state.cloned(), input, graphs);
+    let mut ctx = Ctx::new(state.cloned(), input, graphs, seal);
     match input {
         Input::Command(command) => {
             ctx.command_id = Some(command.command_id.clone());
@@ -132,14 +169,19 @@ fn over_limit(state: Option<&RunState>, input: &Input, graphs: &Graphs, reason: 
 /// nothing of it. Pure, so replays answer the same.
 pub fn refuse(command: &Command, code: &str, reason: String, graphs: &Graphs) -> Applied {
     let input = Input::Command(command.clone());
-    let mut ctx = Ctx::new(None, &input, graphs);
+    let mut ctx = Ctx::new(None, &input, graphs, &Plain);
     ctx.command_id = Some(command.command_id.clone());
     ctx.answer_outside(command, code, reason);
     ctx.finish(None, Some("refused before the fold"))
 }
 
-fn apply_unchecked(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> Applied {
-    let mut ctx = Ctx::new(state.cloned(), input, graphs);
+fn apply_unchecked(
+    state: Option<&RunState>,
+    input: &Input,
+    graphs: &Graphs,
+    seal: &dyn Seal,
+) -> Applied {
+    let mut ctx = Ctx::new(state.cloned(), input, graphs, seal);
     let ignored = match input {
         Input::Command(command) => {
             ctx.command_id = Some(command.command_id.clone());
@@ -190,6 +232,7 @@ fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
     }
     match &command.body {
         CommandBody::StartRun { .. } => start::handle(ctx, command),
+        CommandBody::ForgetRun { .. } => forget::handle(ctx, command),
         body => {
             let Some(run) = &ctx.state else {
                 return ctx.reject(
@@ -206,7 +249,9 @@ fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
                 CommandBody::ResumeRun { .. } => resume::handle(ctx, command),
                 CommandBody::CancelRun { .. } => cancel::handle(ctx, command),
                 CommandBody::ReconcileOperation { .. } => reconcile::handle(ctx, command),
-                CommandBody::StartRun { .. } => unreachable!("handled above"),
+                CommandBody::StartRun { .. } | CommandBody::ForgetRun { .. } => {
+                    unreachable!("handled above")
+                }
             }
         }
     }
@@ -216,6 +261,8 @@ fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
 pub(crate) struct Ctx<'g> {
     pub state: Option<RunState>,
     pub graphs: &'g Graphs,
+    /// How the run's payloads are written: event hashes are taken over that form.
+    seal: &'g dyn Seal,
     pub at: i64,
     pub tenant: String,
     pub run_id: String,
@@ -226,7 +273,7 @@ pub(crate) struct Ctx<'g> {
 }
 
 impl<'g> Ctx<'g> {
-    fn new(state: Option<RunState>, input: &Input, graphs: &'g Graphs) -> Self {
+    fn new(state: Option<RunState>, input: &Input, graphs: &'g Graphs, seal: &'g dyn Seal) -> Self {
         let tenant = match (&state, input) {
             (Some(run), _) => run.tenant.clone(),
             (None, Input::Command(c)) => c.tenant.clone(),
@@ -237,6 +284,7 @@ impl<'g> Ctx<'g> {
         Self {
             state,
             graphs,
+            seal,
             at: input.at(),
             tenant,
             run_id: input.run_id().to_owned(),
@@ -315,7 +363,11 @@ impl<'g> Ctx<'g> {
             body,
         };
         if exists {
-            event.hash = Some(event.compute_hash());
+            // Over the event as Kafka holds it, so the chain verifies without the key.
+            event.hash = Some(match self.seal.active() {
+                true => event.sealed(self.seal).compute_hash(),
+                false => event.compute_hash(),
+            });
             self.state = evolve(self.state.take(), &event);
         }
         self.events.push(event);

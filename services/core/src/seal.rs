@@ -1,0 +1,252 @@
+//! Sealed payloads: which values of a run are its payloads, and the hook the fold uses to
+//! hash its history over their sealed (encrypted) form.
+//!
+//! A run's payloads — its input, step arguments and outputs, proposals and their context,
+//! decision payloads and edited arguments, a fork's source — may be written to Kafka
+//! *sealed*: each replaced by `{"$sealed": "<version>.<base64>"}`, encrypted with the
+//! run's data key (`sortie-seal` does the cryptography; this crate does no I/O and holds
+//! no key). Everything else — ids, statuses, hashes, timers, budgets, error codes — stays
+//! readable, so a reader without the key still sees the run's shape.
+//!
+//! Sealing is deterministic (the same value, run and key seal to the same bytes), so the
+//! fold can hash an event over its sealed form ([`crate::apply_sealed`]): the hash chain
+//! then holds over what is in Kafka, and `audit replay --verify` checks it without any
+//! key — also after the key was destroyed (crypto-shredding). The fold itself always works
+//! on plaintext: the reducer unseals what it reads and seals what it writes.
+//!
+//! The payload lists here and in [`crate::RunState::forget`] / [`crate::Event::forget`]
+//! name the same fields: a payload is what a forgotten run drops.
+
+use serde::Deserialize as _;
+use serde_json::Value;
+
+use crate::{
+    effect::Intent,
+    event::{Event, EventBody},
+    input::{CommandBody, Input, StepOutcome},
+    state::RunState,
+};
+
+/// The member naming a sealed value: `{"$sealed": "v1.<base64url>"}`.
+pub const SEALED: &str = "$sealed";
+
+/// What a run's payloads look like in Kafka. The fold calls it only to hash events.
+pub trait Seal {
+    /// The form of `value` written to Kafka. Must be deterministic: the same value (and
+    /// run and key) always seals to the same JSON.
+    fn seal(&self, value: &Value) -> Value;
+    /// Whether [`Seal::seal`] changes anything (`false`: plaintext, nothing to copy).
+    fn active(&self) -> bool;
+}
+
+/// No sealing: payloads are written as they are (encryption off, or a run started before
+/// it was turned on).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Plain;
+
+impl Seal for Plain {
+    fn seal(&self, value: &Value) -> Value {
+        value.clone()
+    }
+    fn active(&self) -> bool {
+        false
+    }
+}
+
+/// Whether `value` is a sealed payload.
+pub fn is_sealed(value: &Value) -> bool {
+    sealed_text(value).is_some()
+}
+
+/// The ciphertext text of a sealed payload (`"v1.<base64url>"`).
+pub fn sealed_text(value: &Value) -> Option<&str> {
+    match value {
+        Value::Object(map) if map.len() == 1 => map.get(SEALED)?.as_str(),
+        _ => None,
+    }
+}
+
+fn each(value: &mut Option<Value>, f: &mut dyn FnMut(&mut Value)) {
+    if let Some(value) = value {
+        f(value);
+    }
+}
+
+impl Event {
+    /// Calls `f` on every payload this event carries.
+    pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
+        match &mut self.body {
+            EventBody::RunStarted {
+                input, forked_from, ..
+            } => {
+                f(input);
+                each(forked_from, f);
+            }
+            EventBody::StepDispatched { args, .. } => f(args),
+            EventBody::StepSucceeded { output, .. } => f(output),
+            EventBody::OperationReconciled { output, .. } => each(output, f),
+            EventBody::Interrupted {
+                proposal, context, ..
+            } => {
+                f(proposal);
+                each(context, f);
+            }
+            EventBody::InterruptDecided {
+                payload,
+                edited_args,
+                ..
+            }
+            | EventBody::DecisionBuffered {
+                payload,
+                edited_args,
+                ..
+            } => {
+                each(payload, f);
+                each(edited_args, f);
+            }
+            EventBody::RunStatusChanged { output, .. } => each(output, f),
+            EventBody::CommandAccepted { .. }
+            | EventBody::CommandRejected { .. }
+            | EventBody::StepStarted { .. }
+            | EventBody::StepFailed { .. }
+            | EventBody::StepOutcomeUnknown { .. }
+            | EventBody::InterruptEscalated { .. }
+            | EventBody::InterruptExpired { .. }
+            | EventBody::CancelRequested { .. }
+            | EventBody::RunForgotten { .. } => {}
+        }
+    }
+
+    /// This event as written to Kafka under `seal`.
+    pub fn sealed(&self, seal: &dyn Seal) -> Event {
+        let mut event = self.clone();
+        if seal.active() {
+            event.map_payloads(&mut |v| *v = seal.seal(v));
+        }
+        event
+    }
+}
+
+impl RunState {
+    /// Calls `f` on every payload the state holds.
+    pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
+        f(&mut self.input);
+        each(&mut self.output, f);
+        each(&mut self.forked_from, f);
+        for step in self.steps.values_mut() {
+            f(&mut step.args);
+            each(&mut step.output, f);
+        }
+        for interrupt in self.interrupts.values_mut() {
+            f(&mut interrupt.proposal);
+            each(&mut interrupt.context, f);
+            each(&mut interrupt.payload, f);
+            each(&mut interrupt.edited_args, f);
+        }
+        for decision in &mut self.buffered {
+            each(&mut decision.payload, f);
+            each(&mut decision.edited_args, f);
+        }
+    }
+}
+
+impl Intent {
+    /// Calls `f` on the intent's payload: its arguments.
+    pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
+        f(&mut self.args);
+    }
+}
+
+impl Input {
+    /// Calls `f` on every payload the input carries (a fork's source state included).
+    pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
+        match self {
+            Input::Command(command) => match &mut command.body {
+                CommandBody::StartRun { input, fork, .. } => {
+                    f(input);
+                    // A fork's source state is carried as the new run's payloads.
+                    if let Some(fork) = fork {
+                        if let Ok(mut state) = RunState::deserialize(&fork.state) {
+                            state.map_payloads(f);
+                            if let Ok(value) = serde_json::to_value(&state) {
+                                fork.state = value;
+                            }
+                        }
+                    }
+                }
+                CommandBody::ResumeRun {
+                    payload,
+                    edited_args,
+                    ..
+                } => {
+                    each(payload, f);
+                    each(edited_args, f);
+                }
+                CommandBody::ReconcileOperation { output, .. } => each(output, f),
+                CommandBody::CancelRun { .. } | CommandBody::ForgetRun { .. } => {}
+            },
+            Input::StepReport(report) => {
+                if let StepOutcome::Succeeded { output } = &mut report.outcome {
+                    f(output);
+                }
+            }
+            Input::TimerFired { .. } => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Seals a value as `{"$sealed": "t.<its JSON>"}`: deterministic, visible in tests.
+    struct Tagged;
+    impl Seal for Tagged {
+        fn seal(&self, value: &Value) -> Value {
+            json!({ SEALED: format!("t.{value}") })
+        }
+        fn active(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_sealed_value_is_one_member_holding_text() {
+        assert!(is_sealed(&json!({"$sealed": "v1.abc"})));
+        assert!(!is_sealed(&json!({"$sealed": "v1.abc", "x": 1})));
+        assert!(!is_sealed(&json!({"$sealed": 1})));
+        assert!(!is_sealed(&json!("v1.abc")));
+    }
+
+    #[test]
+    fn sealing_an_event_keeps_its_structure_and_hides_its_payloads() {
+        let event = Event {
+            tenant: "t".into(),
+            run_id: "r".into(),
+            seq: 2,
+            state_version: 2,
+            at: 5,
+            command_id: None,
+            operation_id: Some("op".into()),
+            prev_hash: Some("h".into()),
+            hash: None,
+            body: EventBody::StepSucceeded {
+                step_id: "a#1".into(),
+                attempt: 1,
+                output: json!({"secret": 42}),
+            },
+        };
+        let sealed = event.sealed(&Tagged);
+        let EventBody::StepSucceeded {
+            step_id, output, ..
+        } = &sealed.body
+        else {
+            panic!("body changed kind");
+        };
+        assert_eq!(step_id, "a#1");
+        assert!(is_sealed(output));
+        assert_ne!(sealed.compute_hash(), event.compute_hash());
+        assert_eq!(event.sealed(&Plain), event);
+    }
+}
