@@ -45,6 +45,12 @@ impl FsStore {
     }
 
     fn put_blocking(&self, key: &str, bytes: &[u8]) -> Result<(), Error> {
+        self.write_blocking(key, bytes, false)
+    }
+
+    /// Writes `bytes` to a temporary file, then renames it over the key (`new`: links it
+    /// to the key, which fails if the key exists — an atomic create-if-absent).
+    fn write_blocking(&self, key: &str, bytes: &[u8], new: bool) -> Result<(), Error> {
         static TEMP: AtomicU64 = AtomicU64::new(0);
         let path = self.path_of(key)?;
         let io = |what: &str, e: std::io::Error| {
@@ -70,10 +76,19 @@ impl FsStore {
             let mut file = std::fs::File::create(&temp)?;
             file.write_all(bytes)?;
             file.sync_all()?;
-            std::fs::rename(&temp, &path)
+            if new {
+                let linked = std::fs::hard_link(&temp, &path);
+                let _ = std::fs::remove_file(&temp);
+                linked
+            } else {
+                std::fs::rename(&temp, &path)
+            }
         })();
         if let Err(e) = written {
             let _ = std::fs::remove_file(&temp);
+            if new && e.kind() == std::io::ErrorKind::AlreadyExists {
+                return Err(Error::Exists(key.to_owned()));
+            }
             return Err(io("writing", e));
         }
         // The rename (and any directory just created) is durable once its directories are.
@@ -151,6 +166,14 @@ impl BlobStore for FsStore {
         };
         let key = key.to_owned();
         blocking(move || store.put_blocking(&key, &bytes)).boxed()
+    }
+
+    fn put_new<'a>(&'a self, key: &'a str, bytes: Vec<u8>) -> BoxFuture<'a, Result<(), Error>> {
+        let store = FsStore {
+            root: self.root.clone(),
+        };
+        let key = key.to_owned();
+        blocking(move || store.write_blocking(&key, &bytes, true)).boxed()
     }
 
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<u8>, Error>> {

@@ -33,6 +33,9 @@ pub enum Error {
     /// No blob under that key.
     #[error("no blob at {0}")]
     NotFound(String),
+    /// Something is already stored under that key ([`BlobStore::put_new`]).
+    #[error("a blob exists at {0}")]
+    Exists(String),
     /// The key is not one a store takes (`..`, absolute, NUL, empty segment).
     #[error("invalid blob key {key:?}: {problem}")]
     InvalidKey { key: String, problem: String },
@@ -50,6 +53,10 @@ pub trait BlobStore: std::fmt::Debug + Send + Sync + 'static {
     /// Stores `bytes` under `key`, replacing what was there, durably and atomically: a
     /// reader sees the old value or the new one, never a part.
     fn put<'a>(&'a self, key: &'a str, bytes: Vec<u8>) -> BoxFuture<'a, Result<(), Error>>;
+    /// Stores `bytes` under `key` only if nothing is stored there yet, atomically:
+    /// of two writers racing, one wins and the other gets [`Error::Exists`] (a run's data
+    /// key is made once, whoever makes it first).
+    fn put_new<'a>(&'a self, key: &'a str, bytes: Vec<u8>) -> BoxFuture<'a, Result<(), Error>>;
     /// The bytes under `key`; [`Error::NotFound`] if there are none.
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<u8>, Error>>;
     /// Whether a blob is stored under `key`.

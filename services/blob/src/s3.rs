@@ -118,6 +118,28 @@ impl BlobStore for S3Store {
         .boxed()
     }
 
+    fn put_new<'a>(&'a self, key: &'a str, bytes: Vec<u8>) -> BoxFuture<'a, Result<(), Error>> {
+        async move {
+            let path = self.path(key)?;
+            // A conditional PUT (If-None-Match: *), which S3 and most compatible servers
+            // honour; one that does not would overwrite, so check yours before relying on it.
+            let options = object_store::PutOptions::from(object_store::PutMode::Create);
+            match self
+                .store
+                .put_opts(&path, PutPayload::from(bytes), options)
+                .await
+            {
+                Ok(_) => Ok(()),
+                Err(
+                    object_store::Error::AlreadyExists { .. }
+                    | object_store::Error::Precondition { .. },
+                ) => Err(Error::Exists(key.to_owned())),
+                Err(e) => Err(unavailable(e)),
+            }
+        }
+        .boxed()
+    }
+
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<u8>, Error>> {
         async move {
             let path = self.path(key)?;
