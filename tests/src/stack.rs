@@ -964,7 +964,12 @@ impl Stack {
     /// `sortie audit replay --verify` on this stack's topics: whether it exited 0, and its
     /// JSON report (`Value::Null` if it printed none).
     pub async fn audit_verify(&self) -> (bool, serde_json::Value) {
-        let args = [
+        self.audit_verify_with(&[]).await
+    }
+
+    /// [`Stack::audit_verify`] with extra arguments (e.g. the run keys).
+    pub async fn audit_verify_with(&self, extra: &[&str]) -> (bool, serde_json::Value) {
+        let mut args = vec![
             "audit",
             "replay",
             "--verify",
@@ -975,6 +980,7 @@ impl Stack {
             "--prefix",
             &self.prefix,
         ];
+        args.extend_from_slice(extra);
         let output = tokio::process::Command::new(sortie_bin())
             .args(args)
             .env("RUST_LOG", "warn")

@@ -28,6 +28,11 @@ struct Replay {
     /// Print the run's state after this version (needs --run) instead of a report.
     #[arg(long, requires = "run")]
     at_version: Option<i64>,
+    /// With the run keys, sealed payloads are opened and the fold compared in full;
+    /// without them (or for a run whose key was destroyed) the chain still verifies and
+    /// the fold is compared over the sealed payloads.
+    #[command(flatten)]
+    seal: crate::seal::SealArgs,
     #[command(flatten)]
     connection: crate::telemetry::Connection,
 }
@@ -39,6 +44,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let codec = replay.connection.reader_codec();
     let runtime = tokio::runtime::Handle::current();
     let verify = replay.verify;
+    let keys = replay.seal.config().map(|c| c.open()).transpose()?;
     // The work runs on the blocking pool while a progress line (terminal only) ticks; what
     // it found is printed afterwards, so the two never share a line.
     let work = tokio::task::spawn_blocking(move || -> anyhow::Result<Outcome> {
@@ -58,6 +64,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &runtime,
             replay.run.as_deref(),
             replay.verify,
+            keys.as_ref(),
         )?;
         Ok(Outcome::Report {
             json: serde_json::to_string_pretty(&report)?,

@@ -331,6 +331,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let keyring = keys.keyring.display().to_string();
     let gateway_key = keys.gateway.display().to_string();
     let reducer_dir = data_dir.join("reducer").display().to_string();
+    // Run payloads are sealed with per-run data keys (README, "Encryption and deletion").
+    let kek = keys.kek.display().to_string();
+    let run_keys = format!(
+        "file://{}",
+        std::path::absolute(data_dir.join("run-keys"))?.display()
+    );
     stack.spawn(
         "reducer",
         &[
@@ -340,6 +346,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "--keyring",
             &keyring,
             "--require-signatures",
+            "--seal-keyring",
+            &kek,
+            "--seal-key-store",
+            &run_keys,
         ],
     )?;
     // One blob store for the executor and the gateway: large inputs and outputs go by
@@ -356,6 +366,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "default,http,llm",
             "--blob-store",
             &blobs,
+            "--seal-keyring",
+            &kek,
+            "--seal-key-store",
+            &run_keys,
         ],
     )?;
     let gateway_dir = data_dir.join("gateway").display().to_string();
@@ -377,6 +391,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &gateway_key,
             "--blob-store",
             &blobs,
+            "--seal-keyring",
+            &kek,
+            "--seal-key-store",
+            &run_keys,
         ],
     )?;
     wait_http(
@@ -438,6 +456,8 @@ struct DevKeys {
     /// A service key for outside producers (`examples/python/publish_commands.py
     /// --signing-key`): principal `svc:python-example`, tenant `dev`, approver and operator.
     examples: PathBuf,
+    /// The key-encryption keyring that wraps run data keys (`--seal-keyring`).
+    kek: PathBuf,
 }
 
 fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
@@ -447,11 +467,18 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
         keyring: dir.join("keyring.yaml"),
         gateway: dir.join("gateway.key"),
         examples: dir.join("examples.key"),
+        kek: dir.join("kek.yaml"),
     };
+    std::fs::create_dir_all(&dir)?;
+    if !keys.kek.exists() {
+        // One KEK for every tenant of the dev stack (made once: data keys it wrapped
+        // must keep unwrapping).
+        let text = sortie_seal::kek::Keyring::generate("*", "dev-kek-1")?;
+        crate::keys::write_secret(&keys.kek, &text)?;
+    }
     if keys.keyring.exists() && keys.gateway.exists() && keys.examples.exists() {
         return Ok(keys);
     }
-    std::fs::create_dir_all(&dir)?;
     let gateway = Signer::generate("dev-gateway")?;
     let examples = Signer::generate("dev-examples")?;
     let tenants = ["dev".to_owned()];

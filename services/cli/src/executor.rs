@@ -75,6 +75,8 @@ pub struct Args {
     /// An output whose JSON is larger than this many bytes goes to the blob store.
     #[arg(long, env = "SORTIE__EXECUTOR__BLOB_THRESHOLD", default_value_t = sortie_blob::DEFAULT_THRESHOLD)]
     blob_threshold: usize,
+    #[command(flatten)]
+    seal: crate::seal::SealArgs,
     /// Crash tests only: die on purpose at this point (executor.before_call,
     /// executor.after_call, executor.after_result).
     #[arg(long, env = "SORTIE_FAULT")]
@@ -111,6 +113,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.session_timeout = Duration::from_millis(args.session_timeout_ms);
     config.default_timeout = Duration::from_millis(args.default_timeout_ms);
     config.fault = args.fault;
+    config.seal = args.seal.config();
     config.blobs = args.blob_store.map(|store| sortie_blob::BlobConfig {
         store,
         s3_endpoint: args.blob_s3_endpoint,

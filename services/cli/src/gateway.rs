@@ -131,6 +131,8 @@ pub struct Args {
     /// A value whose JSON is larger than this many bytes goes to the blob store.
     #[arg(long, env = "SORTIE__GATEWAY__BLOB_THRESHOLD", default_value_t = sortie_blob::DEFAULT_THRESHOLD)]
     blob_threshold: usize,
+    #[command(flatten)]
+    seal: crate::seal::SealArgs,
     /// Live event streams one tenant may hold open at once (429 `too_many_streams` above).
     #[arg(
         long,
@@ -168,6 +170,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     } else {
         256 * 1024
     });
+    config.seal = args.seal.config();
     config.blobs = args.blob_store.map(|store| sortie_blob::BlobConfig {
         store,
         s3_endpoint: args.blob_s3_endpoint,

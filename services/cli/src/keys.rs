@@ -1,4 +1,5 @@
 //! `sortie keys new`: a command-signing key (its secret file) and its keyring entry.
+//! `sortie keys kek`: a tenant key-encryption key for sealed run payloads.
 //!
 //! The secret file goes to the signer (a service's secret, the gateway's
 //! `--signing-key`); the entry goes into the keyring every reducer reads (`--keyring`).
@@ -20,6 +21,23 @@ pub struct Args {
 enum KeysCommand {
     /// Make a new key: write its secret file and add its entry to a keyring file.
     New(NewArgs),
+    /// Make a new key-encryption key (KEK) for a tenant's run data keys and put it first
+    /// in a KEK keyring file (`--seal-keyring`): it wraps new data keys from now on, the
+    /// older ones keep unwrapping theirs. The file is secret (created mode 0600).
+    Kek(KekArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct KekArgs {
+    /// The tenant (`*`: every tenant without its own entry).
+    #[arg(long)]
+    tenant: String,
+    /// The key's id (recorded with every data key it wraps).
+    #[arg(long)]
+    id: String,
+    /// The KEK keyring file (created if missing).
+    #[arg(long)]
+    keyring: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -53,7 +71,32 @@ struct NewArgs {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     match args.command {
         KeysCommand::New(args) => new(args),
+        KeysCommand::Kek(args) => kek(args),
     }
+}
+
+fn kek(args: KekArgs) -> anyhow::Result<()> {
+    let existing = match args.keyring.exists() {
+        true => Some(
+            std::fs::read_to_string(&args.keyring)
+                .with_context(|| format!("reading {}", args.keyring.display()))?,
+        ),
+        false => None,
+    };
+    let text = sortie_seal::kek::Keyring::add(existing.as_deref(), &args.tenant, &args.id)
+        .with_context(|| format!("{}", args.keyring.display()))?;
+    match existing {
+        Some(_) => std::fs::write(&args.keyring, text)
+            .with_context(|| format!("writing {}", args.keyring.display()))?,
+        None => write_secret(&args.keyring, &text)?,
+    }
+    println!(
+        "key-encryption key {} for tenant {} put first in {}",
+        args.id,
+        args.tenant,
+        args.keyring.display()
+    );
+    Ok(())
 }
 
 fn new(args: NewArgs) -> anyhow::Result<()> {

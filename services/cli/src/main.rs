@@ -18,6 +18,7 @@ mod reducer;
 mod registry;
 mod replay;
 mod run;
+mod seal;
 mod telemetry;
 mod topology;
 

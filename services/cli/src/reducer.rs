@@ -56,6 +56,8 @@ pub struct Args {
     /// sets it; without it unsigned commands are taken as before, signed ones are checked.
     #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
     require_signatures: bool,
+    #[command(flatten)]
+    seal: crate::seal::SealArgs,
     /// How long past its own timeout a Kafka transactional call may block before the
     /// reducer exits with status 75 for its supervisor to restart it with fresh clients
     /// (librdkafka#5456: a call that ignores its timeout when the group coordinator's
@@ -98,6 +100,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_payload_bytes = args.max_payload_bytes;
     config.keyring = args.keyring;
     config.require_signatures = args.require_signatures;
+    config.seal = args.seal.config();
     config.stall_grace = Duration::from_millis(args.stall_grace_ms);
     config.fault = args.fault;
     config.fault_after = args.fault_after;

@@ -1,4 +1,4 @@
-//! `sortie run start|approve|reject|cancel|get|watch|list|inbox`: runs through the HTTP gateway,
+//! `sortie run start|approve|reject|cancel|forget|get|watch|list|inbox`: runs through the HTTP gateway,
 //! as any client would. `get`, `watch` and `list` print for people (a timeline, a table;
 //! colour on a terminal only); `--json` prints what the gateway answered, as before, for
 //! scripts.
@@ -45,6 +45,15 @@ enum Sub {
     Reject(Decision),
     /// Cancel a run: no new dispatches; in-flight outcomes are recorded; compensations run.
     Cancel { run_id: String },
+    /// Delete a finished run (`DELETE /v1/runs/{id}`, operator role): its data key is
+    /// destroyed (crypto-shredding: its payloads no longer open anywhere), its state
+    /// keeps only its shape, its step results are tombstoned. Cancel a running run first.
+    Forget {
+        run_id: String,
+        /// Why (recorded in the run's history).
+        #[arg(long)]
+        reason: Option<String>,
+    },
     /// Start a new run from one of this run's checkpoints (time travel): steps completed
     /// by then keep their outputs and are never run again.
     Fork {
@@ -227,6 +236,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             client
                 .send(client.request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel")))
                 .await?
+        }
+        Sub::Forget { run_id, reason } => {
+            let mut request =
+                client.request(reqwest::Method::DELETE, &format!("/v1/runs/{run_id}"));
+            if let Some(reason) = &reason {
+                request = request.query(&[("reason", reason)]);
+            }
+            client.send(request).await?
         }
         Sub::Get { run_id, json } => {
             let run = client

@@ -44,7 +44,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs", post(start_run).get(list_runs))
         .route("/v1/inbox", get(crate::inbox::inbox))
         .route("/v1/me", get(me))
-        .route("/v1/runs/{run_id}", get(get_run))
+        .route("/v1/runs/{run_id}", get(get_run).delete(delete_run))
         .route("/v1/runs/{run_id}/resume", post(resume_run))
         .route("/v1/runs/{run_id}/cancel", post(cancel_run))
         .route("/v1/runs/{run_id}/events", get(events))
@@ -323,6 +323,7 @@ async fn start_run(
     }
     let input = body.input.unwrap_or_else(|| json!({}));
     let input = app.offload(&caller.tenant, &run_id, input).await?;
+    let input = app.seal(&caller.tenant, &run_id, input, true).await?;
     let command = command(
         &caller,
         &run_id,
@@ -469,7 +470,14 @@ async fn resume_run(
         interrupt.and_then(|i| i.proposal.get("args")),
     );
     let payload = match payload {
-        Some(payload) => Some(app.offload(&caller.tenant, &run_id, payload).await?),
+        Some(payload) => {
+            let payload = app.offload(&caller.tenant, &run_id, payload).await?;
+            Some(app.seal(&caller.tenant, &run_id, payload, false).await?)
+        }
+        None => None,
+    };
+    let edited_args = match edited_args {
+        Some(args) => Some(app.seal(&caller.tenant, &run_id, args, false).await?),
         None => None,
     };
     let decision = match body.decision {
@@ -545,6 +553,80 @@ async fn cancel_run(
     Ok(Json(written(&command, &answer, status)))
 }
 
+#[derive(Debug, Default, Deserialize)]
+struct DeleteQuery {
+    /// Why (recorded in the run's `RunForgotten` event).
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// `DELETE /v1/runs/{run_id}`: forget a finished run now (a deletion request). With
+/// sealing on, the run's data key is destroyed first — crypto-shredding: its payloads on
+/// every topic, in every retained segment and backup, no longer open anywhere — then a
+/// `ForgetRun` drops them from its state and tombstones its step results, as when a
+/// retention passes. Its history (ids, statuses, hashes) stays, and still verifies.
+/// Needs the operator role; a run still going is 409 (cancel it first). Idempotent.
+async fn delete_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    QueryParams(query): QueryParams<DeleteQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let key = idempotency_key(&headers)?;
+    let run = visible_run(&app, &caller, &run_id)?;
+    let operator = sortie_core::decide::reconcile::OPERATOR_ROLE;
+    if !caller.roles.iter().any(|r| r == operator) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!("deleting a run needs the {operator} role"),
+        ));
+    }
+    if !run.state.status.is_terminal() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "bad_state",
+            format!(
+                "run {run_id} is {}; cancel it before deleting it",
+                run.state.status.as_str()
+            ),
+        ));
+    }
+    let at = sortie_kafka::clock::now_ms();
+    let shredded = match &app.inner.run_keys {
+        Some(keys) => {
+            keys.destroy(&run.state.tenant, &run_id, at)
+                .await
+                .map_err(|e| {
+                    ApiError::unavailable(
+                        "key_store_unavailable",
+                        format!("the run's data key could not be destroyed; nothing changed: {e}"),
+                    )
+                })?;
+            true
+        }
+        None => false,
+    };
+    let reason = query.reason.filter(|r| !r.trim().is_empty());
+    app.view()
+        .store
+        .forget_run(&run_id, at, &format!("deleted by {}", caller.principal))
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::ForgetRun(w::ForgetRun { reason }),
+    );
+    let answer = app.submit(&command).await?;
+    accepted(&app, &command, &answer).await?;
+    let mut out = written(&command, &answer, run.state.status.as_str());
+    out["forgotten"] = true.into();
+    out["shredded"] = shredded.into();
+    Ok(Json(out))
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum OutcomeIn {
@@ -585,6 +667,10 @@ async fn reconcile(
         OutcomeIn::Succeeded => w::ReconcileOutcome::Succeeded,
         OutcomeIn::Failed => w::ReconcileOutcome::Failed,
     };
+    let result = match body.result {
+        Some(result) => Some(app.seal(&caller.tenant, &run_id, result, false).await?),
+        None => None,
+    };
     let command = command(
         &caller,
         &run_id,
@@ -592,7 +678,7 @@ async fn reconcile(
         w::CommandBody::ReconcileOperation(w::ReconcileOperation {
             operation_id: operation_id.clone(),
             outcome,
-            output: body.result.as_ref().map(sortie_core::json::canonical),
+            output: result.as_ref().map(sortie_core::json::canonical),
             error: body.error,
         }),
     );
@@ -1092,7 +1178,17 @@ async fn fork_run(
         Some(patch) => merge_patch(source.input.clone(), patch),
         None => source.input.clone(),
     };
-    let fork = json!({"run_id": run_id, "version": body.at_version, "state": source});
+    // The new run's payloads, the source's state included, sealed with the new run's key.
+    let seal = app.run_seal(&caller.tenant, &new_id, true).await?;
+    let input = {
+        use sortie_seal::Seal as _;
+        seal.seal(&input)
+    };
+    let mut sealed_source = source.clone();
+    if sortie_seal::Seal::active(&seal) {
+        sealed_source.map_payloads(&mut |v| *v = sortie_seal::Seal::seal(&seal, v));
+    }
+    let fork = json!({"run_id": run_id, "version": body.at_version, "state": sealed_source});
     let command = command(
         &caller,
         &new_id,

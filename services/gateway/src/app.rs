@@ -43,6 +43,8 @@ pub enum Error {
     SigningKey(#[from] sortie_wire::signing::KeyError),
     #[error(transparent)]
     Blobs(#[from] sortie_blob::Error),
+    #[error("payload sealing: {0}")]
+    Seal(#[from] sortie_seal::Error),
 }
 
 /// Everything a request handler needs; cheap to clone.
@@ -77,6 +79,8 @@ pub(crate) struct Inner {
     streams: Mutex<HashMap<String, usize>>,
     /// The blob store of `config.blobs`, opened.
     pub blobs: Option<Arc<dyn sortie_blob::BlobStore>>,
+    /// The run data keys of `config.seal`, opened.
+    pub run_keys: Option<sortie_seal::RunKeys>,
 }
 
 impl AppState {
@@ -89,6 +93,14 @@ impl AppState {
         if let Some(store) = &blobs {
             tracing::info!(store = %store.location(), "Large inputs and payloads go to the blob store.");
         }
+        let run_keys = match &config.seal {
+            Some(seal) => {
+                let keys = seal.open()?;
+                tracing::info!(key_store = %keys.location(), "Run payloads are sealed with per-run data keys.");
+                Some(keys)
+            }
+            None => None,
+        };
         std::fs::create_dir_all(&config.data_dir).ok();
         let store = Store::open(&config.data_dir, topics.prefix())?;
         let codec = Arc::new(Codec::new(&CodecConfig {
@@ -119,8 +131,15 @@ impl AppState {
             .map(Signer::load)
             .transpose()?;
         let (stop, stopped) = watch::channel(false);
-        let (view, view_task) =
-            view::start(&config.kafka, &topics, codec.clone(), store, stopped).await?;
+        let (view, view_task) = view::start(
+            &config.kafka,
+            &topics,
+            codec.clone(),
+            store,
+            run_keys.clone(),
+            stopped,
+        )
+        .await?;
         let stop_graphs = Arc::new(AtomicBool::new(false));
         let graphs = Catalog::start(
             config.kafka.clone(),
@@ -146,6 +165,7 @@ impl AppState {
                 view_task: Mutex::new(Some(view_task)),
                 streams: Mutex::new(HashMap::new()),
                 blobs,
+                run_keys,
             }),
         })
     }
@@ -219,6 +239,53 @@ impl AppState {
                     format!("the blob store could not store a large value: {e}"),
                 )
             })
+    }
+
+    /// How `tenant`'s run `run_id` seals its payloads (made now for a start: `create`);
+    /// plaintext when sealing is off. A run whose key was destroyed is 410
+    /// `run_forgotten`; a key store that cannot be reached 503 `key_store_unavailable`.
+    pub(crate) async fn run_seal(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        create: bool,
+    ) -> Result<sortie_seal::RunSeal, ApiError> {
+        let Some(keys) = &self.inner.run_keys else {
+            return Ok(sortie_seal::RunSeal::Plain);
+        };
+        let lookup = match create {
+            true => keys.get_or_create(tenant, run_id).await,
+            false => keys.get(tenant, run_id).await,
+        };
+        let lookup = lookup.map_err(|e| match e {
+            sortie_seal::Error::Store(e) => ApiError::unavailable(
+                "key_store_unavailable",
+                format!("the run's data key could not be read: {e}"),
+            ),
+            e => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unsealable",
+                e.to_string(),
+            ),
+        })?;
+        if let sortie_seal::Lookup::Destroyed { .. } = lookup {
+            return Err(ApiError::run_forgotten(run_id));
+        }
+        Ok(sortie_seal::RunKeys::seal_of(run_id, &lookup))
+    }
+
+    /// `value` as a command of the run carries it: sealed with the run's data key (see
+    /// [`AppState::run_seal`]), so no payload of a sealed run is ever in plaintext on the
+    /// commands topic either; nothing is published when this fails.
+    pub(crate) async fn seal(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        value: serde_json::Value,
+        create: bool,
+    ) -> Result<serde_json::Value, ApiError> {
+        use sortie_seal::Seal as _;
+        Ok(self.run_seal(tenant, run_id, create).await?.seal(&value))
     }
 
     /// Publishes `command` to the run's canonical partition and waits for the reducer's

@@ -83,6 +83,11 @@ pub struct GatewayConfig {
     /// and where `GET /v1/runs/{id}/blobs/{sha256}` reads. `None`: payloads stay inline.
     #[serde(default)]
     pub blobs: Option<sortie_blob::BlobConfig>,
+    /// Run payload sealing (see `sortie_seal`): commands' payloads are sealed before they
+    /// are published, the view opens what it reads, and `DELETE /v1/runs/{id}` destroys
+    /// the run's data key. `None`: plaintext, and a delete forgets without shredding.
+    #[serde(default)]
+    pub seal: Option<sortie_seal::SealConfig>,
 }
 
 /// Spend budgets (a `budgets` file): the limits a run gets when its start names none (per
@@ -268,6 +273,7 @@ impl GatewayConfig {
             budgets: Budgets::default(),
             signing_key: None,
             blobs: None,
+            seal: None,
         }
     }
 }

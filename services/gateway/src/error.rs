@@ -55,6 +55,16 @@ impl ApiError {
         )
     }
 
+    /// A run that was forgotten (its retention passed, or it was deleted): its payloads
+    /// are gone.
+    pub fn run_forgotten(run_id: &str) -> Self {
+        Self::new(
+            StatusCode::GONE,
+            "run_forgotten",
+            format!("run {run_id} was forgotten: its payloads are gone"),
+        )
+    }
+
     pub fn unavailable(code: &str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
     }

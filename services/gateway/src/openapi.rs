@@ -266,6 +266,19 @@ pub fn document() -> Value {
                     "security": security,
                     "parameters": [run_id(), min_position()],
                     "responses": read_errors(json!({"200": ok("The run.", "Run")}))
+                },
+                "delete": {
+                    "summary": "Delete a finished run (operator role): its data key is destroyed when payloads are sealed (crypto-shredding: its payloads no longer open on any topic), its state keeps its shape only, its step results are tombstoned; its history still verifies",
+                    "security": security,
+                    "parameters": [
+                        run_id(),
+                        idempotency_key(),
+                        param("reason", "query", "Why (recorded in the run's RunForgotten event).", json!({"type": "string"}))
+                    ],
+                    "responses": write_errors(json!({
+                        "200": ok("The run is forgotten: forgotten true, shredded true when its data key was destroyed.", "Written"),
+                        "409": error_response("bad_state: the run is still going; cancel it first.")
+                    }))
                 }
             },
             "/v1/runs/{run_id}/resume": {

@@ -281,6 +281,27 @@ impl Store {
         Ok(())
     }
 
+    /// Forgets a run's payloads here and now (its data key was just destroyed by this
+    /// gateway): its stored events and state drop them, as they will when the reducer's
+    /// `RunForgotten` arrives, so no read of this gateway shows them after the delete.
+    pub fn forget_run(&self, run_id: &str, at: i64, reason: &str) -> Result<(), Error> {
+        let mut batch = sled::Batch::default();
+        for item in self.tree.scan_prefix(event_prefix(run_id)) {
+            let (key, bytes) = item?;
+            let mut event: Event = decode(&key, &bytes)?;
+            event.forget();
+            batch.insert(key, encode(&event));
+        }
+        if let Some(mut run) = self.run(run_id)? {
+            if run.state.forgotten.is_none() {
+                run.state.forget(at, reason);
+            }
+            batch.insert(run_key(run_id), encode(&run));
+        }
+        self.tree.apply_batch(batch)?;
+        Ok(())
+    }
+
     pub async fn flush(&self) -> Result<(), Error> {
         self.db.flush_async().await?;
         Ok(())

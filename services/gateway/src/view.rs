@@ -434,6 +434,7 @@ pub async fn start(
     topics: &Topics,
     codec: Arc<Codec>,
     store: Store,
+    run_keys: Option<sortie_seal::RunKeys>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(Arc<View>, tokio::task::JoinHandle<()>), Error> {
     let group = format!("{}gateway", topics.prefix());
@@ -504,6 +505,7 @@ pub async fn start(
         view: view.clone(),
         consumer,
         codec,
+        run_keys,
         state_topic,
         events_topic,
         shutdown,
@@ -516,6 +518,8 @@ struct Follower {
     view: Arc<View>,
     consumer: StreamConsumer<ViewContext>,
     codec: Arc<Codec>,
+    /// Opens sealed payloads as they come in (`None`: they are kept as they are).
+    run_keys: Option<sortie_seal::RunKeys>,
     state_topic: String,
     events_topic: String,
     shutdown: watch::Receiver<bool>,
@@ -595,7 +599,18 @@ impl Follower {
         if message.topic() == self.events_topic {
             let event = match self.decode::<w::RunEvent>(&message).await {
                 Decoded::Record(record) => match convert::event_from_wire(record) {
-                    Ok(event) => Some(event),
+                    Ok(mut event) => {
+                        if let Some(seal) = self.seal_of(&event.tenant, &event.run_id).await {
+                            let mut failed = 0;
+                            event.map_payloads(&mut |v| {
+                                failed += usize::from(seal.open(v).is_err())
+                            });
+                            if failed > 0 {
+                                tracing::warn!(partition, offset, run_id = %event.run_id, "Payloads of a run event do not open; the view keeps them sealed.");
+                            }
+                        }
+                        Some(event)
+                    }
                     Err(error) => {
                         tracing::warn!(partition, offset, %error, "Skipped a run event the view cannot read.");
                         None
@@ -607,13 +622,56 @@ impl Follower {
             self.view.apply_event(partition, offset, event)?;
         } else {
             let record = match self.decode::<w::RunState>(&message).await {
-                Decoded::Record(record) => Some(record),
+                Decoded::Record(mut record) => {
+                    if let Some(seal) = self.seal_of(&record.tenant, &record.run_id).await {
+                        if let Ok(mut state) =
+                            serde_json::from_str::<sortie_core::RunState>(&record.state)
+                        {
+                            let mut failed = 0;
+                            state.map_payloads(&mut |v| {
+                                failed += usize::from(seal.open(v).is_err())
+                            });
+                            if failed > 0 {
+                                tracing::warn!(partition, offset, run_id = %record.run_id, "Payloads of a run state do not open; the view keeps them sealed.");
+                            }
+                            if let Ok(json) = serde_json::to_string(&state) {
+                                record.state = json;
+                            }
+                        }
+                    }
+                    Some(record)
+                }
                 Decoded::Skip => None,
                 Decoded::Stop => return Ok(false),
             };
             self.view.apply_state(partition, offset, record)?;
         }
         Ok(true)
+    }
+
+    /// The seal to open `run_id`'s payloads with, if payloads are sealed here. An
+    /// unreachable key store is waited out (up to 30 s, then the payloads stay sealed in
+    /// the view: a later state of the run opens them again).
+    async fn seal_of(&self, tenant: &str, run_id: &str) -> Option<sortie_seal::RunSeal> {
+        let keys = self.run_keys.as_ref()?;
+        let mut pause = Duration::from_millis(100);
+        let started = std::time::Instant::now();
+        loop {
+            match keys.seal(tenant, run_id).await {
+                Ok(seal) => return Some(seal),
+                Err(sortie_seal::Error::Store(e))
+                    if started.elapsed() < Duration::from_secs(30) =>
+                {
+                    tracing::warn!(run_id, error = %e, "Key store unavailable; retrying.");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => {
+                    tracing::warn!(run_id, error = %e, "A run's data key cannot be had; its payloads stay sealed in the view.");
+                    return None;
+                }
+            }
+        }
     }
 
     async fn decode<R: Record>(&mut self, message: &OwnedMessage) -> Decoded<R> {

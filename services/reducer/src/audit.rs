@@ -2,6 +2,14 @@
 //! `evolve` and compare it with the state the reducer wrote to `sortie.run-state`.
 //! With `verify`, also prove the history is the one that was written: gap-free sequence
 //! numbers and an intact hash chain.
+//!
+//! Sealed runs (see `sortie_seal`): the hash chain is taken over the sealed events, so
+//! `verify` needs no key — also after a run's key was destroyed. The fold comparison
+//! opens events and state with the run's key when the auditor has the keys; without them
+//! (or once the key is destroyed) it compares the sealed forms, which agree except for
+//! what the fold derives from payloads (a run's spend, from its outputs' token usage; its
+//! limits, from a budget approval's payload): those two are taken as written and the
+//! report says the run was compared sealed.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -27,6 +35,10 @@ pub struct RunReport {
     pub status: Option<String>,
     /// Everything wrong with this run; empty when the history and the state agree.
     pub problems: Vec<String>,
+    /// The run's payloads are sealed and were compared sealed (no key, or its key was
+    /// destroyed): spend and limits were not re-derived.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub sealed: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -144,6 +156,7 @@ pub fn replay(
     runtime: &Handle,
     only: Option<&str>,
     verify: bool,
+    keys: Option<&sortie_seal::RunKeys>,
 ) -> Result<Report, Error> {
     let histories = histories(kafka, topics, codec, runtime)?;
     let mut table: BTreeMap<String, RunState> = BTreeMap::new();
@@ -202,8 +215,16 @@ pub fn replay(
                 prev = event.hash.clone();
             }
         }
-        let folded = history.iter().fold(None, evolve);
-        let written = table.get(run_id);
+        let (history, written, sealed) =
+            open_run(history, table.get(run_id), keys, runtime, &mut problems)?;
+        let history = history.as_slice();
+        let mut folded = history.iter().fold(None, evolve);
+        if let (true, Some(f), Some(t)) = (sealed, folded.as_mut(), written.as_ref()) {
+            // Derived from payloads the fold could not read: taken as written.
+            f.spend = t.spend.clone();
+            f.budget = t.budget.clone();
+        }
+        let written = written.as_ref();
         match (&folded, written) {
             (Some(f), Some(t)) if f != t => {
                 let f_json = serde_json::to_value(f).unwrap_or_default();
@@ -232,6 +253,7 @@ pub fn replay(
             version: folded.as_ref().map_or(0, |s| s.version),
             status: folded.as_ref().map(|s| s.status.as_str().to_owned()),
             problems,
+            sealed,
         });
     }
     let diverged = reports.iter().filter(|r| !r.problems.is_empty()).count();
@@ -241,4 +263,58 @@ pub fn replay(
         diverged,
         reports,
     })
+}
+
+/// A run's history and written state as the fold comparison takes them: opened with the
+/// run's key when there are keys and it opens; else as written. `true`: compared sealed.
+fn open_run(
+    history: &[Event],
+    written: Option<&RunState>,
+    keys: Option<&sortie_seal::RunKeys>,
+    runtime: &Handle,
+    problems: &mut Vec<String>,
+) -> Result<(Vec<Event>, Option<RunState>, bool), Error> {
+    let mut history = history.to_vec();
+    let mut written = written.cloned();
+    let mut any_sealed = false;
+    for event in &mut history {
+        event.map_payloads(&mut |v| any_sealed |= sortie_seal::is_sealed(v));
+    }
+    if let Some(state) = &mut written {
+        state.map_payloads(&mut |v| any_sealed |= sortie_seal::is_sealed(v));
+    }
+    let (Some(keys), true) = (keys, any_sealed) else {
+        return Ok((history, written, any_sealed));
+    };
+    let Some(first) = history
+        .first()
+        .map(|e| (e.tenant.clone(), e.run_id.clone()))
+        .or_else(|| {
+            written
+                .as_ref()
+                .map(|s| (s.tenant.clone(), s.run_id.clone()))
+        })
+    else {
+        return Ok((history, written, any_sealed));
+    };
+    let (tenant, run_id) = first;
+    let seal = runtime
+        .block_on(keys.seal(&tenant, &run_id))
+        .map_err(|e| Error::Setup(format!("the data key of run {run_id}: {e}")))?;
+    if seal.is_destroyed() {
+        return Ok((history, written, true));
+    }
+    let mut failures = 0;
+    for event in &mut history {
+        event.map_payloads(&mut |v| failures += usize::from(seal.open(v).is_err()));
+    }
+    if let Some(state) = &mut written {
+        state.map_payloads(&mut |v| failures += usize::from(seal.open(v).is_err()));
+    }
+    if failures > 0 {
+        problems.push(format!(
+            "{failures} sealed payloads do not open with the run's data key (tampered, or sealed under another key)"
+        ));
+    }
+    Ok((history, written, false))
 }

@@ -45,6 +45,8 @@ pub(crate) struct PendingBatch {
     /// Runs as they were before this batch (None: new), and as they are now.
     pub before: HashMap<String, Option<RunState>>,
     pub after: HashMap<String, RunState>,
+    /// How each changed run's payloads are written (its data key), for the state write.
+    pub seals: HashMap<String, sortie_seal::RunSeal>,
     /// Timers fired this batch (removed from the index whatever the fold decided).
     pub fired: Vec<DueTimer>,
     pub ignored: usize,

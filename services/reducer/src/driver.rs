@@ -77,6 +77,8 @@ pub struct ReducerConfig {
     pub keyring: Option<PathBuf>,
     /// Refuse unsigned commands (production); without it they are taken as before.
     pub require_signatures: bool,
+    /// Seal run payloads with per-run data keys (see `sortie_seal`); `None`: plaintext.
+    pub seal: Option<sortie_seal::SealConfig>,
     pub session_timeout: Duration,
     /// How long past its own timeout a transactional call may block before the process
     /// ends itself for its supervisor to restart it (see `watchdog`).
@@ -109,6 +111,7 @@ impl ReducerConfig {
             max_payload_bytes: 1024 * 1024,
             keyring: None,
             require_signatures: false,
+            seal: None,
             session_timeout: Duration::from_secs(10),
             stall_grace: Duration::from_secs(30),
             fault: None,
@@ -279,8 +282,17 @@ impl Reducer {
         // (see `restore`); this client does nothing else (never subscribes or commits).
         let marks: BaseConsumer =
             crate::restore::client(&config.kafka, topics, "read_uncommitted").create()?;
+        let run_keys = match &config.seal {
+            Some(seal) => {
+                let keys = seal.open().map_err(|e| Error::Setup(e.to_string()))?;
+                tracing::info!(key_store = %keys.location(), "Run payloads are sealed with per-run data keys.");
+                Some(keys)
+            }
+            None => None,
+        };
         let engine = Arc::new(Mutex::new(Engine {
             config: config.clone(),
+            run_keys,
             runtime,
             codec,
             store,

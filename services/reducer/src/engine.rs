@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::txn::TxnProducer;
 use rdkafka::consumer::BaseConsumer;
-use sortie_core::{apply, Effect, Input, RunState};
+use sortie_core::{apply_sealed, Effect, Input, RunState, Seal as _};
 use sortie_wire::{partition_for, Codec, Record, TraceContext};
 use tokio::runtime::Handle;
 
@@ -41,6 +41,8 @@ pub(crate) struct Engine {
     pub marks: BaseConsumer,
     /// Who may write commands (signatures).
     pub keys: crate::keys::Keys,
+    /// The run data keys, when payloads are sealed (see `sealing`).
+    pub run_keys: Option<sortie_seal::RunKeys>,
     /// Partition count of the co-partitioned topics.
     pub partitions: u32,
     pub tasks: Tasks,
@@ -117,11 +119,17 @@ impl Engine {
             return Ok(state);
         }
         let stored = match self.store.get_run(run_id)? {
-            Some(bytes) => Some(serde_json::from_slice::<RunState>(&bytes).map_err(|e| {
-                // Never treat an unreadable cache entry as "no such run": that would start
-                // the run's history over. Stop loudly instead; a restart rebuilds the cache.
-                crate::store::Error::Corrupt(format!("cached state of run {run_id}: {e}"))
-            })?),
+            Some(bytes) => {
+                let mut state = serde_json::from_slice::<RunState>(&bytes).map_err(|e| {
+                    // Never treat an unreadable cache entry as "no such run": that would
+                    // start the run's history over. Stop loudly instead; a restart
+                    // rebuilds the cache.
+                    crate::store::Error::Corrupt(format!("cached state of run {run_id}: {e}"))
+                })?;
+                // Sled holds what the changelog holds: payloads sealed.
+                self.open_state(&mut state)?;
+                Some(state)
+            }
             None => None,
         };
         self.batch.before.insert(run_id.to_owned(), stored.clone());
@@ -132,17 +140,23 @@ impl Engine {
     /// records are encoded before any is added, so an input is in the batch whole or not
     /// at all.
     pub fn apply(&mut self, input: &Input, trace: &TraceContext) -> Result<(), Error> {
-        self.apply_or_refuse(input, None, trace)
+        if let Some(reason) = self.apply_or_refuse(input, None, trace)? {
+            // Only a step result's payload can fail to open, and this is never one.
+            tracing::error!(run_id = input.run_id(), reason, "An input was not applied.");
+        }
+        Ok(())
     }
 
     /// [`Engine::apply`], or — with `refusal` — the command's `unauthenticated` answer
     /// outside the run's history instead of the fold (`sortie_core::refuse`).
+    /// `Ok(Some(reason))`: a step result whose payload does not open, not applied: the
+    /// caller dead-letters it.
     pub fn apply_or_refuse(
         &mut self,
         input: &Input,
         refusal: Option<String>,
         trace: &TraceContext,
-    ) -> Result<(), Error> {
+    ) -> Result<Option<String>, Error> {
         let run_id = input.run_id().to_owned();
         let span = tracing::info_span!(
             "apply",
@@ -163,7 +177,8 @@ impl Engine {
             _ => {}
         }
         let _entered = span.enter();
-        let (mut applied, state, from_batch) = match (refusal, input) {
+        let mut seal = sortie_seal::RunSeal::Plain;
+        let (applied, state, from_batch) = match (refusal, input) {
             (Some(reason), Input::Command(command)) => {
                 // Refused before the fold: the run's state is not read, no graph waited for.
                 tracing::warn!(
@@ -181,6 +196,30 @@ impl Engine {
             }
             _ => {
                 let (state, from_batch) = self.take_state(&run_id)?;
+                let input = match self.sealing(state.as_ref(), input)? {
+                    Ok((run_seal, opened)) => {
+                        seal = run_seal;
+                        opened
+                    }
+                    Err(reason) => {
+                        if let (true, Some(state)) = (from_batch, state) {
+                            self.batch.after.insert(run_id.clone(), state);
+                        }
+                        let Input::Command(command) = input else {
+                            return Ok(Some(reason));
+                        };
+                        tracing::warn!(run_id, command_id = %command.command_id, reason, "Refusing a command whose payload does not open.");
+                        let refused = sortie_core::refuse(
+                            command,
+                            "invalid",
+                            format!("its payload does not open: {reason}"),
+                            self.graphs.graphs(),
+                        );
+                        return self
+                            .finish_apply(&run_id, input, refused, None, false, &seal, trace);
+                    }
+                };
+                let input = &input;
                 if let Input::Command(c) = input {
                     if let sortie_core::CommandBody::StartRun {
                         graph_id,
@@ -196,10 +235,29 @@ impl Engine {
                         }
                     }
                 }
-                let applied = apply(state.as_ref(), input, self.graphs.graphs());
+                let applied = apply_sealed(state.as_ref(), input, self.graphs.graphs(), &seal);
+                if seal.active() {
+                    self.batch.seals.insert(run_id.clone(), seal.clone());
+                }
                 (applied, state, from_batch)
             }
         };
+        self.finish_apply(&run_id, input, applied, state, from_batch, &seal, trace)
+    }
+
+    /// Adds what the fold decided for one input to the batch, sealed with `seal`.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_apply(
+        &mut self,
+        run_id: &str,
+        input: &Input,
+        mut applied: sortie_core::Applied,
+        state: Option<RunState>,
+        from_batch: bool,
+        seal: &sortie_seal::RunSeal,
+        trace: &TraceContext,
+    ) -> Result<Option<String>, Error> {
+        let run_id = run_id.to_owned();
         // The fold's copy for the state write is `applied.state` again: not kept twice.
         let mut changed = false;
         applied.effects.retain(|e| {
@@ -236,7 +294,12 @@ impl Engine {
             match effect {
                 Effect::Emit(event) => {
                     let topic = self.config.topics.run_events();
-                    let value = self.encode(&topic, &convert::event_to_wire(event))?;
+                    let value = match seal.active() {
+                        true => {
+                            self.encode(&topic, &convert::event_to_wire(&event.sealed(seal)))?
+                        }
+                        false => self.encode(&topic, &convert::event_to_wire(event))?,
+                    };
                     outputs.push(Output {
                         topic,
                         partition: Some(partition),
@@ -247,7 +310,14 @@ impl Engine {
                 }
                 Effect::Dispatch(intent) => {
                     let topic = self.config.topics.intents(&intent.queue);
-                    let value = self.encode(&topic, &convert::intent_to_wire(intent))?;
+                    let value = match seal.active() {
+                        true => {
+                            let mut sealed = intent.clone();
+                            sealed.map_payloads(&mut |v| *v = seal.seal(v));
+                            self.encode(&topic, &convert::intent_to_wire(&sealed))?
+                        }
+                        false => self.encode(&topic, &convert::intent_to_wire(intent))?,
+                    };
                     outputs.push(Output {
                         topic,
                         partition: None,
@@ -280,6 +350,6 @@ impl Engine {
             tracing::debug!(run_id, reason = applied.ignored, "Input changed nothing.");
         }
         self.batch.outputs.extend(outputs);
-        Ok(())
+        Ok(None)
     }
 }

@@ -161,7 +161,9 @@ impl Engine {
             .headers()
             .and_then(|h| TraceContext::from_headers(h.iter().map(|h| (h.key, h.value))))
             .unwrap_or_else(|| TraceContext::for_run(&run_id));
-        self.apply_or_refuse(&input, refusal, &trace)?;
+        if let Some(reason) = self.apply_or_refuse(&input, refusal, &trace)? {
+            self.dead_letter(message, "unsealable", reason)?;
+        }
         Ok(())
     }
 

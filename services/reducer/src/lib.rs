@@ -23,6 +23,7 @@ mod input;
 mod keys;
 pub mod metrics;
 pub mod restore;
+mod sealing;
 pub mod store;
 mod tasks;
 mod txn;

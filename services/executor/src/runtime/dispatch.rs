@@ -15,6 +15,8 @@ pub(super) struct Worker {
     pub(super) operations: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The blob store of `config.blobs`, opened.
     pub(super) blobs: Option<Arc<dyn sortie_blob::BlobStore>>,
+    /// The run data keys of `config.seal`, opened.
+    pub(super) run_keys: Option<sortie_seal::RunKeys>,
 }
 
 impl Worker {
@@ -72,8 +74,17 @@ impl Worker {
             ticket.done();
             return;
         }
-        // Before anything is recorded or called: a handler sees plain JSON, and a blob
-        // that is lost or not the referenced one fails the step without a call.
+        // Before anything is recorded or called: a handler sees plain JSON, and sealed
+        // arguments that do not open (or whose run's key was destroyed), or a blob that
+        // is lost or not the referenced one, fail the step without a call.
+        let call = match self.open_args(call).await {
+            Ok(call) => call,
+            Err(error) => {
+                self.report(intent, Err(error), started_at).await;
+                ticket.done();
+                return;
+            }
+        };
         let call = match self.resolve_args(call).await {
             Ok(call) => call,
             Err(error) => {
@@ -143,6 +154,46 @@ impl Worker {
                 .clone()
         };
         lock.lock_owned().await
+    }
+
+    /// The run's seal: how its payloads are opened and written (plaintext without
+    /// sealing). An unreachable key store is a retryable failure; a key that cannot be
+    /// had (no KEK for the tenant, one that does not unwrap) a permanent one.
+    pub(super) async fn run_seal(
+        &self,
+        tenant: &str,
+        run_id: &str,
+    ) -> Result<sortie_seal::RunSeal, HandlerError> {
+        let Some(keys) = &self.run_keys else {
+            return Ok(sortie_seal::RunSeal::Plain);
+        };
+        match keys.seal(tenant, run_id).await {
+            Ok(seal) => Ok(seal),
+            Err(sortie_seal::Error::Store(e)) => Err(HandlerError::retryable(
+                "key_store_unavailable",
+                format!("the run's data key could not be read: {e}"),
+            )),
+            Err(e) => Err(HandlerError::permanent("unsealable", e.to_string())),
+        }
+    }
+
+    /// The call with its arguments opened (see [`Worker::run_seal`]). A run whose data
+    /// key was destroyed is a permanent failure (`run_forgotten`): the handler must never
+    /// act on arguments it can no longer see.
+    pub(super) async fn open_args(&self, mut call: Call) -> Result<Call, HandlerError> {
+        if !sortie_seal::is_sealed(&call.args) {
+            return Ok(call);
+        }
+        let seal = self.run_seal(&call.tenant, &call.run_id).await?;
+        if seal.is_destroyed() {
+            return Err(HandlerError::permanent(
+                "run_forgotten",
+                "the run's data key was destroyed; its arguments are gone",
+            ));
+        }
+        seal.open(&mut call.args)
+            .map_err(|e| HandlerError::permanent("unsealable", e.to_string()))?;
+        Ok(call)
     }
 
     /// The call with every blob reference in its arguments replaced by the referenced

@@ -115,6 +115,9 @@ pub struct ExecutorConfig {
     /// by reference. `None`: outputs stay inline, and a reference in arguments fails the
     /// attempt retryably (`blob_unavailable`).
     pub blobs: Option<sortie_blob::BlobConfig>,
+    /// Run payload sealing (see `sortie_seal`): arguments are opened before the handler
+    /// sees them, outputs sealed before they are reported. `None`: plaintext.
+    pub seal: Option<sortie_seal::SealConfig>,
 }
 
 impl ExecutorConfig {
@@ -139,6 +142,7 @@ impl ExecutorConfig {
             default_timeout: Duration::from_secs(30),
             fault: None,
             blobs: None,
+            seal: None,
         }
     }
 
@@ -197,6 +201,14 @@ pub async fn run_with_health(
             "Large outputs go to the blob store."
         );
     }
+    let run_keys = match &config.seal {
+        Some(seal) => {
+            let keys = seal.open().map_err(|e| Error::Setup(e.to_string()))?;
+            tracing::info!(key_store = %keys.location(), "Run payloads are sealed with per-run data keys.");
+            Some(keys)
+        }
+        None => None,
+    };
     let codec = Codec::new(&CodecConfig {
         registry_url: config.registry_url.clone(),
         auto_register: config.auto_register,
@@ -234,6 +246,7 @@ pub async fn run_with_health(
         health: health.clone(),
         operations: Mutex::new(HashMap::new()),
         blobs,
+        run_keys,
     });
     health.serving(&worker.config.queues);
     let runtime = Handle::current();

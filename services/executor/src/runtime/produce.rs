@@ -33,7 +33,10 @@ impl Worker {
         started_at: i64,
     ) {
         let outcome = match outcome {
-            Ok(output) => self.store_large(intent, output).await,
+            Ok(output) => match self.store_large(intent, output).await {
+                Ok(output) => self.seal_output(intent, output).await,
+                failed => failed,
+            },
             failed => failed,
         };
         let mut result = match &outcome {
@@ -107,6 +110,34 @@ impl Worker {
                     }
                     SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
                         HandlerError::unknown("blob_unavailable", message)
+                    }
+                })
+            }
+        }
+    }
+
+    /// The output as the run's data key seals it (as it is without sealing). An output
+    /// is never reported in plaintext for a sealed run: if the key cannot be read the
+    /// attempt fails like a blob write that failed (retryable where a repeat is harmless,
+    /// unknown where the call happened).
+    async fn seal_output(&self, intent: &StepIntent, output: Value) -> Result<Value, HandlerError> {
+        use sortie_seal::Seal as _;
+        if self.run_keys.is_none() {
+            return Ok(output);
+        }
+        match self.run_seal(&intent.tenant, &intent.run_id).await {
+            Ok(seal) => Ok(seal.seal(&output)),
+            Err(error) => {
+                tracing::warn!(%error, "The output could not be sealed.");
+                let message = format!("the step's output could not be sealed: {error}");
+                Err(match intent.side_effect {
+                    SideEffectClass::Pure
+                    | SideEffectClass::Idempotent
+                    | SideEffectClass::Keyed => {
+                        HandlerError::retryable("key_store_unavailable", message)
+                    }
+                    SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+                        HandlerError::unknown("key_store_unavailable", message)
                     }
                 })
             }

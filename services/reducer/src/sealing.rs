@@ -1,0 +1,179 @@
+//! Sealed payloads in the reducer (see `sortie_seal`): the fold works on plaintext, so the
+//! reducer opens what it reads (commands, step results, its own cached states) and seals
+//! what it writes (events, intents, states) with the run's data key.
+//!
+//! - **Which key**: a run's data key belongs to its tenant and run id. A new run's key is
+//!   made when its StartRun is folded (or was made by the gateway that took the start;
+//!   the key store's create-if-absent makes both the same key). An input's payloads open
+//!   with the key of the input's *own* tenant — a foreign tenant's command never touches
+//!   the run's key — and the run's outputs seal with the run's.
+//! - **Same seal, hash and write**: the fold hashes each event over its sealed form
+//!   (`sortie_core::apply_sealed`) and the writer seals it with the very same `RunSeal`,
+//!   so the chain in Kafka is the chain the fold computed.
+//! - **A destroyed key** (crypto-shredding) seals to and opens as `null`: a run whose key
+//!   is gone keeps running its structure (a ForgetRun follows) but never writes a payload
+//!   again.
+//! - **Bad input loses nothing and stops nothing**: a command whose payload does not open
+//!   (forged, another run's, a tenant without a KEK) is refused `invalid` outside the
+//!   run's history; a step result that does not open is dead-lettered with the reason.
+//!   Only an unreachable key store is waited out (then the reducer restarts, like for an
+//!   unreachable registry).
+
+use std::time::{Duration, Instant};
+
+use sortie_core::{Command, CommandBody, Input, RunState};
+use sortie_seal::{Lookup, RunKeys, RunSeal};
+
+use crate::driver::Error;
+use crate::engine::Engine;
+
+/// How long an unreachable key store is retried before the reducer gives up (and restarts).
+const KEY_STORE_PATIENCE: Duration = Duration::from_secs(30);
+
+impl Engine {
+    /// Looks `run_id`'s key up (making it with `create`), waiting out an unreachable
+    /// store. `Ok(Err(reason))`: the key cannot be had for this input (no KEK for the
+    /// tenant, a wrapped key that does not unwrap).
+    fn lookup(
+        &self,
+        keys: &RunKeys,
+        tenant: &str,
+        run_id: &str,
+        create: bool,
+    ) -> Result<Result<Lookup, String>, Error> {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let found = self.runtime.block_on(async {
+                match create {
+                    true => keys.get_or_create(tenant, run_id).await,
+                    false => keys.get(tenant, run_id).await,
+                }
+            });
+            match found {
+                Ok(lookup) => return Ok(Ok(lookup)),
+                Err(sortie_seal::Error::Store(e)) if started.elapsed() < KEY_STORE_PATIENCE => {
+                    tracing::warn!(run_id, error = %e, "Key store unavailable; retrying.");
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                Err(sortie_seal::Error::Store(e)) => {
+                    return Err(Error::Setup(format!(
+                        "the key store stayed unavailable: {e}"
+                    )))
+                }
+                Err(e) => return Ok(Err(e.to_string())),
+            }
+        }
+    }
+
+    /// The seal `input`'s run writes with, and the input with its payloads opened.
+    /// `Ok(Err(reason))`: the input cannot be taken as it is (refuse or dead-letter it).
+    pub(crate) fn sealing(
+        &self,
+        state: Option<&RunState>,
+        input: &Input,
+    ) -> Result<Result<(RunSeal, Input), String>, Error> {
+        let Some(keys) = &self.run_keys else {
+            return Ok(Ok((RunSeal::Plain, input.clone())));
+        };
+        let run_id = input.run_id();
+        let own_tenant = match input {
+            Input::Command(c) => Some(c.tenant.as_str()),
+            Input::StepReport(r) => Some(r.tenant.as_str()),
+            Input::TimerFired { .. } => None,
+        };
+        let starts = matches!(
+            input,
+            Input::Command(Command {
+                body: CommandBody::StartRun { .. },
+                ..
+            })
+        );
+        if matches!(
+            input,
+            Input::Command(Command {
+                body: CommandBody::ForgetRun { .. },
+                ..
+            })
+        ) {
+            // Sent after the key was destroyed: ask the store, not the cache.
+            if let Some(tenant) = state.map(|s| s.tenant.as_str()).or(own_tenant) {
+                keys.evict(tenant, run_id);
+            }
+        }
+        let write = match (state, own_tenant) {
+            (Some(run), _) => match self.lookup(keys, &run.tenant, run_id, false)? {
+                Ok(lookup) => RunKeys::seal_of(run_id, &lookup),
+                Err(reason) => return Ok(Err(reason)),
+            },
+            (None, Some(tenant)) => match self.lookup(keys, tenant, run_id, starts)? {
+                Ok(lookup) => RunKeys::seal_of(run_id, &lookup),
+                Err(reason) => return Ok(Err(reason)),
+            },
+            (None, None) => RunSeal::Plain,
+        };
+        let open = match (state, own_tenant) {
+            (Some(run), Some(tenant)) if run.tenant != tenant => {
+                match self.lookup(keys, tenant, run_id, false)? {
+                    Ok(lookup) => RunKeys::seal_of(run_id, &lookup),
+                    Err(reason) => return Ok(Err(reason)),
+                }
+            }
+            _ => write.clone(),
+        };
+        let mut opened = input.clone();
+        let mut failure = None;
+        opened.map_payloads(&mut |value| {
+            if failure.is_none() {
+                if let Err(e) = open.open(value) {
+                    failure = Some(e);
+                }
+            }
+        });
+        if let Some(e) = failure {
+            let reason = match e {
+                sortie_seal::Error::NoKey { .. } => {
+                    format!("a sealed payload, but run {run_id} has no data key")
+                }
+                e => e.to_string(),
+            };
+            return Ok(Err(reason));
+        }
+        Ok(Ok((write, opened)))
+    }
+
+    /// Opens a state read from sled (sealed as the changelog holds it) with its run's key.
+    pub(crate) fn open_state(&self, state: &mut RunState) -> Result<(), Error> {
+        let Some(keys) = &self.run_keys else {
+            return Ok(());
+        };
+        let run_id = state.run_id.clone();
+        let seal = match self.lookup(keys, &state.tenant, &run_id, false)? {
+            Ok(lookup) => RunKeys::seal_of(&run_id, &lookup),
+            Err(reason) => {
+                return Err(crate::store::Error::Corrupt(format!(
+                    "cached state of run {run_id}: {reason}"
+                ))
+                .into())
+            }
+        };
+        let mut failure = None;
+        state.map_payloads(&mut |value| {
+            if failure.is_none() {
+                if let Err(e) = seal.open(value) {
+                    failure = Some(e);
+                }
+            }
+        });
+        match failure {
+            // Never treat an unopenable state as readable: stop loudly (a key store that
+            // is not the one the run was sealed with), as for a corrupt cache entry.
+            Some(e) => Err(crate::store::Error::Corrupt(format!(
+                "cached state of run {run_id} does not open: {e} (is --seal-key-store the store its key is in?)"
+            ))
+            .into()),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,363 @@
+//! Issue #14, items 7 and 8, on the real broker with the real services: per-run payload
+//! encryption and crypto-shredding.
+//!
+//! The reducer, the executor and the gateway seal run payloads with a per-run data key
+//! (wrapped by the tenant's KEK in a key store). A run's input, arguments, outputs,
+//! proposal and decision payload are then nowhere on any topic in plaintext — not on the
+//! commands topic (the gateway seals what it publishes), not in the intents, results,
+//! events or states, not even in aborted records — while the gateway, which has the keys,
+//! shows them, and an auditor with the keys opens them through the same codec.
+//! `DELETE /v1/runs/{id}` destroys the run's key: from then on its payloads open nowhere
+//! (the records are still in Kafka), the gateway shows its shape only, and
+//! `audit replay --verify` still proves its history, with and without keys.
+//! The fold's checks hold around it: a viewer may not delete, a running run may not be
+//! deleted, a forged sealed payload from a raw producer is refused and stops nothing.
+//!
+//! Checked red: with the reducer writing events unsealed (`seal.active()` forced false in
+//! `Engine::finish_apply`), "no topic holds the secret in plaintext" fails on run-events;
+//! with `RunKeys::destroy` writing nothing, "the deleted run's payloads open nowhere"
+//! fails; with the fold hashing plaintext (`apply_sealed`'s hash over `event`),
+//! `audit replay --verify` fails with "hash does not match its content".
+
+use std::time::Duration;
+
+use rdkafka::Message;
+use serde_json::{json, Value};
+use sortie_tests::stack::Stack;
+use sortie_tests::{Isolation, GATED};
+use sortie_wire::records as w;
+
+const OPS: &str = "acme:user:ops:approver,operator:tok-ops";
+const VIEWER: &str = "acme:user:viewer::tok-viewer";
+const CARD: &str = "4111-1111-1111-1111";
+const NOTE: &str = "approved-by-the-fraud-desk";
+const LONG: Duration = Duration::from_secs(90);
+
+async fn call(
+    client: &reqwest::Client,
+    method: reqwest::Method,
+    url: &str,
+    token: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut request = client.request(method, url).bearer_auth(token).header(
+        "idempotency-key",
+        format!("k-{}", sortie_kafka::clock::now_ms()),
+    );
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("HTTP");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn status_of(client: &reqwest::Client, url: &str, run: &str) -> Value {
+    call(
+        client,
+        reqwest::Method::GET,
+        &format!("{url}/v1/runs/{run}"),
+        "tok-ops",
+        None,
+    )
+    .await
+    .1
+}
+
+/// Every record of every Sortie topic of the stack, aborted ones included.
+async fn every_record(stack: &Stack) -> Vec<(String, Vec<u8>)> {
+    let topics = [
+        stack.topics.commands(),
+        stack.topics.run_events(),
+        stack.topics.run_state(),
+        stack.topics.step_results(),
+        stack.topics.intents("default"),
+        stack.topics.dead_letters(),
+    ];
+    let mut out = Vec::new();
+    for topic in topics {
+        for message in
+            sortie_tests::read_all(&stack.bootstrap, &topic, Isolation::ReadUncommitted).await
+        {
+            if let Some(value) = message.payload() {
+                out.push((topic.clone(), value.to_vec()));
+            }
+        }
+    }
+    out
+}
+
+fn holds(bytes: &[u8], needle: &str) -> bool {
+    String::from_utf8_lossy(bytes).contains(needle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowhere() {
+    let stack = Stack::start("sealed", &[GATED]).await;
+    let kek = stack.dir.join("kek.yaml");
+    std::fs::write(
+        &kek,
+        sortie_seal::kek::Keyring::generate("*", "test-kek").expect("a KEK"),
+    )
+    .expect("keyring");
+    let store = format!("file://{}", stack.dir.join("run-keys").display());
+    let kek_arg = kek.to_str().expect("path").to_owned();
+    let seal = [
+        "--seal-keyring",
+        kek_arg.as_str(),
+        "--seal-key-store",
+        store.as_str(),
+    ];
+    let _reducer = stack.reducer_with("0", &seal);
+    let _executor = stack.executor_process("executor", &["default"], &seal);
+    let (_gateway, url) = stack
+        .gateway_process_with(&stack.dir.join("gateway"), &[OPS, VIEWER], &seal)
+        .await;
+    let client = reqwest::Client::new();
+
+    // A run whose input, refund arguments and approval payload carry secrets.
+    let (code, started) = call(
+        &client,
+        reqwest::Method::POST,
+        &format!("{url}/v1/runs"),
+        "tok-ops",
+        Some(json!({"graph_id": "gated", "run_id": "run-sealed", "input": {"amount": CARD}})),
+    )
+    .await;
+    assert_eq!(code, 201, "{started}");
+    sortie_tests::wait_until("the run to wait for its approval", LONG, || {
+        let client = client.clone();
+        let url = url.clone();
+        async move { status_of(&client, &url, "run-sealed").await["status"] == "waiting_approval" }
+    })
+    .await;
+    // A running run cannot be deleted.
+    let (code, body) = call(
+        &client,
+        reqwest::Method::DELETE,
+        &format!("{url}/v1/runs/run-sealed"),
+        "tok-ops",
+        None,
+    )
+    .await;
+    assert_eq!(
+        (code, &body["error"]["code"]),
+        (409, &json!("bad_state")),
+        "{body}"
+    );
+    let (code, body) = call(
+        &client,
+        reqwest::Method::POST,
+        &format!("{url}/v1/runs/run-sealed/resume"),
+        "tok-ops",
+        Some(json!({"decision": "approve", "payload": {"note": NOTE}})),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    sortie_tests::wait_until("the run to succeed", LONG, || {
+        let client = client.clone();
+        let url = url.clone();
+        async move { status_of(&client, &url, "run-sealed").await["status"] == "succeeded" }
+    })
+    .await;
+
+    // The gateway has the keys: the people who approve see the payloads.
+    let run = status_of(&client, &url, "run-sealed").await;
+    assert!(
+        run.to_string().contains(CARD),
+        "the gateway opens the run: {run}"
+    );
+    let (_, events) = call(
+        &client,
+        reqwest::Method::GET,
+        &format!("{url}/v1/runs/run-sealed/events"),
+        "tok-ops",
+        None,
+    )
+    .await;
+    assert!(
+        events.to_string().contains(NOTE),
+        "and its events: {events}"
+    );
+
+    // Kafka: no topic holds a secret in plaintext; the events carry sealed payloads.
+    let records = every_record(&stack).await;
+    assert!(records
+        .iter()
+        .any(|(t, _)| *t == stack.topics.intents("default")));
+    for (topic, value) in &records {
+        assert!(
+            !holds(value, CARD) && !holds(value, NOTE),
+            "no topic holds the secret in plaintext: {topic} does"
+        );
+    }
+    let sealed_events = records
+        .iter()
+        .filter(|(t, v)| *t == stack.topics.run_events() && holds(v, "$sealed"))
+        .count();
+    assert!(
+        sealed_events >= 3,
+        "input, arguments, outputs and the decision are sealed"
+    );
+
+    // An auditor with the keys opens them through the same codec.
+    let keys = sortie_seal::SealConfig::new(&kek, store.clone())
+        .open()
+        .expect("the run keys");
+    let run_seal = keys
+        .seal("acme", "run-sealed")
+        .await
+        .expect("the run's key");
+    let states = stack.states().await;
+    let mut state = states["run-sealed"].clone();
+    assert!(
+        sortie_seal::is_sealed(&state.input),
+        "the state on Kafka is sealed"
+    );
+    state.map_payloads(&mut |v| run_seal.open(v).expect("opens with the run's key"));
+    assert_eq!(state.input["amount"], CARD);
+
+    // The auditor's proof holds with the keys and without them.
+    let (clean, report) = stack.audit_verify().await;
+    assert!(
+        clean && report["diverged"] == 0,
+        "audit without keys: {report}"
+    );
+    let (clean, report) = stack.audit_verify_with(&seal).await;
+    assert!(
+        clean && report["diverged"] == 0,
+        "audit with keys: {report}"
+    );
+
+    // A raw producer's forged sealed payload is refused and stops nothing.
+    let forged = sortie_tests::stack::command(
+        "run-forged",
+        "forged-start",
+        w::CommandBody::StartRun(w::StartRun {
+            graph_id: "gated".into(),
+            graph_version: None,
+            input: json!({"$sealed": "v1.AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"}).to_string(),
+            labels: Default::default(),
+            budget: None,
+            fork: None,
+        }),
+    );
+    stack.send(&forged).await;
+    let answer = sortie_tests::wait_for("the forged start's answer", LONG, || async {
+        let events = stack.events().await;
+        events.get("run-forged").and_then(|history| {
+            history.iter().find_map(|e| match &e.body {
+                sortie_core::EventBody::CommandRejected { code, reason, .. } => {
+                    Some((code.clone(), reason.clone(), e.seq))
+                }
+                sortie_core::EventBody::CommandAccepted { .. } => {
+                    panic!("a forged sealed payload was accepted: {history:?}")
+                }
+                _ => None,
+            })
+        })
+    })
+    .await;
+    assert_eq!(
+        (answer.0.as_str(), answer.2),
+        ("invalid", 0),
+        "{}",
+        answer.1
+    );
+
+    // A viewer may not delete; the operator may, and the run's key is destroyed.
+    let delete = format!("{url}/v1/runs/run-sealed");
+    let (code, body) = call(
+        &client,
+        reqwest::Method::DELETE,
+        &delete,
+        "tok-viewer",
+        None,
+    )
+    .await;
+    assert_eq!(code, 403, "{body}");
+    let (code, body) = call(&client, reqwest::Method::DELETE, &delete, "tok-ops", None).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["shredded"], true, "{body}");
+    let run = status_of(&client, &url, "run-sealed").await;
+    assert!(
+        !run["forgotten"].is_null(),
+        "the gateway shows it forgotten: {run}"
+    );
+    assert!(
+        !run.to_string().contains(CARD),
+        "and none of its payloads: {run}"
+    );
+    assert_eq!(run["status"], "succeeded", "its outcome stays: {run}");
+
+    // Its records are still in Kafka, sealed, and open nowhere: not with a fresh reader
+    // of the key store (no cache), not with the KEK and the store's files.
+    let gone = sortie_seal::SealConfig::new(&kek, store.clone())
+        .open()
+        .expect("the run keys")
+        .seal("acme", "run-sealed")
+        .await
+        .expect("a lookup");
+    assert!(
+        gone.is_destroyed(),
+        "the deleted run's payloads open nowhere"
+    );
+    let leftovers: Vec<String> = std::fs::read_dir(stack.dir.join("run-keys").join("runs"))
+        .expect("the key store")
+        .filter_map(|e| std::fs::read_to_string(e.ok()?.path()).ok())
+        .filter(|text| text.contains("run-sealed"))
+        .collect();
+    assert_eq!(leftovers.len(), 1, "{leftovers:?}");
+    assert!(
+        !leftovers[0].contains("\"dek\""),
+        "no wrapped key is left: {}",
+        leftovers[0]
+    );
+    let history = stack.events().await["run-sealed"].clone();
+    let mut sealed_left = 0;
+    for mut event in history {
+        event.map_payloads(&mut |v| {
+            if sortie_seal::is_sealed(v) {
+                sealed_left += 1;
+                let mut copy = v.clone();
+                run_seal
+                    .open(&mut copy)
+                    .expect("the old key (held in memory) still opens");
+            }
+        });
+    }
+    assert!(
+        sealed_left >= 3,
+        "the history still holds its sealed payloads"
+    );
+    sortie_tests::wait_until("the reducer to forget the run", LONG, || async {
+        stack
+            .states()
+            .await
+            .get("run-sealed")
+            .is_some_and(|s| s.forgotten.is_some())
+    })
+    .await;
+
+    // The history still verifies, over the ciphertext, with and without keys.
+    let (clean, report) = stack.audit_verify().await;
+    assert!(
+        clean && report["diverged"] == 0,
+        "audit after the shred: {report}"
+    );
+    let (clean, report) = stack.audit_verify_with(&seal).await;
+    assert!(
+        clean && report["diverged"] == 0,
+        "audit with keys after the shred: {report}"
+    );
+    // Payloads of a deleted run cannot be written again either.
+    let (code, body) = call(
+        &client,
+        reqwest::Method::POST,
+        &format!("{url}/v1/runs/run-sealed/resume"),
+        "tok-ops",
+        Some(json!({"decision": "approve", "payload": {"note": NOTE}, "interrupt_id": "x", "proposal_hash": "y"})),
+    )
+    .await;
+    assert_eq!(code, 410, "{body}");
+}
