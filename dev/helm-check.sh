@@ -270,6 +270,26 @@ if which == "production":
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
                 ref = env.get(key, {}).get("valueFrom", {}).get("secretKeyRef", {})
                 check(ref.get("key") == key and ref.get("name"), f"{component}: {key} not from a Secret")
+    # Sealed payloads: the reducer, the gateway and every executor get the KEK keyring
+    # from a Secret and the same s3:// key store (with AWS credentials from a Secret).
+    for w in workloads:
+        component = w["metadata"]["labels"].get("app.kubernetes.io/component", "")
+        if w["kind"] == "Job":
+            continue
+        spec = w["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            store = env.get("SORTIE__SEAL__KEY_STORE", {}).get("value", "")
+            check(store.startswith("s3://"), f'{component}: no s3:// key store ({store!r})')
+            keyring = env.get("SORTIE__SEAL__KEYRING", {}).get("value", "")
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            volume = volumes.get(mounts.get(os.path.dirname(keyring), ""), {})
+            check("secret" in volume, f"{component}: the KEK keyring {keyring!r} is not mounted from a Secret")
+            ref = env.get("AWS_SECRET_ACCESS_KEY", {}).get("valueFrom", {}).get("secretKeyRef", {})
+            check(ref.get("name"), f"{component}: no AWS credentials for the key store")
+            names = [e["name"] for e in c.get("env", [])]
+            check(len(names) == len(set(names)), f"{component}: an environment variable is set twice")
     secrets = [d for d in docs if d["kind"] == "Secret" and "kafka.properties" in d.get("stringData", {})]
     check(secrets and all("security.protocol=SASL_SSL" in s["stringData"]["kafka.properties"] for s in secrets),
           "no kafka.properties Secret with security.protocol=SASL_SSL")
@@ -279,7 +299,7 @@ for f in failures:
 if failures:
     sys.exit(1)
 print(f"   image {expected} on {containers} containers; {guarded} workloads with a PDB; "
-      f"reducer anti-affinity and /readyz probe" + ("; RF 3, min ISR 2, Kafka properties everywhere; S3 blob store with Secret credentials" if which == "production" else ""))
+      f"reducer anti-affinity and /readyz probe" + ("; RF 3, min ISR 2, Kafka properties everywhere; S3 blob store with Secret credentials; sealed payloads everywhere" if which == "production" else ""))
 PY
 done
 
@@ -302,6 +322,29 @@ if "$HELM" template sortie "$CHART" "${jwt[@]}" >/dev/null 2>&1; then
     exit 1
 fi
 echo "   off by default; issuer, audience and JWKS URL when set; refused without a JWKS URL"
+
+# Sealed payloads: off by default; a file:// key store with a claim mounts it, and the
+# KEK Secret, in the reducer, the gateway and every executor; no KEK does not render.
+echo "== sealed payload values"
+if grep -q SORTIE__SEAL "$out/default.yaml"; then
+    echo "FAIL: payload sealing rendered with the default values" >&2
+    exit 1
+fi
+"$HELM" template sortie "$CHART" --namespace sortie --kube-version "$KUBE_VERSION" \
+    --set seal.keyStore=file:///var/lib/sortie/run-keys --set seal.fileClaim=sortie-run-keys \
+    --set seal.kekKeyring=dummy >"$out/seal-file.yaml"
+"$KUBECONFORM" -strict -summary -kubernetes-version "$KUBE_VERSION" \
+    -schema-location "$SCHEMAS/{{ .NormalizedKubernetesVersion }}-standalone{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
+    "$out/seal-file.yaml" >/dev/null
+mounts=$(grep -c 'claimName: sortie-run-keys' "$out/seal-file.yaml")
+[ "$mounts" -eq 5 ] || { echo "FAIL: the key store claim is mounted in $mounts workloads, not the reducer, the gateway and 3 executors" >&2; exit 1; }
+keks=$(grep -c 'secretName: sortie-kek' "$out/seal-file.yaml")
+[ "$keks" -eq 5 ] || { echo "FAIL: the KEK Secret is mounted in $keks workloads" >&2; exit 1; }
+if "$HELM" template sortie "$CHART" --set seal.keyStore=s3://b/p >/dev/null 2>&1; then
+    echo "FAIL: seal.keyStore without a KEK rendered" >&2
+    exit 1
+fi
+echo "   off by default; key store and KEK in the reducer, the gateway and 3 executors; refused without a KEK"
 
 # Blob store: off by default; a file:// store with a claim mounts it in the gateway and
 # every executor.

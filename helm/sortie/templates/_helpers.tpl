@@ -254,3 +254,74 @@ EXECUTOR), and AWS credentials and region for an s3:// store.
     claimName: {{ .Values.blobs.fileClaim }}
 {{- end }}
 {{- end }}
+
+{{/*
+Sealed payloads (README "Encryption and deletion") for the reducer, the gateway or an
+executor: the KEK keyring file, the key store and its S3 settings. `blobs` is true where
+the blob store's AWS settings are already in the environment (gateway, executors): the
+key store then shares them.
+*/}}
+{{- define "sortie.sealEnv" -}}
+{{- $s := .root.Values.seal }}
+{{- if $s.keyStore }}
+{{- if not (or $s.kekKeyring $s.existingKekSecret) }}
+{{- fail "seal.keyStore needs seal.kekKeyring or seal.existingKekSecret" }}
+{{- end }}
+- name: SORTIE__SEAL__KEYRING
+  value: /etc/sortie/kek/kek.yaml
+- name: SORTIE__SEAL__KEY_STORE
+  value: {{ $s.keyStore | quote }}
+- name: SORTIE__SEAL__CACHE_MS
+  value: {{ $s.cacheMs | quote }}
+{{- if $s.s3Endpoint }}
+- name: SORTIE__SEAL__S3_ENDPOINT
+  value: {{ $s.s3Endpoint | quote }}
+{{- end }}
+{{- $b := .root.Values.blobs }}
+{{- $shared := and .blobs $b.store }}
+{{- if and $shared $b.existingSecret $s.existingSecret (ne $b.existingSecret $s.existingSecret) }}
+{{- fail "seal.existingSecret must be blobs.existingSecret: the gateway and executors have one set of AWS credentials" }}
+{{- end }}
+{{- if and $s.region (not (and $shared $b.region)) }}
+- name: AWS_REGION
+  value: {{ $s.region | quote }}
+{{- end }}
+{{- if and $s.existingSecret (not (and $shared $b.existingSecret)) }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.existingSecret }}
+      key: AWS_ACCESS_KEY_ID
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $s.existingSecret }}
+      key: AWS_SECRET_ACCESS_KEY
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "sortie.sealVolumeMount" -}}
+{{- if .Values.seal.keyStore }}
+- name: kek
+  mountPath: /etc/sortie/kek
+  readOnly: true
+{{- if .Values.seal.fileClaim }}
+- name: run-keys
+  mountPath: /var/lib/sortie/run-keys
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "sortie.sealVolume" -}}
+{{- if .Values.seal.keyStore }}
+- name: kek
+  secret:
+    secretName: {{ default (printf "%s-kek" (include "sortie.fullname" .)) .Values.seal.existingKekSecret }}
+{{- if .Values.seal.fileClaim }}
+- name: run-keys
+  persistentVolumeClaim:
+    claimName: {{ .Values.seal.fileClaim }}
+{{- end }}
+{{- end }}
+{{- end }}

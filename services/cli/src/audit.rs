@@ -53,7 +53,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let history = histories
                 .get(run)
                 .with_context(|| format!("run {run} has no history"))?;
-            let state = audit::state_at(history, version)
+            let mut history = history.clone();
+            if let (Some(keys), Some(first)) = (&keys, history.first()) {
+                // With the run keys, the state is shown opened (a deleted run's: without
+                // its payloads).
+                let seal = runtime.block_on(keys.seal(&first.tenant, run))?;
+                for event in &mut history {
+                    event.map_payloads(&mut |v| {
+                        let _ = seal.open(v);
+                    });
+                }
+            }
+            let state = audit::state_at(&history, version)
                 .with_context(|| format!("run {run} did not exist at version {version}"))?;
             return Ok(Outcome::State(serde_json::to_string_pretty(&state)?));
         }

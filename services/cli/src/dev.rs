@@ -417,6 +417,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         keys.keyring.display(),
         keys.examples.display()
     );
+    say!(
+        "  payloads  sealed with per-run keys in {} (KEK {}); `sortie run forget` shreds a run",
+        run_keys.trim_start_matches("file://"),
+        keys.kek.display()
+    );
 
     if !args.no_demo {
         demo(&gateway_url, &token).await?;

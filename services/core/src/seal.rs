@@ -72,6 +72,35 @@ fn each(value: &mut Option<Value>, f: &mut dyn FnMut(&mut Value)) {
     }
 }
 
+/// The payloads inside a `RunStarted.forked_from`: the carried steps' arguments and
+/// outputs and the carried interrupts' proposals and decisions — each sealed on its own,
+/// like the state they become, so the fork's structure stays readable and `evolve` can
+/// carry it over sealed or not.
+fn fork_payloads(fork: &mut Value, f: &mut dyn FnMut(&mut Value)) {
+    if let Some(steps) = fork.get_mut("steps").and_then(Value::as_object_mut) {
+        for step in steps.values_mut() {
+            if let Some(args) = step.get_mut("args") {
+                f(args);
+            }
+            if let Some(output) = step.get_mut("output").filter(|v| !v.is_null()) {
+                f(output);
+            }
+        }
+    }
+    if let Some(interrupts) = fork.get_mut("interrupts").and_then(Value::as_object_mut) {
+        for interrupt in interrupts.values_mut() {
+            if let Some(proposal) = interrupt.get_mut("proposal") {
+                f(proposal);
+            }
+            for field in ["context", "payload", "edited_args"] {
+                if let Some(value) = interrupt.get_mut(field).filter(|v| !v.is_null()) {
+                    f(value);
+                }
+            }
+        }
+    }
+}
+
 impl Event {
     /// Calls `f` on every payload this event carries.
     pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
@@ -80,7 +109,9 @@ impl Event {
                 input, forked_from, ..
             } => {
                 f(input);
-                each(forked_from, f);
+                if let Some(fork) = forked_from {
+                    fork_payloads(fork, f);
+                }
             }
             EventBody::StepDispatched { args, .. } => f(args),
             EventBody::StepSucceeded { output, .. } => f(output),
@@ -132,7 +163,7 @@ impl RunState {
     pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
         f(&mut self.input);
         each(&mut self.output, f);
-        each(&mut self.forked_from, f);
+        // `forked_from` in a state is only the source's {run_id, version}.
         for step in self.steps.values_mut() {
             f(&mut step.args);
             each(&mut step.output, f);
