@@ -31,10 +31,9 @@ fn graphs() -> Graphs {
     graphs
 }
 
-/// Starts a run of `graph` at 1000 and lets its one step succeed at 2000; returns the
-/// finished state and every event so far.
-fn finished(graph: &str, graphs: &Graphs) -> (RunState, Vec<sortie_core::Event>) {
-    let start = Input::Command(Command {
+/// Alice's start of a run `r` of `graph` at 1000, its input a secret.
+fn start_of(graph: &str) -> Input {
+    Input::Command(Command {
         command_id: "c1".into(),
         tenant: "t".into(),
         run_id: "r".into(),
@@ -50,7 +49,13 @@ fn finished(graph: &str, graphs: &Graphs) -> (RunState, Vec<sortie_core::Event>)
             budget: None,
             fork: None,
         },
-    });
+    })
+}
+
+/// Starts a run of `graph` at 1000 and lets its one step succeed at 2000; returns the
+/// finished state and every event so far.
+fn finished(graph: &str, graphs: &Graphs) -> (RunState, Vec<sortie_core::Event>) {
+    let start = start_of(graph);
     let started = apply(None, &start, graphs);
     let mut events = emitted(&started.effects);
     let state = started.state.unwrap();
@@ -248,23 +253,7 @@ fn an_operator_forgets_a_finished_run_at_once_and_only_then() {
 #[test]
 fn a_running_run_is_not_forgotten() {
     let graphs = graphs();
-    let start = Input::Command(Command {
-        command_id: "c1".into(),
-        tenant: "t".into(),
-        run_id: "r".into(),
-        principal: "alice".into(),
-        roles: vec![],
-        groups: vec![],
-        at: 1000,
-        body: CommandBody::StartRun {
-            graph_id: "kept".into(),
-            graph_version: None,
-            input: json!({"secret": "card 4111"}),
-            labels: BTreeMap::new(),
-            budget: None,
-            fork: None,
-        },
-    });
+    let start = start_of("kept");
     let running = apply(None, &start, &graphs).state.unwrap();
     let refused = apply(
         Some(&running),
@@ -289,23 +278,7 @@ fn a_sealed_runs_hash_chain_is_taken_over_its_sealed_events() {
         }
     }
     let graphs = graphs();
-    let start = Input::Command(Command {
-        command_id: "c1".into(),
-        tenant: "t".into(),
-        run_id: "r".into(),
-        principal: "alice".into(),
-        roles: vec![],
-        groups: vec![],
-        at: 1000,
-        body: CommandBody::StartRun {
-            graph_id: "kept".into(),
-            graph_version: None,
-            input: json!({"secret": "card 4111"}),
-            labels: BTreeMap::new(),
-            budget: None,
-            fork: None,
-        },
-    });
+    let start = start_of("kept");
     let sealed = sortie_core::apply_sealed(None, &start, &graphs, &Tagged);
     let plain = apply(None, &start, &graphs);
     let (sealed_events, plain_events) = (emitted(&sealed.effects), emitted(&plain.effects));

@@ -553,6 +553,20 @@ async fn cancel_run(
     Ok(Json(written(&command, &answer, status)))
 }
 
+/// 403 unless the caller holds the operator role (the fold refuses the same for a raw
+/// Kafka command).
+fn require_operator(caller: &Caller, what: &str) -> Result<(), ApiError> {
+    let operator = sortie_core::decide::reconcile::OPERATOR_ROLE;
+    if caller.roles.iter().any(|r| r == operator) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        format!("{what} needs the {operator} role"),
+    ))
+}
+
 #[derive(Debug, Default, Deserialize)]
 struct DeleteQuery {
     /// Why (recorded in the run's `RunForgotten` event).
@@ -575,14 +589,7 @@ async fn delete_run(
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
     let run = visible_run(&app, &caller, &run_id)?;
-    let operator = sortie_core::decide::reconcile::OPERATOR_ROLE;
-    if !caller.roles.iter().any(|r| r == operator) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            format!("deleting a run needs the {operator} role"),
-        ));
-    }
+    require_operator(&caller, "deleting a run")?;
     if !run.state.status.is_terminal() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -655,14 +662,7 @@ async fn reconcile(
     let key = idempotency_key(&headers)?;
     known_run(&app, &caller, &run_id)?;
     // The reducer checks it too (a raw Kafka command); here nothing is published.
-    let operator = sortie_core::decide::reconcile::OPERATOR_ROLE;
-    if !caller.roles.iter().any(|r| r == operator) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            format!("reconciling an operation needs the {operator} role"),
-        ));
-    }
+    require_operator(&caller, "reconciling an operation")?;
     let outcome = match body.outcome {
         OutcomeIn::Succeeded => w::ReconcileOutcome::Succeeded,
         OutcomeIn::Failed => w::ReconcileOutcome::Failed,

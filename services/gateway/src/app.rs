@@ -93,14 +93,11 @@ impl AppState {
         if let Some(store) = &blobs {
             tracing::info!(store = %store.location(), "Large inputs and payloads go to the blob store.");
         }
-        let run_keys = match &config.seal {
-            Some(seal) => {
-                let keys = seal.open()?;
-                tracing::info!(key_store = %keys.location(), "Run payloads are sealed with per-run data keys.");
-                Some(keys)
-            }
-            None => None,
-        };
+        let run_keys = config
+            .seal
+            .as_ref()
+            .map(sortie_seal::SealConfig::open_logged)
+            .transpose()?;
         std::fs::create_dir_all(&config.data_dir).ok();
         let store = Store::open(&config.data_dir, topics.prefix())?;
         let codec = Arc::new(Codec::new(&CodecConfig {

@@ -282,14 +282,11 @@ impl Reducer {
         // (see `restore`); this client does nothing else (never subscribes or commits).
         let marks: BaseConsumer =
             crate::restore::client(&config.kafka, topics, "read_uncommitted").create()?;
-        let run_keys = match &config.seal {
-            Some(seal) => {
-                let keys = seal.open().map_err(|e| Error::Setup(e.to_string()))?;
-                tracing::info!(key_store = %keys.location(), "Run payloads are sealed with per-run data keys.");
-                Some(keys)
-            }
-            None => None,
-        };
+        let run_keys = config
+            .seal
+            .as_ref()
+            .map(|seal| seal.open_logged().map_err(|e| Error::Setup(e.to_string())))
+            .transpose()?;
         let engine = Arc::new(Mutex::new(Engine {
             config: config.clone(),
             run_keys,

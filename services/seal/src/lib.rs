@@ -94,6 +94,13 @@ impl SealConfig {
         }
     }
 
+    /// [`SealConfig::open`] for a service starting: logs where the keys are.
+    pub fn open_logged(&self) -> Result<RunKeys, Error> {
+        let keys = self.open()?;
+        tracing::info!(key_store = %keys.location(), "Run payloads are sealed with per-run data keys.");
+        Ok(keys)
+    }
+
     /// Opens the keyring and the key store.
     pub fn open(&self) -> Result<RunKeys, Error> {
         let kek = kek::Keyring::load(&self.keyring)?;

@@ -65,6 +65,16 @@ pub fn apply_sealed(
     }
 }
 
+/// A type's `map_payloads`.
+type MapPayloads<T> = fn(&mut T, &mut dyn FnMut(&mut Value));
+
+/// `value` with its payloads sealed (to measure what will be written).
+fn sealed<T: Clone>(value: &T, map: MapPayloads<T>, seal: &dyn Seal) -> T {
+    let mut copy = value.clone();
+    map(&mut copy, &mut |v| *v = seal.seal(v));
+    copy
+}
+
 /// Why `applied` would write more than a run may, if it would.
 fn breach(applied: &Applied, seal: &dyn Seal) -> Option<String> {
     for effect in &applied.effects {
@@ -84,11 +94,7 @@ fn breach(applied: &Applied, seal: &dyn Seal) -> Option<String> {
             }
             Effect::Dispatch(intent) => {
                 let size = match seal.active() {
-                    true => {
-                        let mut sealed = intent.clone();
-                        sealed.map_payloads(&mut |v| *v = seal.seal(v));
-                        limits::json_len(&sealed)
-                    }
+                    true => limits::json_len(&sealed(intent, Intent::map_payloads, seal)),
                     false => limits::json_len(intent),
                 };
                 if size > limits::MAX_RECORD_BYTES {
@@ -101,11 +107,7 @@ fn breach(applied: &Applied, seal: &dyn Seal) -> Option<String> {
             }
             Effect::WriteState(state) => {
                 let size = match seal.active() {
-                    true => {
-                        let mut sealed = state.clone();
-                        sealed.map_payloads(&mut |v| *v = seal.seal(v));
-                        limits::json_len(&sealed)
-                    }
+                    true => limits::json_len(&sealed(state.as_ref(), RunState::map_payloads, seal)),
                     false => limits::json_len(state),
                 };
                 if size > limits::MAX_STATE_BYTES {

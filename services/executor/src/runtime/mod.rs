@@ -201,14 +201,11 @@ pub async fn run_with_health(
             "Large outputs go to the blob store."
         );
     }
-    let run_keys = match &config.seal {
-        Some(seal) => {
-            let keys = seal.open().map_err(|e| Error::Setup(e.to_string()))?;
-            tracing::info!(key_store = %keys.location(), "Run payloads are sealed with per-run data keys.");
-            Some(keys)
-        }
-        None => None,
-    };
+    let run_keys = config
+        .seal
+        .as_ref()
+        .map(|seal| seal.open_logged().map_err(|e| Error::Setup(e.to_string())))
+        .transpose()?;
     let codec = Codec::new(&CodecConfig {
         registry_url: config.registry_url.clone(),
         auto_register: config.auto_register,

@@ -3,6 +3,19 @@
 
 use super::*;
 
+/// An output that could not be written after the call: retryable where a repeat is
+/// harmless, unknown where the call happened and must not be repeated blindly.
+fn lost_output(intent: &StepIntent, code: &str, message: String) -> HandlerError {
+    match intent.side_effect {
+        SideEffectClass::Pure | SideEffectClass::Idempotent | SideEffectClass::Keyed => {
+            HandlerError::retryable(code, message)
+        }
+        SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+            HandlerError::unknown(code, message)
+        }
+    }
+}
+
 impl Worker {
     pub(super) fn result(
         &self,
@@ -102,16 +115,7 @@ impl Worker {
                 meter::blob_write_failed();
                 tracing::warn!(%error, "The output could not be stored in the blob store.");
                 let message = format!("the step's output could not be stored: {error}");
-                Err(match intent.side_effect {
-                    SideEffectClass::Pure
-                    | SideEffectClass::Idempotent
-                    | SideEffectClass::Keyed => {
-                        HandlerError::retryable("blob_unavailable", message)
-                    }
-                    SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
-                        HandlerError::unknown("blob_unavailable", message)
-                    }
-                })
+                Err(lost_output(intent, "blob_unavailable", message))
             }
         }
     }
@@ -130,16 +134,7 @@ impl Worker {
             Err(error) => {
                 tracing::warn!(%error, "The output could not be sealed.");
                 let message = format!("the step's output could not be sealed: {error}");
-                Err(match intent.side_effect {
-                    SideEffectClass::Pure
-                    | SideEffectClass::Idempotent
-                    | SideEffectClass::Keyed => {
-                        HandlerError::retryable("key_store_unavailable", message)
-                    }
-                    SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
-                        HandlerError::unknown("key_store_unavailable", message)
-                    }
-                })
+                Err(lost_output(intent, "key_store_unavailable", message))
             }
         }
     }
