@@ -384,3 +384,85 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
     .await;
     assert_eq!(code, 410, "{body}");
 }
+
+const KEPT: &str = r#"
+id: kept
+version: 1
+retention: 1s
+nodes:
+  - {id: read, tool: echo, side_effect: pure, args: {card: $input.card}}
+"#;
+
+const FOREVER: &str = r#"
+id: forever
+version: 1
+nodes:
+  - {id: read, tool: echo, side_effect: pure, args: {card: $input.card}}
+"#;
+
+/// With sealing, forgetting is shredding whoever forgets: a retention that passes and a
+/// `ForgetRun` produced straight to Kafka (no gateway involved) destroy the run's key in
+/// the reducer. Checked red: with `Engine::shred_if_forgotten` returning at once, both
+/// keys stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_and_a_raw_forget_shred_the_run_too() {
+    let stack = Stack::start("shredded", &[KEPT, FOREVER]).await;
+    let kek = stack.dir.join("kek.yaml");
+    std::fs::write(
+        &kek,
+        sortie_seal::kek::Keyring::generate("*", "test-kek").expect("a KEK"),
+    )
+    .expect("keyring");
+    let store = format!("file://{}", stack.dir.join("run-keys").display());
+    let kek_arg = kek.to_str().expect("path").to_owned();
+    let seal = [
+        "--seal-keyring",
+        kek_arg.as_str(),
+        "--seal-key-store",
+        store.as_str(),
+    ];
+    let _reducer = stack.reducer_with("0", &seal);
+    let _executor = stack.executor_process("executor", &["default"], &seal);
+    for (run, graph) in [("run-kept", "kept"), ("run-raw", "forever")] {
+        let input = json!({"card": CARD}).to_string();
+        stack
+            .send(&sortie_tests::stack::start_run(run, graph, &input))
+            .await;
+    }
+    stack
+        .wait_for_states(
+            "both runs to end",
+            &["run-kept".to_owned(), "run-raw".to_owned()],
+            LONG,
+            |s| s.status == sortie_core::RunStatus::Succeeded,
+        )
+        .await;
+    stack
+        .send(&sortie_tests::stack::command(
+            "run-raw",
+            "raw-forget",
+            w::CommandBody::ForgetRun(w::ForgetRun { reason: None }),
+        ))
+        .await;
+    let forgotten = stack
+        .wait_for_states(
+            "both runs to be forgotten",
+            &["run-kept".to_owned(), "run-raw".to_owned()],
+            LONG,
+            |s| s.forgotten.is_some(),
+        )
+        .await;
+    assert!(forgotten["run-kept"]
+        .forgotten
+        .as_ref()
+        .is_some_and(|f| f.reason == "retention"));
+    let keys = sortie_seal::SealConfig::new(&kek, store.clone())
+        .open()
+        .expect("the run keys");
+    for run in ["run-kept", "run-raw"] {
+        let seal = keys.seal("acme", run).await.expect("a lookup");
+        assert!(seal.is_destroyed(), "{run}'s key is destroyed");
+    }
+    let (clean, report) = stack.audit_verify().await;
+    assert!(clean && report["diverged"] == 0, "audit: {report}");
+}

@@ -601,6 +601,15 @@ async fn delete_run(
         ));
     }
     let at = sortie_kafka::clock::now_ms();
+    // This gateway stops showing the payloads first: whatever fails after this, a
+    // deletion that was asked for is never undone here. Then the key (the shred), then the
+    // fold (which destroys the key too, so a ForgetRun from a raw producer shreds as
+    // well). A delete that did not answer 200 must be retried: until the reducer's
+    // RunForgotten arrives, other gateways may still show what they opened before.
+    app.view()
+        .store
+        .forget_run(&run_id, at, &format!("deleted by {}", caller.principal))
+        .map_err(|e| ApiError::internal(e.to_string()))?;
     let shredded = match &app.inner.run_keys {
         Some(keys) => {
             keys.destroy(&run.state.tenant, &run_id, at)
@@ -608,7 +617,7 @@ async fn delete_run(
                 .map_err(|e| {
                     ApiError::unavailable(
                         "key_store_unavailable",
-                        format!("the run's data key could not be destroyed; nothing changed: {e}"),
+                        format!("the run's data key could not be destroyed; retry the delete: {e}"),
                     )
                 })?;
             true
@@ -616,10 +625,6 @@ async fn delete_run(
         None => false,
     };
     let reason = query.reason.filter(|r| !r.trim().is_empty());
-    app.view()
-        .store
-        .forget_run(&run_id, at, &format!("deleted by {}", caller.principal))
-        .map_err(|e| ApiError::internal(e.to_string()))?;
     let command = command(
         &caller,
         &run_id,

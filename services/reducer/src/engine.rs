@@ -236,6 +236,7 @@ impl Engine {
                     }
                 }
                 let applied = apply_sealed(state.as_ref(), input, self.graphs.graphs(), &seal);
+                self.shred_if_forgotten(state.as_ref(), input, &applied)?;
                 if seal.active() {
                     self.batch.seals.insert(run_id.clone(), seal.clone());
                 }

@@ -143,6 +143,67 @@ impl Engine {
         Ok(Ok((write, opened)))
     }
 
+    /// A run that becomes forgotten — its retention passed, or a `ForgetRun` was
+    /// accepted, whoever sent it — has its data key destroyed: with sealing, forgetting
+    /// is shredding, and the history's payloads on `sortie.run-events` become unreadable
+    /// too. (The gateway destroyed it already for a delete: idempotent.) Done before the
+    /// batch commits, like the reducer's other side effects: an abort re-applies the
+    /// input and destroys again, which changes nothing.
+    pub(crate) fn shred_if_forgotten(
+        &self,
+        before: Option<&RunState>,
+        input: &Input,
+        applied: &sortie_core::Applied,
+    ) -> Result<(), Error> {
+        let (Some(keys), Some(state)) = (&self.run_keys, &applied.state) else {
+            return Ok(());
+        };
+        let Some(forgotten) = &state.forgotten else {
+            return Ok(());
+        };
+        let newly = before.is_some_and(|b| b.forgotten.is_none());
+        // A delete of a run forgotten earlier (by retention, or a delete whose key
+        // destruction never happened): only when the fold accepted it.
+        let deleted_again = match input {
+            Input::Command(
+                command @ Command {
+                    body: CommandBody::ForgetRun { .. },
+                    ..
+                },
+            ) => applied.effects.iter().any(|e| {
+                matches!(e, sortie_core::Effect::Emit(event) if matches!(
+                    &event.body,
+                    sortie_core::EventBody::CommandAccepted { command_id, .. }
+                        if *command_id == command.command_id
+                ) && event.seq > 0)
+            }),
+            _ => false,
+        };
+        if !newly && !deleted_again {
+            return Ok(());
+        }
+        let at = forgotten.at;
+        let started = Instant::now();
+        loop {
+            match self
+                .runtime
+                .block_on(keys.destroy(&state.tenant, &state.run_id, at))
+            {
+                Ok(()) => return Ok(()),
+                Err(e) if started.elapsed() < KEY_STORE_PATIENCE => {
+                    tracing::warn!(run_id = %state.run_id, error = %e, "Could not destroy a run key; retrying.");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => {
+                    return Err(Error::Setup(format!(
+                        "the data key of run {} could not be destroyed: {e}",
+                        state.run_id
+                    )))
+                }
+            }
+        }
+    }
+
     /// Opens a state read from sled (sealed as the changelog holds it) with its run's key.
     pub(crate) fn open_state(&self, state: &mut RunState) -> Result<(), Error> {
         let Some(keys) = &self.run_keys else {
