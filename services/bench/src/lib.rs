@@ -80,6 +80,9 @@ pub struct Options {
     pub timeout: Duration,
     /// Measure a rolling restart (`roll`) instead of throughput and restarts.
     pub roll: bool,
+    /// Run the services with sealed payloads (a KEK and a key store of the bench's own):
+    /// what encryption costs.
+    pub seal: bool,
     /// Called about once a second during a load with a line saying how it goes, and with
     /// `""` when the load ends (the CLI rewrites one line on a terminal with it).
     pub progress: Option<fn(&str)>,
@@ -116,6 +119,7 @@ impl Options {
             scale_load_runs: 500,
             timeout: Duration::from_secs(600),
             roll: false,
+            seal: false,
             progress: None,
         }
     }
@@ -146,6 +150,8 @@ pub(crate) struct Bench {
     pub runtime: Handle,
     /// Logs and caches of this run.
     pub dir: PathBuf,
+    /// `--seal-keyring … --seal-key-store …` for the reducers and executors, with `seal`.
+    pub seal_args: Vec<String>,
 }
 
 impl Bench {
@@ -213,6 +219,7 @@ impl Bench {
     ) -> anyhow::Result<Service> {
         let mut args = vec!["reducer".to_owned()];
         args.extend(self.common_args(prefix));
+        args.extend(self.seal_args.iter().cloned());
         args.extend([
             "--data-dir".to_owned(),
             data.display().to_string(),
@@ -248,6 +255,7 @@ impl Bench {
     ) -> anyhow::Result<Service> {
         let mut args = vec!["executor".to_owned()];
         args.extend(self.common_args(prefix));
+        args.extend(self.seal_args.iter().cloned());
         args.extend([
             "--queue".to_owned(),
             stack::queues(self.options.queues).join(","),
@@ -335,7 +343,21 @@ pub async fn run(options: Options) -> anyhow::Result<Value> {
         .join(prefix.trim_end_matches('.'));
     std::fs::create_dir_all(&dir)?;
     let registry = stack::ServedRegistry::start(&kafka, &format!("{prefix}_schemas")).await?;
+    let seal_args = match options.seal {
+        true => {
+            let kek = dir.join("kek.yaml");
+            std::fs::write(&kek, sortie_seal::kek::Keyring::generate("*", "bench")?)?;
+            vec![
+                "--seal-keyring".to_owned(),
+                kek.display().to_string(),
+                "--seal-key-store".to_owned(),
+                format!("file://{}", dir.join("run-keys").display()),
+            ]
+        }
+        false => Vec::new(),
+    };
     let bench = Bench {
+        seal_args,
         options: options.clone(),
         prefix: prefix.clone(),
         kafka: kafka.clone(),
@@ -620,6 +642,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         "kafka_properties": bench.kafka.properties,
         "prefix": bench.prefix,
         "config": {
+            "sealed": options.seal,
             "runs": options.runs,
             "steps_per_run": options.steps,
             "concurrency": options.concurrency,

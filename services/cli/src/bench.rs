@@ -86,6 +86,10 @@ pub struct Args {
     /// reports both step round-trip p99s.
     #[arg(long)]
     roll: bool,
+    /// Run the reducer and executors with sealed payloads (per-run data keys in a key
+    /// store of the bench's own): what encryption costs, against a run without.
+    #[arg(long)]
+    seal: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -126,6 +130,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         },
         timeout: args.timeout_s.map_or(base.timeout, Duration::from_secs),
         roll: args.roll,
+        seal: args.seal,
         progress: Some(crate::progress::line),
         ..base
     };

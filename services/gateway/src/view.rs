@@ -650,21 +650,23 @@ impl Follower {
     }
 
     /// The seal to open `run_id`'s payloads with, if payloads are sealed here. An
-    /// unreachable key store is waited out (up to 30 s, then the payloads stay sealed in
-    /// the view: a later state of the run opens them again).
-    async fn seal_of(&self, tenant: &str, run_id: &str) -> Option<sortie_seal::RunSeal> {
-        let keys = self.run_keys.as_ref()?;
+    /// unreachable key store is waited out, like an unreachable registry (the view must
+    /// not keep payloads sealed for good because of an outage); `None` when shutting down
+    /// meanwhile, or when the run's key cannot be had (no KEK for its tenant, a key that
+    /// does not unwrap): its payloads then stay sealed in the view.
+    async fn seal_of(&mut self, tenant: &str, run_id: &str) -> Option<sortie_seal::RunSeal> {
+        let keys = self.run_keys.clone()?;
         let mut pause = Duration::from_millis(100);
-        let started = std::time::Instant::now();
         loop {
             match keys.seal(tenant, run_id).await {
                 Ok(seal) => return Some(seal),
-                Err(sortie_seal::Error::Store(e))
-                    if started.elapsed() < Duration::from_secs(30) =>
-                {
-                    tracing::warn!(run_id, error = %e, "Key store unavailable; retrying.");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
+                Err(sortie_seal::Error::Store(e)) => {
+                    tracing::warn!(run_id, error = %e, "Key store unavailable; the view waits.");
+                    tokio::select! {
+                        _ = self.shutdown.wait_for(|stop| *stop) => return None,
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => {
                     tracing::warn!(run_id, error = %e, "A run's data key cannot be had; its payloads stay sealed in the view.");
