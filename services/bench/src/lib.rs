@@ -83,6 +83,8 @@ pub struct Options {
     /// Run the services with sealed payloads (a KEK and a key store of the bench's own):
     /// what encryption costs.
     pub seal: bool,
+    /// With `seal`: the key store (default: a directory in the bench's run directory).
+    pub seal_key_store: Option<String>,
     /// Called about once a second during a load with a line saying how it goes, and with
     /// `""` when the load ends (the CLI rewrites one line on a terminal with it).
     pub progress: Option<fn(&str)>,
@@ -120,6 +122,7 @@ impl Options {
             timeout: Duration::from_secs(600),
             roll: false,
             seal: false,
+            seal_key_store: None,
             progress: None,
         }
     }
@@ -351,7 +354,10 @@ pub async fn run(options: Options) -> anyhow::Result<Value> {
                 "--seal-keyring".to_owned(),
                 kek.display().to_string(),
                 "--seal-key-store".to_owned(),
-                format!("file://{}", dir.join("run-keys").display()),
+                options
+                    .seal_key_store
+                    .clone()
+                    .unwrap_or_else(|| format!("file://{}", dir.join("run-keys").display())),
             ]
         }
         false => Vec::new(),
@@ -643,6 +649,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         "prefix": bench.prefix,
         "config": {
             "sealed": options.seal,
+            "seal_key_store": options.seal_key_store,
             "runs": options.runs,
             "steps_per_run": options.steps,
             "concurrency": options.concurrency,

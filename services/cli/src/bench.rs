@@ -90,6 +90,10 @@ pub struct Args {
     /// store of the bench's own): what encryption costs, against a run without.
     #[arg(long)]
     seal: bool,
+    /// With --seal: where the run keys live (`file:///…`, `s3://…`); default a directory
+    /// in the bench's run directory.
+    #[arg(long, requires = "seal")]
+    seal_key_store: Option<String>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -131,6 +135,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         timeout: args.timeout_s.map_or(base.timeout, Duration::from_secs),
         roll: args.roll,
         seal: args.seal,
+        seal_key_store: args.seal_key_store,
         progress: Some(crate::progress::line),
         ..base
     };

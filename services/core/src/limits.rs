@@ -13,6 +13,14 @@
 //! `too_large`; a step result whose output is too large becomes a non-retryable failure of
 //! that step (`too_large`), handled by the node's failure policy; anything else fails the
 //! run with the reason. Large values belong in a blob store, referenced by URI (SPEC §3).
+//!
+//! Sealed runs (`crate::seal`) are checked on their plaintext, and still fit: a sealed
+//! payload of `L` bytes takes at most `4/3·(L + 28) + 20` (base64 of nonce, ciphertext and
+//! tag, in `{"$sealed":"v1.…"}`). An event or intent of [`MAX_RECORD_BYTES`] seals to under
+//! 520 KiB; a state of [`MAX_STATE_BYTES`] to under 690 KiB plus ~55 bytes per payload, and
+//! every payload of a state sits in a step or interrupt with well over 150 bytes of its own
+//! ids, so under 900 KiB — all under the 1 MiB record limit, without sealing anything twice
+//! to measure it.
 
 use serde::Serialize;
 

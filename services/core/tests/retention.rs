@@ -283,11 +283,22 @@ fn a_sealed_runs_hash_chain_is_taken_over_its_sealed_events() {
     let plain = apply(None, &start, &graphs);
     let (sealed_events, plain_events) = (emitted(&sealed.effects), emitted(&plain.effects));
     assert_eq!(sealed_events.len(), plain_events.len());
-    for (s, p) in sealed_events.iter().zip(&plain_events) {
+    assert_eq!(sealed.sealed_events.len(), sealed_events.len());
+    for ((s, p), w) in sealed_events
+        .iter()
+        .zip(&plain_events)
+        .zip(&sealed.sealed_events)
+    {
         assert_eq!(s.body, p.body, "the effects are plaintext");
-        let written = s.sealed(&Tagged);
+        let mut written = s.sealed(&Tagged);
         assert_eq!(s.hash, Some(written.compute_hash()), "hashed as written");
+        written.hash = s.hash.clone();
+        assert_eq!(
+            *w, written,
+            "the writer gets the copy the hash was taken over"
+        );
         assert_ne!(s.hash, p.hash);
     }
+    assert!(plain.sealed_events.is_empty());
     assert_eq!(sealed.state.unwrap().input, json!({"secret": "card 4111"}));
 }

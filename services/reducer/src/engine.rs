@@ -295,11 +295,20 @@ impl Engine {
             match effect {
                 Effect::Emit(event) => {
                     let topic = self.config.topics.run_events();
-                    let value = match seal.active() {
-                        true => {
+                    // Under a seal, the fold's own sealed copy (what it hashed); an answer
+                    // outside the history (seq 0) has no payload to seal.
+                    let sealed = applied
+                        .sealed_events
+                        .iter()
+                        .find(|s| s.seq == event.seq && event.seq > 0);
+                    let value = match (seal.active(), sealed) {
+                        (true, Some(sealed)) => {
+                            self.encode(&topic, &convert::event_to_wire(sealed))?
+                        }
+                        (true, None) => {
                             self.encode(&topic, &convert::event_to_wire(&event.sealed(seal)))?
                         }
-                        false => self.encode(&topic, &convert::event_to_wire(event))?,
+                        (false, _) => self.encode(&topic, &convert::event_to_wire(event))?,
                     };
                     outputs.push(Output {
                         topic,

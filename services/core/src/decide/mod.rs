@@ -39,6 +39,11 @@ pub struct Applied {
     pub state: Option<RunState>,
     /// Why the input changed nothing, when it did not (counted by the reducer).
     pub ignored: Option<&'static str>,
+    /// With an active seal ([`apply_sealed`]): the run's events as they are written, in
+    /// the order emitted — the very copies their hashes were taken over, so the writer
+    /// does not seal them again. Empty otherwise (and for answers outside the history,
+    /// which carry no payload).
+    pub sealed_events: Vec<Event>,
 }
 
 /// Applies one input to a run: the whole fold. Pure: no I/O, no clock, no randomness.
@@ -50,8 +55,9 @@ pub fn apply(state: Option<&RunState>, input: &Input, graphs: &Graphs) -> Applie
 }
 
 /// [`apply`] for a run whose payloads are written sealed: every event's hash is taken
-/// over its sealed form (what Kafka holds), and the limits over the sealed sizes. The
-/// effects themselves stay plaintext; the writer seals them with the same `seal`.
+/// over its sealed form (what Kafka holds). The effects themselves stay plaintext; the
+/// writer seals them with the same `seal` (or takes [`Applied::sealed_events`]). The
+/// limits are checked on the plaintext: [`crate::limits`] says why sealed records fit.
 pub fn apply_sealed(
     state: Option<&RunState>,
     input: &Input,
@@ -59,31 +65,18 @@ pub fn apply_sealed(
     seal: &dyn Seal,
 ) -> Applied {
     let applied = apply_unchecked(state, input, graphs, seal);
-    match breach(&applied, seal) {
+    match breach(&applied) {
         None => applied,
         Some(reason) => over_limit(state, input, graphs, seal, reason),
     }
 }
 
-/// A type's `map_payloads`.
-type MapPayloads<T> = fn(&mut T, &mut dyn FnMut(&mut Value));
-
-/// `value` with its payloads sealed (to measure what will be written).
-fn sealed<T: Clone>(value: &T, map: MapPayloads<T>, seal: &dyn Seal) -> T {
-    let mut copy = value.clone();
-    map(&mut copy, &mut |v| *v = seal.seal(v));
-    copy
-}
-
 /// Why `applied` would write more than a run may, if it would.
-fn breach(applied: &Applied, seal: &dyn Seal) -> Option<String> {
+fn breach(applied: &Applied) -> Option<String> {
     for effect in &applied.effects {
         match effect {
             Effect::Emit(event) => {
-                let size = match seal.active() {
-                    true => limits::json_len(&event.sealed(seal)),
-                    false => limits::json_len(event),
-                };
+                let size = limits::json_len(event);
                 if size > limits::MAX_RECORD_BYTES {
                     return Some(format!(
                         "a {} event of {size} bytes would exceed the {}-byte record limit",
@@ -93,10 +86,7 @@ fn breach(applied: &Applied, seal: &dyn Seal) -> Option<String> {
                 }
             }
             Effect::Dispatch(intent) => {
-                let size = match seal.active() {
-                    true => limits::json_len(&sealed(intent, Intent::map_payloads, seal)),
-                    false => limits::json_len(intent),
-                };
+                let size = limits::json_len(intent);
                 if size > limits::MAX_RECORD_BYTES {
                     return Some(format!(
                         "the intent of step {} ({size} bytes) would exceed the {}-byte record limit",
@@ -106,10 +96,7 @@ fn breach(applied: &Applied, seal: &dyn Seal) -> Option<String> {
                 }
             }
             Effect::WriteState(state) => {
-                let size = match seal.active() {
-                    true => limits::json_len(&sealed(state.as_ref(), RunState::map_payloads, seal)),
-                    false => limits::json_len(state),
-                };
+                let size = limits::json_len(state.as_ref());
                 if size > limits::MAX_STATE_BYTES {
                     return Some(format!(
                         "the run state would grow to {size} bytes, over the {}-byte limit",
@@ -144,7 +131,7 @@ fn over_limit(
                 ..report.clone()
             });
             let applied = apply_unchecked(state, &failed, graphs, seal);
-            if breach(&applied, seal).is_none() {
+            if breach(&applied).is_none() {
                 return applied;
             }
         }
@@ -271,6 +258,8 @@ pub(crate) struct Ctx<'g> {
     pub command_id: Option<String>,
     version: i64,
     events: Vec<Event>,
+    /// The history's events as written under an active seal (see [`Applied`]).
+    sealed_events: Vec<Event>,
     intents: Vec<Intent>,
 }
 
@@ -293,6 +282,7 @@ impl<'g> Ctx<'g> {
             command_id: None,
             version,
             events: Vec::new(),
+            sealed_events: Vec::new(),
             intents: Vec::new(),
         }
     }
@@ -366,10 +356,14 @@ impl<'g> Ctx<'g> {
         };
         if exists {
             // Over the event as Kafka holds it, so the chain verifies without the key.
-            event.hash = Some(match self.seal.active() {
-                true => event.sealed(self.seal).compute_hash(),
-                false => event.compute_hash(),
-            });
+            if self.seal.active() {
+                let mut sealed = event.sealed(self.seal);
+                sealed.hash = Some(sealed.compute_hash());
+                event.hash = sealed.hash.clone();
+                self.sealed_events.push(sealed);
+            } else {
+                event.hash = Some(event.compute_hash());
+            }
             self.state = evolve(self.state.take(), &event);
         }
         self.events.push(event);
@@ -623,6 +617,7 @@ impl<'g> Ctx<'g> {
             effects,
             state: self.state,
             ignored,
+            sealed_events: self.sealed_events,
         }
     }
 }
