@@ -402,8 +402,11 @@ nodes:
 
 /// With sealing, forgetting is shredding whoever forgets: a retention that passes and a
 /// `ForgetRun` produced straight to Kafka (no gateway involved) destroy the run's key in
-/// the reducer. Checked red: with `Engine::shred_if_forgotten` returning at once, both
-/// keys stay.
+/// the reducer. The two runs are started straight on Kafka, so their keys are the
+/// reducer's own, made in memory and stored at commit (`persist_new_keys`). Checked red:
+/// with `Engine::shred_if_forgotten` returning at once, both keys stay; with the keys'
+/// group write skipped, the executor finds no key for the sealed arguments and the runs
+/// never succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retention_and_a_raw_forget_shred_the_run_too() {
     let stack = Stack::start("shredded", &[KEPT, FOREVER]).await;

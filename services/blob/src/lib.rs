@@ -57,6 +57,22 @@ pub trait BlobStore: std::fmt::Debug + Send + Sync + 'static {
     /// of two writers racing, one wins and the other gets [`Error::Exists`] (a run's data
     /// key is made once, whoever makes it first).
     fn put_new<'a>(&'a self, key: &'a str, bytes: Vec<u8>) -> BoxFuture<'a, Result<(), Error>>;
+    /// [`BlobStore::put_new`] for many keys at once, each result in the order given; a
+    /// store may make them durable together (the directory store syncs once), or send
+    /// them concurrently (the default).
+    fn put_new_many<'a>(
+        &'a self,
+        items: Vec<(String, Vec<u8>)>,
+    ) -> BoxFuture<'a, Vec<Result<(), Error>>> {
+        Box::pin(async move {
+            futures::future::join_all(
+                items
+                    .iter()
+                    .map(|(key, bytes)| self.put_new(key, bytes.clone())),
+            )
+            .await
+        })
+    }
     /// The bytes under `key`; [`Error::NotFound`] if there are none.
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Vec<u8>, Error>>;
     /// Whether a blob is stored under `key`.

@@ -47,6 +47,8 @@ pub(crate) struct PendingBatch {
     pub after: HashMap<String, RunState>,
     /// How each changed run's payloads are written (its data key), for the state write.
     pub seals: HashMap<String, sortie_seal::RunSeal>,
+    /// Run keys this batch made, stored before its transaction produces anything.
+    pub new_keys: Vec<sortie_seal::PendingKey>,
     /// Timers fired this batch (removed from the index whatever the fold decided).
     pub fired: Vec<DueTimer>,
     pub ignored: usize,

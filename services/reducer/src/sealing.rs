@@ -31,26 +31,42 @@ use crate::engine::Engine;
 const KEY_STORE_PATIENCE: Duration = Duration::from_secs(30);
 
 impl Engine {
-    /// Looks `run_id`'s key up (making it with `create`), waiting out an unreachable
-    /// store. `Ok(Err(reason))`: the key cannot be had for this input (no KEK for the
-    /// tenant, a wrapped key that does not unwrap).
+    /// Looks `run_id`'s key up — first among the keys this batch made, then in the store
+    /// — waiting out an unreachable store. With `create`, a run without a key gets one,
+    /// made in memory and stored when the batch commits (`persist_new_keys`): a batch of
+    /// new runs is one store flush, not one durable write each in the loop.
+    /// `Ok(Err(reason))`: the key cannot be had for this input (no KEK for the tenant, a
+    /// wrapped key that does not unwrap).
     fn lookup(
-        &self,
+        &mut self,
         keys: &RunKeys,
         tenant: &str,
         run_id: &str,
         create: bool,
     ) -> Result<Result<Lookup, String>, Error> {
+        if let Some(pending) = self
+            .batch
+            .new_keys
+            .iter()
+            .find(|k| k.tenant == tenant && k.run_id == run_id)
+        {
+            return Ok(Ok(Lookup::Key(pending.key.clone())));
+        }
         let started = Instant::now();
         let mut pause = Duration::from_millis(50);
         loop {
-            let found = self.runtime.block_on(async {
-                match create {
-                    true => keys.get_or_create(tenant, run_id).await,
-                    false => keys.get(tenant, run_id).await,
-                }
-            });
+            let found = self.runtime.block_on(keys.get(tenant, run_id));
             match found {
+                Ok(Lookup::Missing) if create => {
+                    return Ok(match keys.prepare(tenant, run_id) {
+                        Ok(pending) => {
+                            let key = pending.key.clone();
+                            self.batch.new_keys.push(pending);
+                            Ok(Lookup::Key(key))
+                        }
+                        Err(e) => Err(e.to_string()),
+                    })
+                }
                 Ok(lookup) => return Ok(Ok(lookup)),
                 Err(sortie_seal::Error::Store(e)) if started.elapsed() < KEY_STORE_PATIENCE => {
                     tracing::warn!(run_id, error = %e, "Key store unavailable; retrying.");
@@ -70,13 +86,14 @@ impl Engine {
     /// The seal `input`'s run writes with, and the input with its payloads opened.
     /// `Ok(Err(reason))`: the input cannot be taken as it is (refuse or dead-letter it).
     pub(crate) fn sealing(
-        &self,
+        &mut self,
         state: Option<&RunState>,
         input: &Input,
     ) -> Result<Result<(RunSeal, Input), String>, Error> {
-        let Some(keys) = &self.run_keys else {
+        let Some(keys) = self.run_keys.clone() else {
             return Ok(Ok((RunSeal::Plain, input.clone())));
         };
+        let keys = &keys;
         let run_id = input.run_id();
         let own_tenant = match input {
             Input::Command(c) => Some(c.tenant.as_str()),
@@ -150,12 +167,12 @@ impl Engine {
     /// batch commits, like the reducer's other side effects: an abort re-applies the
     /// input and destroys again, which changes nothing.
     pub(crate) fn shred_if_forgotten(
-        &self,
+        &mut self,
         before: Option<&RunState>,
         input: &Input,
         applied: &sortie_core::Applied,
     ) -> Result<(), Error> {
-        let (Some(keys), Some(state)) = (&self.run_keys, &applied.state) else {
+        let (Some(keys), Some(state)) = (self.run_keys.clone(), &applied.state) else {
             return Ok(());
         };
         let Some(forgotten) = &state.forgotten else {
@@ -183,6 +200,11 @@ impl Engine {
             return Ok(());
         }
         let at = forgotten.at;
+        // A key this very batch made is simply never stored: what it sealed is gone.
+        let (tenant, run_id) = (state.tenant.clone(), state.run_id.clone());
+        self.batch
+            .new_keys
+            .retain(|k| !(k.tenant == tenant && k.run_id == run_id));
         let started = Instant::now();
         loop {
             match self
@@ -204,11 +226,37 @@ impl Engine {
         }
     }
 
-    /// Opens a state read from sled (sealed as the changelog holds it) with its run's key.
-    pub(crate) fn open_state(&self, state: &mut RunState) -> Result<(), Error> {
-        let Some(keys) = &self.run_keys else {
+    /// Stores the keys this batch made (one group write), before anything sealed with
+    /// them is produced. A key store that stays unreachable, or a run that got another
+    /// key meanwhile (a gateway, a fenced zombie), aborts the batch: its inputs are read
+    /// again and sealed with the key the store has.
+    pub(crate) fn persist_new_keys(&self) -> Result<(), Error> {
+        let (Some(keys), false) = (&self.run_keys, self.batch.new_keys.is_empty()) else {
             return Ok(());
         };
+        let started = Instant::now();
+        loop {
+            match self.runtime.block_on(keys.persist(&self.batch.new_keys)) {
+                Ok(()) => return Ok(()),
+                Err(sortie_seal::Error::Store(e)) if started.elapsed() < KEY_STORE_PATIENCE => {
+                    tracing::warn!(error = %e, "Key store unavailable; retrying the batch's new keys.");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => {
+                    return Err(Error::Setup(format!(
+                        "storing the batch's new run keys: {e}"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Opens a state read from sled (sealed as the changelog holds it) with its run's key.
+    pub(crate) fn open_state(&mut self, state: &mut RunState) -> Result<(), Error> {
+        let Some(keys) = self.run_keys.clone() else {
+            return Ok(());
+        };
+        let keys = &keys;
         let run_id = state.run_id.clone();
         let seal = match self.lookup(keys, &state.tenant, &run_id, false)? {
             Ok(lookup) => RunKeys::seal_of(&run_id, &lookup),

@@ -139,6 +139,8 @@ impl Engine {
         consumer: &BaseConsumer<C>,
     ) -> Result<Committed, Failure> {
         let started = Instant::now();
+        // Nothing sealed with a key of this batch's may be produced before the key is.
+        self.persist_new_keys().map_err(Failure::Aborted)?;
         let batch = &self.batch;
         let run_state_topic = self.config.topics.run_state();
         let mut run_ids: Vec<&String> = batch.after.keys().collect();

@@ -45,6 +45,15 @@ struct Entry {
     destroyed_at: Option<i64>,
 }
 
+/// A run key made by [`RunKeys::prepare`], not stored yet.
+#[derive(Debug, Clone)]
+pub struct PendingKey {
+    pub tenant: String,
+    pub run_id: String,
+    entry: Vec<u8>,
+    pub key: Arc<RunKey>,
+}
+
 /// The run keys of one service: the key store, the KEKs, and a short cache.
 #[derive(Debug, Clone)]
 pub struct RunKeys {
@@ -187,6 +196,59 @@ impl RunKeys {
         }
     }
 
+    /// A new key for a run the store has none for, made in memory only: usable at once,
+    /// stored by [`RunKeys::persist`] — the reducer's group commit, so a batch of new
+    /// runs costs one store flush instead of one durable write each. Nothing sealed with
+    /// it may become visible before `persist` succeeded.
+    pub fn prepare(&self, tenant: &str, run_id: &str) -> Result<PendingKey, Error> {
+        let mut dek = [0u8; 32];
+        getrandom::fill(&mut dek).map_err(|e| Error::Keyring(format!("randomness: {e}")))?;
+        let wrapped = self.kek.wrap(tenant, &Self::aad(tenant, run_id), &dek)?;
+        let entry = Entry {
+            v: 1,
+            tenant: tenant.to_owned(),
+            run_id: run_id.to_owned(),
+            kek: Some(wrapped.kek),
+            dek: Some(wrapped.dek),
+            destroyed_at: None,
+        };
+        Ok(PendingKey {
+            tenant: tenant.to_owned(),
+            run_id: run_id.to_owned(),
+            entry: serde_json::to_vec(&entry).expect("an entry serialises"),
+            key: Arc::new(RunKey::from_dek(&dek)),
+        })
+    }
+
+    /// Stores prepared keys, each only if its run has none yet, all durable on return.
+    /// [`Error::Raced`] if any run got another key meanwhile (a gateway, a fenced zombie):
+    /// what was sealed with the prepared one must be thrown away and sealed again.
+    pub async fn persist(&self, keys: &[PendingKey]) -> Result<(), Error> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let items = keys
+            .iter()
+            .map(|k| (Self::name(&k.tenant, &k.run_id), k.entry.clone()))
+            .collect();
+        let results = self.store.put_new_many(items).await;
+        let mut raced = None;
+        for (key, result) in keys.iter().zip(results) {
+            match result {
+                Ok(()) => self.remember(&key.tenant, &key.run_id, &Lookup::Key(key.key.clone())),
+                Err(sortie_blob::Error::Exists(_)) => {
+                    self.evict(&key.tenant, &key.run_id);
+                    raced = Some(key.run_id.clone());
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match raced {
+            Some(run_id) => Err(Error::Raced { run_id }),
+            None => Ok(()),
+        }
+    }
+
     /// Destroys the run's key (crypto-shredding): its wrapped copy is overwritten with a
     /// marker, and no key can be made for the run again. Idempotent.
     pub async fn destroy(&self, tenant: &str, run_id: &str, at: i64) -> Result<(), Error> {
@@ -274,6 +336,34 @@ mod tests {
             a.get_or_create("t", "r").await.expect("test"),
             Lookup::Destroyed { .. }
         ));
+        // A prepared key is usable before it is stored, and loses to a key made meanwhile.
+        let pending = a.prepare("t", "late").expect("prepared");
+        let pending_seal = RunKeys::seal_of("late", &Lookup::Key(pending.key.clone()));
+        let made = b.get_or_create("t", "late").await.expect("made");
+        assert!(matches!(
+            a.persist(std::slice::from_ref(&pending)).await,
+            Err(Error::Raced { .. })
+        ));
+        let winner = RunKeys::seal_of("late", &a.get("t", "late").await.expect("stored"));
+        assert_eq!(
+            winner.seal(&json!(1)),
+            RunKeys::seal_of("late", &made).seal(&json!(1)),
+            "the stored key is the one made first"
+        );
+        assert_ne!(winner.seal(&json!(1)), pending_seal.seal(&json!(1)));
+        // Prepared keys of new runs are stored together and found afterwards.
+        let fresh = [
+            a.prepare("t", "n1").expect("n1"),
+            a.prepare("t", "n2").expect("n2"),
+        ];
+        a.persist(&fresh).await.expect("stored");
+        for k in &fresh {
+            let found = b.get("t", &k.run_id).await.expect("found");
+            assert_eq!(
+                RunKeys::seal_of(&k.run_id, &found).seal(&json!(2)),
+                RunKeys::seal_of(&k.run_id, &Lookup::Key(k.key.clone())).seal(&json!(2))
+            );
+        }
         // Nothing of the key is left in the store.
         let name = RunKeys::name("t", "r");
         let left = std::fs::read_to_string(dir.path().join(name)).expect("test");

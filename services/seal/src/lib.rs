@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use keys::{Lookup, RunKeys};
+pub use keys::{Lookup, PendingKey, RunKeys};
 pub use seal::{RunKey, RunSeal};
 pub use sortie_core::seal::{is_sealed, Seal};
 
@@ -56,6 +56,9 @@ pub enum Error {
     /// the one it was sealed with (misconfiguration), or the payload was forged.
     #[error("run {run_id} has a sealed payload but no data key in the key store")]
     NoKey { run_id: String },
+    /// A prepared key lost the race to store a run's key: another writer made one first.
+    #[error("run {run_id} got another data key meanwhile")]
+    Raced { run_id: String },
     /// The key store could not be reached; another try may work.
     #[error("key store: {0}")]
     Store(#[from] sortie_blob::Error),
