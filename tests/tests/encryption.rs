@@ -92,27 +92,47 @@ fn holds(bytes: &[u8], needle: &str) -> bool {
     String::from_utf8_lossy(bytes).contains(needle)
 }
 
+/// A stack whose services seal: a KEK keyring and a key store of its own.
+struct Sealed {
+    stack: Stack,
+    kek: std::path::PathBuf,
+    store: String,
+}
+
+impl Sealed {
+    async fn start(name: &str, graphs: &[&str]) -> Sealed {
+        let stack = Stack::start(name, graphs).await;
+        let kek = stack.dir.join("kek.yaml");
+        std::fs::write(
+            &kek,
+            sortie_seal::kek::Keyring::generate("*", "test-kek").expect("a KEK"),
+        )
+        .expect("keyring");
+        let store = format!("file://{}", stack.dir.join("run-keys").display());
+        Sealed { stack, kek, store }
+    }
+
+    /// The flags every sealing service (and `audit replay`) takes.
+    fn args(&self) -> Vec<&str> {
+        vec![
+            "--seal-keyring",
+            self.kek.to_str().expect("path"),
+            "--seal-key-store",
+            self.store.as_str(),
+        ]
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowhere() {
-    let stack = Stack::start("sealed", &[GATED]).await;
-    let kek = stack.dir.join("kek.yaml");
-    std::fs::write(
-        &kek,
-        sortie_seal::kek::Keyring::generate("*", "test-kek").expect("a KEK"),
-    )
-    .expect("keyring");
-    let store = format!("file://{}", stack.dir.join("run-keys").display());
-    let kek_arg = kek.to_str().expect("path").to_owned();
-    let seal = [
-        "--seal-keyring",
-        kek_arg.as_str(),
-        "--seal-key-store",
-        store.as_str(),
-    ];
-    let _reducer = stack.reducer_with("0", &seal);
-    let _executor = stack.executor_process("executor", &["default"], &seal);
+    let sealed = Sealed::start("sealed", &[GATED]).await;
+    let (stack, kek, store) = (&sealed.stack, &sealed.kek, &sealed.store);
+    let seal = sealed.args();
+    let seal = seal.as_slice();
+    let _reducer = stack.reducer_with("0", seal);
+    let _executor = stack.executor_process("executor", &["default"], seal);
     let (_gateway, url) = stack
-        .gateway_process_with(&stack.dir.join("gateway"), &[OPS, VIEWER], &seal)
+        .gateway_process_with(&stack.dir.join("gateway"), &[OPS, VIEWER], seal)
         .await;
     let client = reqwest::Client::new();
 
@@ -204,7 +224,7 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
     );
 
     // Kafka: no topic holds a secret in plaintext; the events carry sealed payloads.
-    let records = every_record(&stack).await;
+    let records = every_record(stack).await;
     assert!(records
         .iter()
         .any(|(t, _)| *t == stack.topics.intents("default")));
@@ -224,7 +244,7 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
     );
 
     // An auditor with the keys opens them through the same codec.
-    let keys = sortie_seal::SealConfig::new(&kek, store.clone())
+    let keys = sortie_seal::SealConfig::new(kek, store.clone())
         .open()
         .expect("the run keys");
     let run_seal = keys
@@ -246,7 +266,7 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
         clean && report["diverged"] == 0,
         "audit without keys: {report}"
     );
-    let (clean, report) = stack.audit_verify_with(&seal).await;
+    let (clean, report) = stack.audit_verify_with(seal).await;
     assert!(
         clean && report["diverged"] == 0,
         "audit with keys: {report}"
@@ -315,7 +335,7 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
 
     // Its records are still in Kafka, sealed, and open nowhere: not with a fresh reader
     // of the key store (no cache), not with the KEK and the store's files.
-    let gone = sortie_seal::SealConfig::new(&kek, store.clone())
+    let gone = sortie_seal::SealConfig::new(kek, store.clone())
         .open()
         .expect("the run keys")
         .seal("acme", "run-sealed")
@@ -368,7 +388,7 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
         clean && report["diverged"] == 0,
         "audit after the shred: {report}"
     );
-    let (clean, report) = stack.audit_verify_with(&seal).await;
+    let (clean, report) = stack.audit_verify_with(seal).await;
     assert!(
         clean && report["diverged"] == 0,
         "audit with keys after the shred: {report}"
@@ -409,23 +429,12 @@ nodes:
 /// never succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retention_and_a_raw_forget_shred_the_run_too() {
-    let stack = Stack::start("shredded", &[KEPT, FOREVER]).await;
-    let kek = stack.dir.join("kek.yaml");
-    std::fs::write(
-        &kek,
-        sortie_seal::kek::Keyring::generate("*", "test-kek").expect("a KEK"),
-    )
-    .expect("keyring");
-    let store = format!("file://{}", stack.dir.join("run-keys").display());
-    let kek_arg = kek.to_str().expect("path").to_owned();
-    let seal = [
-        "--seal-keyring",
-        kek_arg.as_str(),
-        "--seal-key-store",
-        store.as_str(),
-    ];
-    let _reducer = stack.reducer_with("0", &seal);
-    let _executor = stack.executor_process("executor", &["default"], &seal);
+    let sealed = Sealed::start("shredded", &[KEPT, FOREVER]).await;
+    let (stack, kek, store) = (&sealed.stack, &sealed.kek, &sealed.store);
+    let seal = sealed.args();
+    let seal = seal.as_slice();
+    let _reducer = stack.reducer_with("0", seal);
+    let _executor = stack.executor_process("executor", &["default"], seal);
     for (run, graph) in [("run-kept", "kept"), ("run-raw", "forever")] {
         let input = json!({"card": CARD}).to_string();
         stack
@@ -459,7 +468,7 @@ async fn a_retention_and_a_raw_forget_shred_the_run_too() {
         .forgotten
         .as_ref()
         .is_some_and(|f| f.reason == "retention"));
-    let keys = sortie_seal::SealConfig::new(&kek, store.clone())
+    let keys = sortie_seal::SealConfig::new(kek, store.clone())
         .open()
         .expect("the run keys");
     for run in ["run-kept", "run-raw"] {

@@ -168,22 +168,11 @@ impl RunKeys {
             Lookup::Missing => {}
             found => return Ok(found),
         }
-        let mut dek = [0u8; 32];
-        getrandom::fill(&mut dek).map_err(|e| Error::Keyring(format!("randomness: {e}")))?;
-        let wrapped = self.kek.wrap(tenant, &Self::aad(tenant, run_id), &dek)?;
-        let entry = Entry {
-            v: 1,
-            tenant: tenant.to_owned(),
-            run_id: run_id.to_owned(),
-            kek: Some(wrapped.kek),
-            dek: Some(wrapped.dek),
-            destroyed_at: None,
-        };
-        let bytes = serde_json::to_vec(&entry).expect("an entry serialises");
+        let pending = self.prepare(tenant, run_id)?;
         let name = Self::name(tenant, run_id);
-        match self.store.put_new(&name, bytes).await {
+        match self.store.put_new(&name, pending.entry).await {
             Ok(()) => {
-                let lookup = Lookup::Key(Arc::new(RunKey::from_dek(&dek)));
+                let lookup = Lookup::Key(pending.key);
                 self.remember(tenant, run_id, &lookup);
                 Ok(lookup)
             }
