@@ -150,12 +150,20 @@ impl Event {
 
     /// This event as written to Kafka under `seal`.
     pub fn sealed(&self, seal: &dyn Seal) -> Event {
-        let mut event = self.clone();
-        if seal.active() {
-            event.map_payloads(&mut |v| *v = seal.seal(v));
-        }
-        event
+        sealed_copy(self, Event::map_payloads, seal)
     }
+}
+
+/// A type's `map_payloads`.
+type MapPayloads<T> = fn(&mut T, &mut dyn FnMut(&mut Value));
+
+/// `value` with every payload sealed (a plain copy when `seal` changes nothing).
+fn sealed_copy<T: Clone>(value: &T, map: MapPayloads<T>, seal: &dyn Seal) -> T {
+    let mut copy = value.clone();
+    if seal.active() {
+        map(&mut copy, &mut |v| *v = seal.seal(v));
+    }
+    copy
 }
 
 impl RunState {
@@ -179,12 +187,22 @@ impl RunState {
             each(&mut decision.edited_args, f);
         }
     }
+
+    /// This state as written to Kafka (and sled) under `seal`.
+    pub fn sealed(&self, seal: &dyn Seal) -> RunState {
+        sealed_copy(self, RunState::map_payloads, seal)
+    }
 }
 
 impl Intent {
     /// Calls `f` on the intent's payload: its arguments.
     pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
         f(&mut self.args);
+    }
+
+    /// This intent as written to Kafka under `seal`.
+    pub fn sealed(&self, seal: &dyn Seal) -> Intent {
+        sealed_copy(self, Intent::map_payloads, seal)
     }
 }
 

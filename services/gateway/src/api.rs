@@ -1189,10 +1189,7 @@ async fn fork_run(
         use sortie_seal::Seal as _;
         seal.seal(&input)
     };
-    let mut sealed_source = source.clone();
-    if sortie_seal::Seal::active(&seal) {
-        sealed_source.map_payloads(&mut |v| *v = sortie_seal::Seal::seal(&seal, v));
-    }
+    let sealed_source = source.sealed(&seal);
     let fork = json!({"run_id": run_id, "version": body.at_version, "state": sealed_source});
     let command = command(
         &caller,

@@ -601,12 +601,8 @@ impl Follower {
                 Decoded::Record(record) => match convert::event_from_wire(record) {
                     Ok(mut event) => {
                         if let Some(seal) = self.seal_of(&event.tenant, &event.run_id).await {
-                            let mut failed = 0;
-                            event.map_payloads(&mut |v| {
-                                failed += usize::from(seal.open(v).is_err())
-                            });
-                            if failed > 0 {
-                                tracing::warn!(partition, offset, run_id = %event.run_id, "Payloads of a run event do not open; the view keeps them sealed.");
+                            if let Err(unopened) = seal.open_all(|f| event.map_payloads(f)) {
+                                tracing::warn!(error = %unopened.first, partition, offset, run_id = %event.run_id, "Payloads of a run event do not open; the view keeps them sealed.");
                             }
                         }
                         Some(event)
@@ -627,12 +623,8 @@ impl Follower {
                         if let Ok(mut state) =
                             serde_json::from_str::<sortie_core::RunState>(&record.state)
                         {
-                            let mut failed = 0;
-                            state.map_payloads(&mut |v| {
-                                failed += usize::from(seal.open(v).is_err())
-                            });
-                            if failed > 0 {
-                                tracing::warn!(partition, offset, run_id = %record.run_id, "Payloads of a run state do not open; the view keeps them sealed.");
+                            if let Err(unopened) = seal.open_all(|f| state.map_payloads(f)) {
+                                tracing::warn!(error = %unopened.first, partition, offset, run_id = %record.run_id, "Payloads of a run state do not open; the view keeps them sealed.");
                             }
                             if let Ok(json) = serde_json::to_string(&state) {
                                 record.state = json;

@@ -304,13 +304,17 @@ fn open_run(
     if seal.is_destroyed() {
         return Ok((history, written, true));
     }
-    let mut failures = 0;
-    for event in &mut history {
-        event.map_payloads(&mut |v| failures += usize::from(seal.open(v).is_err()));
-    }
-    if let Some(state) = &mut written {
-        state.map_payloads(&mut |v| failures += usize::from(seal.open(v).is_err()));
-    }
+    let failures: usize = history
+        .iter_mut()
+        .map(|event| seal.open_all(|f| event.map_payloads(f)))
+        .chain(
+            written
+                .iter_mut()
+                .map(|state| seal.open_all(|f| state.map_payloads(f))),
+        )
+        .filter_map(Result::err)
+        .map(|unopened| unopened.count)
+        .sum();
     if failures > 0 {
         problems.push(format!(
             "{failures} sealed payloads do not open with the run's data key (tampered, or sealed under another key)"

@@ -295,21 +295,14 @@ impl Engine {
             match effect {
                 Effect::Emit(event) => {
                     let topic = self.config.topics.run_events();
-                    // Under a seal, the fold's own sealed copy (what it hashed); an answer
-                    // outside the history (seq 0) has no payload to seal.
-                    let sealed = applied
+                    // Under a seal, the fold's own sealed copy (what it hashed). An answer
+                    // outside the history (seq 0) has none, and no payload to seal.
+                    let written = applied
                         .sealed_events
                         .iter()
-                        .find(|s| s.seq == event.seq && event.seq > 0);
-                    let value = match (seal.active(), sealed) {
-                        (true, Some(sealed)) => {
-                            self.encode(&topic, &convert::event_to_wire(sealed))?
-                        }
-                        (true, None) => {
-                            self.encode(&topic, &convert::event_to_wire(&event.sealed(seal)))?
-                        }
-                        (false, _) => self.encode(&topic, &convert::event_to_wire(event))?,
-                    };
+                        .find(|s| s.seq == event.seq && event.seq > 0)
+                        .unwrap_or(event);
+                    let value = self.encode(&topic, &convert::event_to_wire(written))?;
                     outputs.push(Output {
                         topic,
                         partition: Some(partition),
@@ -322,9 +315,7 @@ impl Engine {
                     let topic = self.config.topics.intents(&intent.queue);
                     let value = match seal.active() {
                         true => {
-                            let mut sealed = intent.clone();
-                            sealed.map_payloads(&mut |v| *v = seal.seal(v));
-                            self.encode(&topic, &convert::intent_to_wire(&sealed))?
+                            self.encode(&topic, &convert::intent_to_wire(&intent.sealed(seal)))?
                         }
                         false => self.encode(&topic, &convert::intent_to_wire(intent))?,
                     };

@@ -140,22 +140,8 @@ impl Engine {
             _ => write.clone(),
         };
         let mut opened = input.clone();
-        let mut failure = None;
-        opened.map_payloads(&mut |value| {
-            if failure.is_none() {
-                if let Err(e) = open.open(value) {
-                    failure = Some(e);
-                }
-            }
-        });
-        if let Some(e) = failure {
-            let reason = match e {
-                sortie_seal::Error::NoKey { .. } => {
-                    format!("a sealed payload, but run {run_id} has no data key")
-                }
-                e => e.to_string(),
-            };
-            return Ok(Err(reason));
+        if let Err(unopened) = open.open_all(|f| opened.map_payloads(f)) {
+            return Ok(Err(unopened.first.to_string()));
         }
         Ok(Ok((write, opened)))
     }
@@ -267,22 +253,14 @@ impl Engine {
                 .into())
             }
         };
-        let mut failure = None;
-        state.map_payloads(&mut |value| {
-            if failure.is_none() {
-                if let Err(e) = seal.open(value) {
-                    failure = Some(e);
-                }
-            }
-        });
-        match failure {
-            // Never treat an unopenable state as readable: stop loudly (a key store that
-            // is not the one the run was sealed with), as for a corrupt cache entry.
-            Some(e) => Err(crate::store::Error::Corrupt(format!(
-                "cached state of run {run_id} does not open: {e} (is --seal-key-store the store its key is in?)"
+        // Never treat an unopenable state as readable: stop loudly (a key store that is
+        // not the one the run was sealed with), as for a corrupt cache entry.
+        seal.open_all(|f| state.map_payloads(f)).map_err(|unopened| {
+            crate::store::Error::Corrupt(format!(
+                "cached state of run {run_id} does not open: {} (is --seal-key-store the store its key is in?)",
+                unopened.first
             ))
-            .into()),
-            None => Ok(()),
-        }
+            .into()
+        })
     }
 }

@@ -15,7 +15,6 @@
 //! caller seeks back and carries on with the same clients; a fatal one (fenced by a newer
 //! incarnation, an abort that fails) rebuilds them.
 
-use sortie_core::Seal as _;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -149,16 +148,8 @@ impl Engine {
         let mut state_outputs = Vec::with_capacity(run_ids.len());
         for run_id in run_ids {
             let state = &batch.after[run_id];
-            let sealed;
-            let state = match batch.seals.get(run_id) {
-                Some(seal) => {
-                    let mut copy = state.clone();
-                    copy.map_payloads(&mut |v| *v = seal.seal(v));
-                    sealed = copy;
-                    &sealed
-                }
-                None => state,
-            };
+            let sealed = batch.seals.get(run_id).map(|seal| state.sealed(seal));
+            let state = sealed.as_ref().unwrap_or(state);
             let json = serde_json::to_string(state).map_err(|e| {
                 Failure::Aborted(Error::Setup(format!("run state of {run_id}: {e}")))
             })?;

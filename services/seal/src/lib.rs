@@ -30,7 +30,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use keys::{Lookup, PendingKey, RunKeys};
-pub use seal::{RunKey, RunSeal};
+pub use seal::{RunKey, RunSeal, Unopened};
 pub use sortie_core::seal::{is_sealed, Seal};
 
 #[derive(Debug, thiserror::Error)]
@@ -54,8 +54,8 @@ pub enum Error {
     Open { run_id: String, reason: String },
     /// A sealed payload of a run that has no data key in the key store: the store is not
     /// the one it was sealed with (misconfiguration), or the payload was forged.
-    #[error("run {run_id} has a sealed payload but no data key in the key store")]
-    NoKey { run_id: String },
+    #[error("a sealed payload, but its run has no data key in the key store")]
+    NoKey,
     /// A prepared key lost the race to store a run's key: another writer made one first.
     #[error("run {run_id} got another data key meanwhile")]
     Raced { run_id: String },

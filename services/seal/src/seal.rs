@@ -148,27 +148,38 @@ impl RunSeal {
                 })?
             }
             RunSeal::Destroyed { .. } => Value::Null,
-            RunSeal::Plain => {
-                return Err(Error::NoKey {
-                    run_id: String::new(),
-                })
-            }
+            RunSeal::Plain => return Err(Error::NoKey),
         };
         Ok(())
     }
 
-    /// Opens every sealed value anywhere inside `value` (a rendered state, an event as
-    /// JSON). What does not open is left sealed and counted.
-    pub fn open_tree(&self, value: &mut Value) -> usize {
-        if sortie_core::seal::is_sealed(value) {
-            return usize::from(self.open(value).is_err());
-        }
-        match value {
-            Value::Array(items) => items.iter_mut().map(|v| self.open_tree(v)).sum(),
-            Value::Object(map) => map.values_mut().map(|v| self.open_tree(v)).sum(),
-            _ => 0,
-        }
+    /// Opens every payload `each` hands over (`|f| state.map_payloads(f)`, an event's, an
+    /// input's) in place. Those that do not open stay sealed; the others are opened all
+    /// the same, and the answer says how many failed and why the first did.
+    pub fn open_all(&self, each: impl FnOnce(&mut dyn FnMut(&mut Value))) -> Result<(), Unopened> {
+        let mut failed: Option<Unopened> = None;
+        each(&mut |value| {
+            if let Err(error) = self.open(value) {
+                match &mut failed {
+                    Some(failed) => failed.count += 1,
+                    None => {
+                        failed = Some(Unopened {
+                            count: 1,
+                            first: error,
+                        })
+                    }
+                }
+            }
+        });
+        failed.map_or(Ok(()), Err)
     }
+}
+
+/// Payloads that did not open ([`RunSeal::open_all`]).
+#[derive(Debug)]
+pub struct Unopened {
+    pub count: usize,
+    pub first: Error,
 }
 
 #[cfg(test)]
@@ -219,11 +230,20 @@ mod tests {
     }
 
     #[test]
-    fn open_tree_opens_sealed_values_at_any_depth() {
+    fn open_all_opens_what_opens_and_counts_the_rest() {
         let seal = seal_of("r", 3);
-        let mut doc = json!({"steps": {"a#1": {"args": seal.seal(&json!({"x": 1})), "status": "SUCCEEDED"}}, "input": seal.seal(&json!("hi"))});
-        assert_eq!(seal.open_tree(&mut doc), 0);
-        assert_eq!(doc["steps"]["a#1"]["args"], json!({"x": 1}));
-        assert_eq!(doc["input"], json!("hi"));
+        let good = seal.seal(&json!({"x": 1}));
+        let foreign = seal_of("other", 3).seal(&json!("no"));
+        let mut values = [good, foreign.clone(), json!("plain")];
+        let failed = seal
+            .open_all(|f| values.iter_mut().for_each(f))
+            .expect_err("one does not open");
+        assert_eq!(failed.count, 1);
+        assert!(matches!(failed.first, Error::Open { .. }));
+        assert_eq!(values, [json!({"x": 1}), foreign, json!("plain")]);
+        let mut fine = [seal.seal(&json!(2))];
+        seal.open_all(|f| fine.iter_mut().for_each(f))
+            .expect("opens");
+        assert_eq!(fine, [json!(2)]);
     }
 }
