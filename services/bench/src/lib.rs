@@ -731,6 +731,7 @@ fn phase(
     let phases = stack::commit_phases(lines.get(log_before..).unwrap_or_default());
     let phase_of = |i: usize| summary(&phases.iter().map(|p| p[i]).collect::<Vec<_>>());
     let in_commits_s = commit_ms.iter().sum::<f64>() / 1000.0;
+    let blocked_s = commits.iter().map(|c| c.3 as f64).sum::<f64>() / 1000.0;
     let profile = json!({
         "transaction_phase_ms": {
             "encode_states": phase_of(0),
@@ -740,7 +741,8 @@ fn phase(
             "commit": phase_of(4),
         },
         "share_of_time_in_transactions": round(in_commits_s / elapsed),
-        "hint": "send_offsets and await_deliveries wait for the broker (CONCURRENT_TRANSACTIONS while the previous transaction's markers are written); the rest of the time not in transactions is the reducer's own CPU (fold, encode, sled) or waiting for input",
+        "share_of_time_blocked_by_transactions": round(blocked_s / elapsed),
+        "hint": "send_offsets and await_deliveries wait for the broker (CONCURRENT_TRANSACTIONS while the previous transaction's markers are written); the reducer folds the next batch while a transaction's deliveries come in, so only the blocked share held its loop; the rest is the reducer's own CPU (fold, encode, sled) or waiting for input",
     });
     Ok(Phase {
         json: json!({

@@ -418,14 +418,22 @@ pub fn commit_phases(lines: &[String]) -> Vec<[f64; 5]> {
         .collect()
 }
 
-/// One "Batch committed." line of the reducer: (inputs, outputs, commit_ms).
-pub fn commits(lines: &[String]) -> Vec<(u64, u64, u64)> {
+/// One "Batch committed." line of the reducer: (inputs, outputs, commit_ms, blocked_ms).
+/// `blocked_ms` is the part of the transaction the loop waited for (the rest overlapped
+/// folding the next batch); a reducer before the commit pipeline blocked for all of it.
+pub fn commits(lines: &[String]) -> Vec<(u64, u64, u64, u64)> {
     lines
         .iter()
         .filter(|l| l.contains("Batch committed."))
         .filter_map(|line| {
             let get = |key| field(line, key).and_then(|v| v.parse::<u64>().ok());
-            Some((get("inputs")?, get("outputs")?, get("commit_ms")?))
+            let took = get("commit_ms")?;
+            Some((
+                get("inputs")?,
+                get("outputs")?,
+                took,
+                get("blocked_ms").unwrap_or(took),
+            ))
         })
         .collect()
 }
@@ -439,7 +447,9 @@ mod tests {
         let line = "2026-01-01T00:00:00.000001Z DEBUG sortie_reducer::driver: Batch committed. inputs=12 outputs=40 runs=10 ignored=0 dead_letters=0 commit_ms=3";
         assert_eq!(field(line, "inputs"), Some("12"));
         assert_eq!(field(line, "commit_ms"), Some("3"));
-        assert_eq!(commits(&[line.to_owned()]), vec![(12, 40, 3)]);
+        assert_eq!(commits(&[line.to_owned()]), vec![(12, 40, 3, 3)]);
+        let pipelined = format!("{line} blocked_ms=1");
+        assert_eq!(commits(&[pipelined]), vec![(12, 40, 3, 1)]);
         let restore = [
             "2026-01-01T00:00:00Z  INFO sortie_reducer::tasks: Partition restored from the changelog. partition=3 records=120 warm=false".to_owned(),
             "2026-01-01T00:00:00Z  INFO sortie_reducer::tasks: Assignment restored; consuming from the committed offsets. partitions={3} records=120 warm=false millis=40 stopped=[]".to_owned(),

@@ -127,6 +127,18 @@ pub fn fires<P: FaultPoint>(configured: Option<P>, after: u32, point: P) -> bool
     reached(configured, after, point).is_some()
 }
 
+/// Whether `point` fires on this pass and only this one: the `after`-th (a fault the
+/// process survives, taken once).
+pub fn fires_once<P: FaultPoint>(configured: Option<P>, after: u32, point: P) -> bool {
+    reached(configured, after, point) == Some(after.max(1))
+}
+
+/// Whether `point` is the configured one and has not fired yet (its `after`-th pass is
+/// still to come). Does not count as a pass.
+pub fn armed<P: FaultPoint>(configured: Option<P>, after: u32, point: P) -> bool {
+    configured == Some(point) && REACHED.load(Ordering::SeqCst) < after.max(1)
+}
+
 /// The pass through the configured `point`, once it is the `after`-th or later.
 fn reached<P: FaultPoint>(configured: Option<P>, after: u32, point: P) -> Option<u32> {
     if configured != Some(point) {

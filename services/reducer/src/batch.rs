@@ -53,6 +53,9 @@ pub(crate) struct PendingBatch {
     pub fired: Vec<DueTimer>,
     pub ignored: usize,
     pub dead_letters: usize,
+    /// Some run was read from the batch in flight's after-states: this batch cannot
+    /// outlive an abort of that one.
+    pub on_in_flight: bool,
     /// Metrics of this batch, published only if it commits.
     pub counts: BatchCounts,
 }
@@ -78,5 +81,50 @@ impl PendingBatch {
                 first: offset,
                 next: offset + 1,
             });
+    }
+}
+
+/// Per input partition, the first offset any of `batches` read: where an abort of the
+/// batch in flight seeks back to, since the open batch was folded on it and goes too. A
+/// partition only the later batch read must be rewound as well, or its inputs are lost.
+pub(crate) fn first_offsets<'a>(
+    batches: impl IntoIterator<Item = &'a PendingBatch>,
+) -> BTreeMap<(String, i32), i64> {
+    let mut first: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    for batch in batches {
+        for (at, consumed) in &batch.offsets {
+            first
+                .entry(at.clone())
+                .and_modify(|f| *f = (*f).min(consumed.first))
+                .or_insert(consumed.first);
+        }
+    }
+    first
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Checked red: with only the first batch's offsets, partition 1 is not rewound.
+    #[test]
+    fn an_abort_rewinds_every_partition_either_batch_read_to_its_first_offset() {
+        let mut in_flight = PendingBatch::default();
+        in_flight.consumed("commands", 0, 10);
+        in_flight.consumed("commands", 0, 11);
+        in_flight.consumed("step-results", 2, 40);
+        let mut open = PendingBatch::default();
+        open.consumed("commands", 0, 12);
+        open.consumed("commands", 1, 7);
+        open.consumed("step-results", 2, 41);
+        let first = first_offsets([&in_flight, &open]);
+        let expected: BTreeMap<(String, i32), i64> = [
+            (("commands".to_owned(), 0), 10),
+            (("commands".to_owned(), 1), 7),
+            (("step-results".to_owned(), 2), 40),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(first, expected);
     }
 }

@@ -70,6 +70,7 @@ impl Engine {
             ignored = batch.ignored,
             dead_letters = batch.dead_letters,
             commit_ms = committed.took.as_millis() as u64,
+            blocked_ms = committed.blocked.as_millis() as u64,
             phases_ms = ?committed.phases,
             "Batch committed."
         );

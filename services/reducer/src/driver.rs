@@ -11,28 +11,37 @@
 //! - `txn`: the transaction of a batch (outputs, run states, offsets) and its failures.
 //! - `cache`: the sled write after the commit.
 //!
-//! Batching is adaptive: a batch is committed as soon as no input is waiting (light load:
-//! one input, one short transaction), or when it reaches `max_batch` inputs or
-//! `commit_interval` of age (full load).
+//! Batching is adaptive: a batch starts its transaction as soon as the previous one has
+//! committed and no input is waiting (light load: one input, one short transaction), or
+//! when it reaches `max_batch` inputs or `commit_interval` of age (full load).
+//!
+//! The commit is a pipeline of two: while batch N is in flight (records sent, offsets
+//! sent, deliveries coming in) the loop folds N+1, reading runs through N's after-states;
+//! between polls it serves N's delivery reports, and once they are in it commits N and
+//! writes sled, and only then may N+1 begin its transaction.
 //!
 //! Invariants:
 //! - sled never runs ahead of Kafka: it is written after the commit, so after a crash it
 //!   is at most behind, and the restore reads the changelog from its marker.
+//! - one transaction open at a time; sled is written for N before N+1's transaction
+//!   begins.
 //! - an aborted or failed transaction leaves nothing visible to `read_committed` readers;
-//!   the consumer seeks back to the batch's first offsets and the batch's in-memory state
-//!   is dropped, so the same inputs are applied again to the same state: same effects.
+//!   it takes the batch folded on it along, the consumer seeks back to the first offset
+//!   either batch read and their in-memory state is dropped, so the same inputs are
+//!   applied again to the same state: same effects.
 //! - offsets sent are "last processed + 1", only for partitions owned in the generation
 //!   the inputs were read in.
 //! - transient failures retry in place with the same clients; only a fenced or fatal
 //!   producer rebuilds them (a rejoin of the group).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::Producer;
 use rdkafka::Offset;
 use sortie_kafka::KafkaConfig;
@@ -304,6 +313,7 @@ impl Reducer {
             health,
             watchdog,
             hot: Default::default(),
+            sending: None,
             fatal: None,
         }));
         let _ = wiring.set(engine.clone());
@@ -327,11 +337,14 @@ impl Reducer {
 
     fn run(&mut self, shutdown: &AtomicBool) -> Result<(), Error> {
         while !shutdown.load(Ordering::Relaxed) {
-            // Wait for input only when nothing is open: an open batch commits as soon as
-            // no input is waiting (adaptive batching).
+            // Wait for input only when nothing is open or in flight: an open batch commits
+            // as soon as no input is waiting (adaptive batching), and a transaction in
+            // flight has deliveries to serve.
             let wait = {
                 let engine = self.engine()?;
-                if engine.batch.is_empty() {
+                if engine.sending.is_some() {
+                    Duration::ZERO
+                } else if engine.batch.is_empty() {
                     self.commit_interval.min(Duration::from_millis(100))
                 } else if self.batch_linger.is_zero() {
                     Duration::ZERO
@@ -357,6 +370,15 @@ impl Reducer {
                     false
                 }
             };
+            if engine.sending.is_some() {
+                // The transaction in flight: serve its deliveries (briefly, when no input
+                // waits) and commit it once they are all in.
+                let wait = match idle {
+                    true => Duration::from_millis(2),
+                    false => Duration::ZERO,
+                };
+                rewinding(&mut engine, &self.consumer, |e| e.progress(wait))?;
+            }
             if engine.batch.is_empty() || idle {
                 engine.graphs.poll();
                 engine.keys.refresh();
@@ -371,17 +393,27 @@ impl Reducer {
                 .batch
                 .opened
                 .is_none_or(|at| at.elapsed() >= self.batch_linger);
-            if !engine.batch.is_empty() && ((idle && lingered) || full) {
-                commit(&mut engine, &self.consumer)?;
+            if !engine.batch.is_empty() {
+                if full {
+                    // Full: the transaction in flight (if any) is finished first.
+                    rewinding(&mut engine, &self.consumer, |e| {
+                        e.settle()?;
+                        e.start_sending(&self.consumer)
+                    })?;
+                } else if idle && lingered && engine.sending.is_none() {
+                    rewinding(&mut engine, &self.consumer, |e| {
+                        e.start_sending(&self.consumer)
+                    })?;
+                }
             }
             drop(engine);
             self.observe();
         }
         let mut engine = self.engine()?;
         engine.health.set(Err("shutting down".to_owned()));
-        if !engine.batch.is_empty() {
-            commit(&mut engine, &self.consumer)?;
-        }
+        rewinding(&mut engine, &self.consumer, |e| {
+            e.commit_open(&self.consumer)
+        })?;
         engine.save_tallies();
         engine.store.flush()?;
         drop(engine);
@@ -407,24 +439,22 @@ impl Reducer {
     }
 }
 
-/// Commits the open batch from the loop. An aborted transaction seeks the consumer back
-/// to the batch's first offsets and goes on with the same clients; a fatal one returns.
-fn commit<C: ConsumerContext>(
+/// Runs `step` (a commit, or progress of the transaction in flight). If it aborted, the
+/// batch in flight and the open batch are both gone (the open one was folded on the
+/// other's states): the consumer seeks back to the first offset either read, and goes on
+/// with the same clients. A fatal failure returns.
+fn rewinding<C: ConsumerContext>(
     engine: &mut Engine,
     consumer: &BaseConsumer<C>,
+    step: impl FnOnce(&mut Engine) -> Result<(), Failure>,
 ) -> Result<(), Error> {
-    let rewind: Vec<(String, i32, i64)> = engine
-        .batch
-        .offsets
-        .iter()
-        .map(|((topic, partition), c)| (topic.clone(), *partition, c.first))
-        .collect();
-    match engine.commit_open(consumer) {
+    let rewind = engine.rewind_points();
+    match step(engine) {
         Ok(()) => Ok(()),
         Err(Failure::Fatal(e)) => Err(e),
         Err(Failure::Aborted(e)) => {
             tracing::warn!(error = %e, "The batch was aborted; reading its inputs again.");
-            for (topic, partition, first) in rewind {
+            for ((topic, partition), first) in rewind {
                 if let Err(e) = consumer.seek(
                     &topic,
                     partition,
@@ -441,20 +471,89 @@ fn commit<C: ConsumerContext>(
     }
 }
 
+/// The commit pipeline: at most one batch in flight (its transaction open, its records
+/// sent) while the next one folds. See ARCHITECTURE "The transaction boundary".
 impl Engine {
-    /// Commits the open batch and writes the cache; the batch is gone either way.
+    /// Per input partition, the first offset the batch in flight or the open batch read:
+    /// where an abort of either seeks back to.
+    pub(crate) fn rewind_points(&self) -> BTreeMap<(String, i32), i64> {
+        crate::batch::first_offsets(self.sending.iter().map(|s| &s.batch).chain([&self.batch]))
+    }
+
+    /// Serves the deliveries of the transaction in flight for up to `wait`, and once
+    /// they are all in, commits it and writes the cache.
+    pub(crate) fn progress(&mut self, wait: Duration) -> Result<(), Failure> {
+        let Some(mut sending) = self.sending.take() else {
+            return Ok(());
+        };
+        match self.serve_deliveries(&mut sending, wait) {
+            Ok(delivered) => {
+                if delivered && self.fault_armed(FaultPoint::AbortInFlight) {
+                    // Test only: a batch is held in flight (up to half a second) until the next
+                    // one has read a run from it; then it is aborted.
+                    if !self.batch.on_in_flight
+                        && sending.sent.elapsed() < Duration::from_millis(500)
+                    {
+                        self.sending = Some(sending);
+                        return Ok(());
+                    }
+                }
+                if delivered
+                    && self.batch.on_in_flight
+                    && self.fault_once(FaultPoint::AbortInFlight)
+                {
+                    let refused = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
+                    let failure = self.abort_after(refused);
+                    return Err(self.failed(failure));
+                }
+                self.sending = Some(sending);
+                match delivered {
+                    true => self.settle(),
+                    false => Ok(()),
+                }
+            }
+            Err(failure) => Err(self.failed(failure)),
+        }
+    }
+
+    /// Finishes the transaction in flight, if any: the rest of its deliveries, the
+    /// commit, then the cache write — sled is written only after Kafka has the
+    /// transaction, and before the next one begins.
+    pub(crate) fn settle(&mut self) -> Result<(), Failure> {
+        let Some(sending) = self.sending.take() else {
+            return Ok(());
+        };
+        match self.finish_sending(sending) {
+            Ok((batch, committed)) => self.write_cache(batch, committed).map_err(Failure::Fatal),
+            Err(failure) => Err(self.failed(failure)),
+        }
+    }
+
+    /// Commits everything: the transaction in flight, then the open batch, waiting for
+    /// both (revocation, shutdown).
     pub(crate) fn commit_open<C: ConsumerContext>(
         &mut self,
         consumer: &BaseConsumer<C>,
     ) -> Result<(), Failure> {
-        let result = self.commit_batch(consumer);
-        let batch = std::mem::take(&mut self.batch);
-        match result {
-            Ok(committed) => self.write_cache(batch, committed).map_err(Failure::Fatal),
-            Err(failure) => {
-                meter::transaction_failed();
-                Err(failure)
-            }
+        self.settle()?;
+        if !self.batch.is_empty() {
+            self.start_sending(consumer)?;
+            self.settle()?;
         }
+        Ok(())
+    }
+
+    /// The transaction in flight did not commit: the open batch, folded on its states,
+    /// goes with it.
+    fn failed(&mut self, failure: Failure) -> Failure {
+        meter::transaction_failed();
+        let dropped = std::mem::take(&mut self.batch);
+        if !dropped.is_empty() {
+            tracing::warn!(
+                inputs = dropped.inputs,
+                "The open batch was folded on an aborted one; it is read again too."
+            );
+        }
+        failure
     }
 }

@@ -56,6 +56,9 @@ pub(crate) struct Engine {
     /// what Kafka has committed (filled after a commit), bounded by [`HOT_RUNS`], emptied
     /// on every rebalance.
     pub hot: HashMap<String, RunState>,
+    /// The batch whose transaction is open, its records sent, while the open `batch`
+    /// folds (see `driver`): at most one.
+    pub sending: Option<crate::txn::Sending>,
     /// An error met inside a rebalance callback that must end this incarnation of the
     /// clients (a fenced producer); the loop returns it after the poll.
     pub fatal: Option<Error>,
@@ -71,10 +74,12 @@ impl Engine {
         crate::input::encode_patiently(&self.runtime, &self.codec, topic, record)
     }
 
-    /// Fires the timers of active partitions that are due at `now` into the batch.
+    /// Fires the timers of active partitions that are due at `now` into the batch. Not
+    /// while a batch is in flight: the timer index in sled does not know yet what that
+    /// batch fired, armed or disarmed.
     pub fn fire_timers(&mut self, now: i64) -> Result<(), Error> {
         let active = self.tasks.active();
-        if active.is_empty() {
+        if active.is_empty() || self.sending.is_some() {
             return Ok(());
         }
         let due = self.store.due_timers(now, &active, self.config.max_batch)?;
@@ -108,10 +113,21 @@ impl Engine {
         self.state_before(run_id).map(|state| (state, false))
     }
 
-    /// The run as it was before this batch: hot states, then sled.
+    /// The run as it was before this batch: the batch in flight's, the hot states, then
+    /// sled (which does not have the batch in flight yet).
     fn state_before(&mut self, run_id: &str) -> Result<Option<RunState>, Error> {
         if let Some(before) = self.batch.before.get(run_id) {
             return Ok(before.clone());
+        }
+        if let Some(after) = self
+            .sending
+            .as_ref()
+            .and_then(|s| s.batch.after.get(run_id))
+        {
+            let state = Some(after.clone());
+            self.batch.before.insert(run_id.to_owned(), state.clone());
+            self.batch.on_in_flight = true;
+            return Ok(state);
         }
         if let Some(hot) = self.hot.get(run_id) {
             let state = Some(hot.clone());

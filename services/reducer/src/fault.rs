@@ -22,6 +22,11 @@ sortie_kafka::fault_points! {
         /// batch's offsets to the transaction, as librdkafka's call does when the group
         /// coordinator's broker dies (librdkafka#5456); the watchdog ends the process.
         HangInSendOffsets = "reducer.hang_in_send_offsets",
+        /// `reducer.abort_in_flight`: once, when a batch's deliveries are all in and the
+        /// next batch already read a run from its after-states, the batch in flight is
+        /// aborted instead of committed (as a refused delivery would abort it). The
+        /// reducer goes on: both batches are dropped and their inputs read again.
+        AbortInFlight = "reducer.abort_in_flight",
     }
 }
 
@@ -31,6 +36,16 @@ pub(crate) fn fires(configured: Option<FaultPoint>, after: u32, point: FaultPoin
     let fires = sortie_kafka::fault::fires(configured, after, point);
     if fires {
         tracing::error!(fault = %point, "Fault injection: the reducer hangs here on purpose.");
+    }
+    fires
+}
+
+/// Whether `point` fires now, on its `after`-th pass only (a fault the reducer
+/// survives); logged when it does.
+pub(crate) fn fires_once(configured: Option<FaultPoint>, after: u32, point: FaultPoint) -> bool {
+    let fires = sortie_kafka::fault::fires_once(configured, after, point);
+    if fires {
+        tracing::error!(fault = %point, "Fault injection: the reducer takes this fault on purpose.");
     }
     fires
 }
@@ -61,7 +76,7 @@ mod tests {
         assert_eq!(
             "x".parse::<FaultPoint>().map_err(|e| e.to_string()),
             Err(
-                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.hang_in_send_offsets"
+                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.hang_in_send_offsets, reducer.abort_in_flight"
                     .to_owned()
             )
         );

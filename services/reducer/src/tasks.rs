@@ -144,17 +144,23 @@ impl ConsumerContext for ReducerContext {
 }
 
 impl Engine {
-    /// Revocation: finish the open batch while the partitions are still ours.
+    /// Revocation: finish the batch in flight and the open batch while the partitions
+    /// are still ours.
     pub fn on_revoke<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>) {
         let owned = self.tasks.owned();
-        if !self.batch.is_empty() {
+        if !self.batch.is_empty() || self.sending.is_some() {
             if consumer.assignment_lost() {
                 tracing::warn!(
-                    inputs = self.batch.inputs,
-                    "The assignment was lost (this member left the group): the open batch is dropped, the next owner re-reads it."
+                    inputs = self.batch.inputs + self.sending.as_ref().map_or(0, |s| s.batch.inputs),
+                    "The assignment was lost (this member left the group): the open batches are dropped, the next owner re-reads them."
                 );
                 self.batch = Default::default();
-                meter::transaction_failed();
+                if self.sending.is_none() {
+                    meter::transaction_failed();
+                } else if let Err(e) = self.abort_sending() {
+                    tracing::warn!(error = %e, "Aborting the transaction in flight failed; the producer is rebuilt.");
+                    self.fatal.get_or_insert(e);
+                }
             } else {
                 match self.commit_open(consumer) {
                     Ok(()) => {
@@ -196,6 +202,12 @@ impl Engine {
             ?partitions,
             "Partitions assigned; settling offsets and restoring."
         );
+        // Revocation settled every batch (the eager protocol revokes before it assigns);
+        // a transaction still in flight here would be committed before anything is read.
+        if let Err(Failure::Fatal(e)) = self.settle() {
+            self.fatal.get_or_insert(e);
+            return tpl.clone();
+        }
         self.health
             .set(Err(format!("restoring partitions {partitions:?}")));
         let started = Instant::now();

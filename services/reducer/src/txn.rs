@@ -26,11 +26,12 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 
-use crate::batch::Output;
+use crate::batch::{Output, PendingBatch};
 use crate::convert;
 use crate::driver::Error;
 use crate::engine::Engine;
 use crate::fault::{self, FaultPoint};
+use crate::metrics as meter;
 
 /// The reducer's transactional producer. A `BaseProducer` polled by the loop itself:
 /// with a background polling thread (`FutureProducer`), `commit_transaction`'s own flush
@@ -89,7 +90,12 @@ pub(crate) struct Committed {
     pub changelog: BTreeMap<i32, u64>,
     /// Each changed run's state as serialised once for the changelog, for sled.
     pub states: Vec<(String, Vec<u8>)>,
+    /// From the start of the transaction to the commit answer (the next batch folds
+    /// during part of it).
     pub took: Duration,
+    /// How long the loop was held by this transaction (start, the deliveries it still
+    /// had to wait for, the commit): what the pipeline did not overlap.
+    pub blocked: Duration,
     pub records: usize,
     /// Where the transaction's time went, ms: encode states, begin + produce, send
     /// offsets, await deliveries, commit.
@@ -129,15 +135,78 @@ fn retrying<T>(
     }
 }
 
+/// A batch whose transaction is open: every record handed to the producer, its offsets
+/// sent, its deliveries coming in. The loop folds the next batch meanwhile (see
+/// `driver`); nothing of this one is visible until [`Engine::finish_sending`] commits it.
+#[derive(Debug)]
+pub(crate) struct Sending {
+    /// The batch, kept for the cache write after the commit and for reading its runs'
+    /// after-states while the next batch folds.
+    pub batch: PendingBatch,
+    /// Each changed run's state as serialised once for the changelog, for sled.
+    states: Vec<(String, Vec<u8>)>,
+    /// Records handed to the producer; those from `first_state` on are run states.
+    records: usize,
+    first_state: usize,
+    reported: usize,
+    changelog: BTreeMap<i32, u64>,
+    started: Instant,
+    /// When the deliveries started being awaited (after the offsets were sent).
+    pub sent: Instant,
+    /// How long the loop has been held by this transaction so far.
+    blocked: Duration,
+    phases: [u64; 5],
+}
+
+impl Sending {
+    pub fn delivered(&self) -> bool {
+        self.reported >= self.records
+    }
+}
+
+/// How long a transaction waits for its deliveries before it is aborted.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn ms(at: Instant) -> u64 {
+    at.elapsed().as_millis() as u64
+}
+
 impl Engine {
-    /// Commits the open batch in one transaction. On `Err` nothing of it is visible to
-    /// `read_committed` readers and the batch is gone from the engine (the caller seeks
-    /// back). On `Ok` the caller writes the cache.
-    pub fn commit_batch<C: ConsumerContext>(
+    /// Opens the transaction of the open batch and hands it every record and the
+    /// consumed offsets, without waiting for the deliveries: the batch moves to
+    /// [`Engine::sending`]. Only one transaction is open at a time: the caller has
+    /// finished the previous one. On `Err` the transaction is aborted and the batch is
+    /// gone (the caller seeks back).
+    pub fn start_sending<C: ConsumerContext>(
+        &mut self,
+        consumer: &BaseConsumer<C>,
+    ) -> Result<(), Failure> {
+        debug_assert!(self.sending.is_none(), "one open transaction at a time");
+        let started = Instant::now();
+        let result = self.send_open(consumer, started);
+        let batch = std::mem::take(&mut self.batch);
+        match result {
+            Ok(mut sending) => {
+                // The producer holds copies of the records now.
+                sending.batch = PendingBatch {
+                    outputs: Vec::new(),
+                    ..batch
+                };
+                self.sending = Some(sending);
+                Ok(())
+            }
+            Err(failure) => {
+                meter::transaction_failed();
+                Err(failure)
+            }
+        }
+    }
+
+    fn send_open<C: ConsumerContext>(
         &self,
         consumer: &BaseConsumer<C>,
-    ) -> Result<Committed, Failure> {
-        let started = Instant::now();
+        started: Instant,
+    ) -> Result<Sending, Failure> {
         // Nothing sealed with a key of this batch's may be produced before the key is.
         self.persist_new_keys().map_err(Failure::Aborted)?;
         let batch = &self.batch;
@@ -169,15 +238,14 @@ impl Engine {
             states.push((run_id.clone(), record.state.into_bytes()));
         }
 
-        let ms = |at: Instant| at.elapsed().as_millis() as u64;
         let mut phases = [0u64; 5];
         phases[0] = ms(started);
         let phase = Instant::now();
         let producer = &self.producer;
         producer.context().take(); // nothing of an earlier transaction is pending
         retrying("begin", || producer.begin_transaction()).map_err(|e| self.abort_after(e))?;
-        let outputs: Vec<&Output> = batch.outputs.iter().chain(&state_outputs).collect();
-        for (index, output) in outputs.iter().enumerate() {
+        let outputs = batch.outputs.iter().chain(&state_outputs);
+        for (index, output) in outputs.enumerate() {
             let mut headers = OwnedHeaders::new();
             for (key, value) in &output.headers {
                 headers = headers.insert(Header {
@@ -215,6 +283,9 @@ impl Engine {
         phases[1] = ms(phase);
         let phase = Instant::now();
         if offsets.count() > 0 {
+            // The loop polls only between batches and the rebalance callback finishes
+            // this transaction before it gives partitions up: this is the generation the
+            // batch's inputs were read in.
             let Some(metadata) = consumer.group_metadata() else {
                 return Err(self.abort_after(KafkaError::Global(RDKafkaErrorCode::State)));
             };
@@ -229,54 +300,117 @@ impl Engine {
             .map_err(|e| self.abort_after(e))?;
         }
         phases[2] = ms(phase);
-        let phase = Instant::now();
-        // Every delivery report, served on this thread, before the commit: then
-        // commit_transaction's flush has nothing left to wait for.
-        let mut changelog: BTreeMap<i32, u64> = BTreeMap::new();
-        let records = outputs.len();
-        let mut reported = 0;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while reported < records {
-            producer.poll(Duration::from_millis(5));
+        Ok(Sending {
+            batch: PendingBatch::default(),
+            states,
+            records: batch.outputs.len() + state_outputs.len(),
+            first_state: batch.outputs.len(),
+            reported: 0,
+            changelog: BTreeMap::new(),
+            started,
+            sent: Instant::now(),
+            blocked: started.elapsed(),
+            phases,
+        })
+    }
+
+    /// Serves the delivery reports of the open transaction for up to `wait` (on this
+    /// thread: then `commit_transaction`'s own flush has nothing left to wait for).
+    /// `Ok(true)`: every record is delivered. A failed delivery, or deliveries that do not
+    /// come within [`DELIVERY_TIMEOUT`], abort the transaction.
+    pub fn serve_deliveries(&self, sending: &mut Sending, wait: Duration) -> Result<bool, Failure> {
+        let producer = &self.producer;
+        let deadline = Instant::now() + wait;
+        loop {
+            producer.poll(
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(5)),
+            );
             for (index, report) in producer.context().take() {
-                reported += 1;
+                sending.reported += 1;
                 match report {
                     Ok((partition, offset)) => {
-                        if outputs[index].topic == run_state_topic {
+                        if index >= sending.first_state {
                             let next = (offset + 1) as u64;
-                            let entry = changelog.entry(partition).or_insert(next);
+                            let entry = sending.changelog.entry(partition).or_insert(next);
                             *entry = (*entry).max(next);
                         }
                     }
                     Err(e) => return Err(self.abort_after(e)),
                 }
             }
-            if reported < records && Instant::now() > deadline {
+            if sending.delivered() {
+                return Ok(true);
+            }
+            if sending.sent.elapsed() > DELIVERY_TIMEOUT {
                 return Err(self.abort_after(KafkaError::MessageProduction(
                     RDKafkaErrorCode::MessageTimedOut,
                 )));
             }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
         }
-        phases[3] = ms(phase);
+    }
+
+    /// Awaits the rest of the deliveries and commits. On `Err` the transaction is
+    /// aborted; on `Ok` the caller writes the cache.
+    pub fn finish_sending(
+        &self,
+        mut sending: Sending,
+    ) -> Result<(PendingBatch, Committed), Failure> {
+        let held = Instant::now();
+        while !self.serve_deliveries(&mut sending, Duration::from_millis(100))? {}
+        sending.phases[3] = ms(sending.sent);
         let phase = Instant::now();
         let fault = |point| fault::check(self.config.fault, self.config.fault_after, point);
         fault(FaultPoint::BeforeCommit);
         let timeout = Duration::from_secs(15);
+        let producer = &self.producer;
         retrying("commit", || {
             self.watchdog.bound("commit_transaction", timeout, || {
                 producer.commit_transaction(timeout)
             })
         })
         .map_err(|e| self.abort_after(e))?;
-        phases[4] = ms(phase);
+        sending.phases[4] = ms(phase);
+        sending.blocked += held.elapsed();
         fault(FaultPoint::AfterCommit);
-        Ok(Committed {
-            changelog,
-            states,
-            took: started.elapsed(),
-            records,
-            phases,
-        })
+        let committed = Committed {
+            changelog: sending.changelog,
+            states: sending.states,
+            took: sending.started.elapsed(),
+            blocked: sending.blocked,
+            records: sending.records,
+            phases: sending.phases,
+        };
+        Ok((sending.batch, committed))
+    }
+
+    /// Aborts the transaction in flight, if any, without waiting for it (the assignment
+    /// was lost: its offsets would be refused). `Err`: the producer cannot go on.
+    pub fn abort_sending(&mut self) -> Result<(), Error> {
+        if self.sending.take().is_none() {
+            return Ok(());
+        }
+        meter::transaction_failed();
+        let timeout = Duration::from_secs(10);
+        self.watchdog
+            .bound("abort_transaction", timeout, || {
+                self.producer.abort_transaction(timeout)
+            })
+            .map_err(Error::Kafka)
+    }
+
+    /// Whether the configured fault is `point` and still to be taken.
+    pub(crate) fn fault_armed(&self, point: FaultPoint) -> bool {
+        sortie_kafka::fault::armed(self.config.fault, self.config.fault_after, point)
+    }
+
+    /// Whether the configured fault `point` is taken now (once; see `fault`).
+    pub(crate) fn fault_once(&self, point: FaultPoint) -> bool {
+        fault::fires_once(self.config.fault, self.config.fault_after, point)
     }
 
     /// Blocks this thread for good at `point` if it is the configured fault: a wedged
