@@ -72,6 +72,10 @@ pub struct Options {
     pub rss_scale: Vec<usize>,
     /// The light load (round trip without queueing): runs and runs in flight.
     pub light_runs: usize,
+    /// Runs driven at full concurrency before anything is measured, unreported but for
+    /// their throughput: the broker's JIT compiler takes most of a core for a minute
+    /// after it starts, and would be measured instead.
+    pub warmup_runs: usize,
     pub light_concurrency: usize,
     pub scale_steps: usize,
     pub scale_payload_bytes: usize,
@@ -116,6 +120,7 @@ impl Options {
             rss_scale: Vec::new(),
             light_runs: 200,
             light_concurrency: 20,
+            warmup_runs: 10_000,
             scale_steps: 1,
             scale_payload_bytes: 64,
             scale_load_runs: 500,
@@ -136,6 +141,7 @@ impl Options {
             payload_bytes: 64,
             light_runs: 5,
             light_concurrency: 2,
+            warmup_runs: 0,
             timeout: Duration::from_secs(120),
             ..Options::full(exe)
         }
@@ -449,6 +455,40 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         )?
     };
 
+    // A warm-up load, then the light load (the round trip when nothing queues), before
+    // the ceilings. A broker just started spends most of a core in its JIT compiler for
+    // a minute or more (C2, seen with `top -H` during the light load): without the
+    // warm-up the light load measured that.
+    let (warmup, light) = {
+        let mut all: Vec<&mut Service> = vec![&mut reducer];
+        all.extend(extra_reducers.iter_mut());
+        all.extend(executors.iter_mut());
+        let warmup = match options.warmup_runs {
+            0 => None,
+            runs => Some(phase(
+                bench,
+                &mut driver,
+                &topics,
+                "warmup",
+                runs,
+                options.concurrency,
+                &mut all,
+                broker_pid,
+            )?),
+        };
+        let light = phase(
+            bench,
+            &mut driver,
+            &topics,
+            "light",
+            options.light_runs,
+            options.light_concurrency,
+            &mut all,
+            broker_pid,
+        )?;
+        (warmup, light)
+    };
+
     // The ceilings, each fed as many records as Sortie will consume: a StartRun and one
     // result per step for every run. Untuned and tuned copy one record per input; the
     // fair one writes as many records per input as Sortie does (from the calibration
@@ -486,21 +526,10 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         .pop()
         .ok_or_else(|| anyhow::anyhow!("no ceiling"))?;
 
-    // A light load first (the round trip when nothing queues), then the full load.
-    // Commit figures come from the first reducer's log.
+    // The full load, after the ceilings. Commit figures come from the first reducer's log.
     let mut all: Vec<&mut Service> = vec![&mut reducer];
     all.extend(extra_reducers.iter_mut());
     all.extend(executors.iter_mut());
-    let light = phase(
-        bench,
-        &mut driver,
-        &topics,
-        "light",
-        options.light_runs,
-        options.light_concurrency,
-        &mut all,
-        broker_pid,
-    )?;
     let load = phase(
         bench,
         &mut driver,
@@ -655,6 +684,8 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             "concurrency": options.concurrency,
             "light_runs": options.light_runs,
             "light_concurrency": options.light_concurrency,
+            "warmup_runs": options.warmup_runs,
+            "services_exe": options.exe.display().to_string(),
             "payload_bytes": options.payload_bytes,
             "queues": options.queues,
             "partitions": options.partitions,
@@ -667,6 +698,11 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         "events_per_run": pattern.events,
         "sortie": load.json,
         "sortie_light_load": light.json,
+        "warmup": warmup.map(|w| json!({
+            "runs": w.json["runs"],
+            "steps_per_s": w.json["steps_per_s"],
+            "elapsed_s": w.json["elapsed_s"],
+        })),
         "ceiling": ceiling.json(),
         "ceilings_one_record_per_input": ceilings.iter().map(ceiling::Ceiling::json).collect::<Vec<_>>(),
         "ratios": {

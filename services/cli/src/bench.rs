@@ -48,6 +48,10 @@ pub struct Args {
     /// Runs in flight during the light load [full: 20, quick: 2].
     #[arg(long)]
     light_concurrency: Option<usize>,
+    /// Runs driven before anything is measured, to warm the broker's JIT up [full:
+    /// 10000, quick: 0].
+    #[arg(long)]
+    warmup_runs: Option<usize>,
     /// Payload bytes in each run's input, carried by every step [full: 256, quick: 64].
     #[arg(long)]
     payload_bytes: Option<usize>,
@@ -94,10 +98,17 @@ pub struct Args {
     /// in the bench's run directory.
     #[arg(long, requires = "seal")]
     seal_key_store: Option<String>,
+    /// The `sortie` executable the reducer and executors run as (default: this one). To
+    /// compare two builds under the same harness, in the same quarter hour.
+    #[arg(long)]
+    services_exe: Option<std::path::PathBuf>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let exe = std::env::current_exe()?;
+    let exe = match &args.services_exe {
+        Some(exe) => exe.canonicalize()?,
+        None => std::env::current_exe()?,
+    };
     let base = if args.quick {
         Options::quick(exe)
     } else {
@@ -116,6 +127,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         concurrency: args.concurrency.unwrap_or(base.concurrency).max(1),
         payload_bytes: args.payload_bytes.unwrap_or(base.payload_bytes),
         light_runs: args.light_runs.unwrap_or(base.light_runs),
+        warmup_runs: args.warmup_runs.unwrap_or(base.warmup_runs),
         light_concurrency: args
             .light_concurrency
             .unwrap_or(base.light_concurrency)
