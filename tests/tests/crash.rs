@@ -303,7 +303,12 @@ async fn an_aborted_batch_in_flight_takes_the_batch_folded_on_it_along() {
     let ledger = stack.ledger_process("ledger", "keyed").await;
     stack.publish(&chain_graph(&ledger.url)).await;
     let _executor = stack.executor_process("executor", &["default"], &[]);
-    let mut reducer = stack.reducer_with("0", &["--fault", "reducer.abort_in_flight"]);
+    // A batch of one input is full: it goes in flight (a small batch that commits on idle
+    // is committed at once, with nothing folded meanwhile).
+    let mut reducer = stack.reducer_with(
+        "0",
+        &["--fault", "reducer.abort_in_flight", "--max-batch", "1"],
+    );
     let runs = runs(48);
     let start = |i: usize| start_run(&runs[i], "chain", &format!(r#"{{"order": {i}}}"#));
     // The first run alone: the reducer is in its group and consuming.

@@ -22,8 +22,8 @@ sortie_kafka::fault_points! {
         /// batch's offsets to the transaction, as librdkafka's call does when the group
         /// coordinator's broker dies (librdkafka#5456); the watchdog ends the process.
         HangInSendOffsets = "reducer.hang_in_send_offsets",
-        /// `reducer.abort_in_flight`: once, when a batch's deliveries are all in and the
-        /// next batch already read a run from its after-states, the batch in flight is
+        /// `reducer.abort_in_flight`: once, when a batch in flight is to be committed and
+        /// the next batch already read a run from its after-states, the batch in flight is
         /// aborted instead of committed (as a refused delivery would abort it). The
         /// reducer goes on: both batches are dropped and their inputs read again.
         AbortInFlight = "reducer.abort_in_flight",
