@@ -406,12 +406,12 @@ impl Reducer {
                 } else if idle
                     && lingered
                     && engine.sending.is_none()
-                    && engine.batch.inputs < self.max_batch / 4
+                    && engine.batch.inputs < (self.max_batch / 4).max(2)
                 {
                     // Small (light load): commit as soon as nothing waits, and at once:
                     // there is nothing to fold meanwhile, and in an A/B the overlap cost
                     // the light load's round trip ~15 %. A batch that grew past a quarter
-                    // of max_batch is under load: it waits for max_batch or
+                    // of max_batch (and past one input) is under load: it waits for max_batch or
                     // commit_interval, as fewer, bigger transactions cost the broker less
                     // per input, and then goes in flight while the next one folds.
                     rewinding(&mut engine, &self.consumer, |e| {
