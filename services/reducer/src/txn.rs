@@ -395,12 +395,7 @@ impl Engine {
             return Ok(());
         }
         meter::transaction_failed();
-        let timeout = Duration::from_secs(10);
-        self.watchdog
-            .bound("abort_transaction", timeout, || {
-                self.producer.abort_transaction(timeout)
-            })
-            .map_err(Error::Kafka)
+        self.abort_open().map_err(Error::Kafka)
     }
 
     /// Whether the configured fault is `point` and still to be taken.
@@ -411,6 +406,14 @@ impl Engine {
     /// Whether the configured fault `point` is taken now (once; see `fault`).
     pub(crate) fn fault_once(&self, point: FaultPoint) -> bool {
         fault::fires_once(self.config.fault, self.config.fault_after, point)
+    }
+
+    /// Aborts the producer's open transaction, under the watchdog's bound.
+    fn abort_open(&self) -> Result<(), KafkaError> {
+        let timeout = Duration::from_secs(10);
+        self.watchdog.bound("abort_transaction", timeout, || {
+            self.producer.abort_transaction(timeout)
+        })
     }
 
     /// Blocks this thread for good at `point` if it is the configured fault: a wedged
@@ -431,11 +434,7 @@ impl Engine {
             return Failure::Fatal(Error::Fenced);
         }
         tracing::warn!(error = %e, "Aborting the batch's transaction.");
-        let timeout = Duration::from_secs(10);
-        let aborted = self.watchdog.bound("abort_transaction", timeout, || {
-            self.producer.abort_transaction(timeout)
-        });
-        match aborted {
+        match self.abort_open() {
             Ok(()) => Failure::Aborted(Error::Kafka(e)),
             Err(abort) if matches!(&abort, KafkaError::Transaction(inner) if inner.code() == RDKafkaErrorCode::State) =>
             {
