@@ -1,6 +1,7 @@
 //! The reducer as its own process against the real broker: runs complete; a SIGKILL
 //! mid-run loses nothing and dispatches nothing twice; a deleted cache is rebuilt from the
-//! changelog; two reducers share the partitions and a run survives one leaving; bad
+//! changelog; a restart is warm in every partition, the empty ones too; two reducers share
+//! the partitions and a run survives one leaving; bad
 //! records are dead-lettered while the partition keeps moving.
 
 use std::collections::{BTreeSet, HashMap};
@@ -194,6 +195,78 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
         restarted.log_text().contains("warm=false"),
         "the restart restored cold from the changelog"
     );
+}
+
+/// A restart after a clean stop is warm in every partition, the ones that never held a
+/// run included: a cold partition with nothing to read gets its cache marker at once
+/// (before, an empty partition was cold at every start and made the gauges count every
+/// cached run again). And an input in a partition the group never committed an offset for
+/// is consumed from the partition's log start, which the assignment now asks for itself.
+/// Red-proofed: without the marker for an empty cold partition, the restart logs
+/// `warm=false` for partitions 1 and 2 and this fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_is_warm_in_every_partition_even_the_empty_ones() {
+    let stack = Stack::start("reducer-warm-empty", &[THREE_STEPS]).await;
+    let run_in = |partition: i32| {
+        (0..)
+            .map(|i| format!("run-{i}"))
+            .find(|run| partition_for(run.as_bytes(), PARTITIONS) == partition)
+            .expect("a run id for every partition")
+    };
+    let (first, later) = (run_in(0), run_in(1));
+    let mut reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    stack
+        .send(&start_run(&first, "three", r#"{"order": 1}"#))
+        .await;
+    stack
+        .wait_for_states(
+            "the first run to succeed",
+            std::slice::from_ref(&first),
+            LONG,
+            succeeded,
+        )
+        .await;
+    reducer.stop();
+
+    // Both incarnations write the same log file: read the restart's part.
+    let before = reducer.log_text().len();
+    let restarted = stack.reducer("0");
+    let restart_log = || {
+        restarted
+            .log_text()
+            .get(before..)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    sortie_tests::wait_until("the restart to restore its assignment", LONG, || async {
+        restart_log().contains("Assignment restored")
+    })
+    .await;
+    let log = restart_log();
+    let restored: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("Partition restored from the changelog"))
+        .collect();
+    assert_eq!(restored.len(), PARTITIONS as usize, "{log}");
+    assert!(
+        restored.iter().all(|line| line.contains("warm=true")),
+        "every partition, the empty ones too, restarts warm: {restored:#?}"
+    );
+
+    // Partition 1 never had an input: nothing committed there, read from its start.
+    stack
+        .send(&start_run(&later, "three", r#"{"order": 2}"#))
+        .await;
+    let states = stack
+        .wait_for_states(
+            "a run in a partition with no committed offset to succeed",
+            std::slice::from_ref(&later),
+            LONG,
+            succeeded,
+        )
+        .await;
+    check_history(&later, &stack.events().await[&later], &states[&later]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

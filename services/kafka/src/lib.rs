@@ -15,4 +15,4 @@ pub mod topology;
 mod watermarks;
 
 pub use config::{KafkaConfig, MAX_RECORD_BYTES};
-pub use watermarks::{fetch_watermarks, is_transient};
+pub use watermarks::{fetch_watermarks, is_transient, list_offsets, End};

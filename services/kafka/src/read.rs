@@ -87,6 +87,9 @@ where
         .collect()
 }
 
+/// How long [`to_end`] waits for a message before it looks at the positions again.
+const POSITION_EVERY: Duration = Duration::from_millis(20);
+
 /// Reads `topic` with `consumer` — already assigned to every partition of `spans` at its
 /// start offset — until each partition's `next` reaches its end. `spans` maps a partition
 /// to `(next, end)`: the first offset not read yet and the offset to read up to.
@@ -136,7 +139,11 @@ where
                 waited: started.elapsed(),
             });
         }
-        match consumer.poll(left.min(Duration::from_millis(200))) {
+        // Short: a partition whose tail is only transaction markers (a warm restart's
+        // changelog: the last commit's) never delivers a message, only a new position,
+        // and librdkafka serves the markers inside a poll that then waits out its
+        // timeout. 200 ms here was most of a warm restart's restore.
+        match consumer.poll(left.min(POSITION_EVERY)) {
             Some(Ok(message)) => {
                 let partition = message.partition();
                 let Some(&end) = open.get(&partition) else {

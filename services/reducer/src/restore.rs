@@ -88,6 +88,10 @@ pub type Change<'a> = (i32, &'a str, Option<&'a RunState>, Option<&'a RunState>)
 
 /// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
 /// For the partitions in `track` (warm ones), every change is also handed to `observe`.
+/// Asks one end (log start or high watermark) of several partitions of a topic at once.
+pub type Ends<'a> = dyn Fn(&str, &[i32], sortie_kafka::End) -> Result<BTreeMap<i32, i64>, rdkafka::error::KafkaError>
+    + 'a;
+
 /// What a restore reads with and writes to.
 #[derive(Debug, Clone, Copy)]
 pub struct Sources<'a> {
@@ -103,7 +107,7 @@ pub fn partitions(
     plan: &BTreeMap<i32, Option<u64>>,
     track: &std::collections::BTreeSet<i32>,
     observe: &mut dyn FnMut(Change<'_>),
-    high_watermark: &dyn Fn(&str, i32) -> Result<i64, rdkafka::error::KafkaError>,
+    ends: &Ends<'_>,
 ) -> Result<Restored, Error> {
     let Sources {
         kafka,
@@ -120,20 +124,40 @@ pub fn partitions(
     let deadline = Instant::now() + DEADLINE;
     let mut progress: BTreeMap<i32, Progress> = BTreeMap::new();
     let mut assignment = TopicPartitionList::new();
+    // Asked through the caller's client, every partition in one request: a warm restart
+    // with nothing to read creates no consumer at all.
+    let all: Vec<i32> = plan.keys().copied().collect();
+    let highs = ends(&topic, &all, sortie_kafka::End::Latest)?;
+    let cold: Vec<i32> = plan
+        .iter()
+        .filter(|(_, from)| from.is_none())
+        .map(|(partition, _)| *partition)
+        .collect();
+    // A cold partition starts at its log start, asked here rather than left to the
+    // consumer (`Offset::Beginning` makes librdkafka look it up after the first fetch
+    // request left, and the partition then waits out that fetch).
+    let starts = ends(&topic, &cold, sortie_kafka::End::Earliest)?;
     for (&partition, &from) in plan {
-        // Asked through the caller's client: a warm restart with nothing to read creates
-        // no consumer at all.
-        let high = high_watermark(&topic, partition)?;
+        let high = highs.get(&partition).copied().unwrap_or(0);
         if from.is_none() {
             store.forget_partition(partition)?;
         }
-        let next = from.map_or(0, |o| o as i64);
+        let next = from.map_or_else(
+            || starts.get(&partition).copied().unwrap_or(0),
+            |o| o as i64,
+        );
         restored.records.insert(partition, 0);
         if next >= high {
-            continue; // warm and nothing new
+            // Nothing to read. A cold partition gets its marker now (an empty partition
+            // would otherwise be cold at every start, its runs counted by a full scan).
+            if from.is_none() {
+                let mut batch = Batch::default();
+                batch.set_changelog_offset(partition, high.max(0) as u64);
+                store.apply(batch)?;
+            }
+            continue;
         }
-        let start = from.map_or(Offset::Beginning, |o| Offset::Offset(o as i64));
-        assignment.add_partition_offset(&topic, partition, start)?;
+        assignment.add_partition_offset(&topic, partition, Offset::Offset(next))?;
         progress.insert(
             partition,
             Progress {
@@ -153,7 +177,11 @@ pub fn partitions(
     let mut config = client(kafka, topics, "read_committed");
     config
         .set("fetch.max.bytes", "67108864")
-        .set("max.partition.fetch.bytes", "16777216");
+        .set("max.partition.fetch.bytes", "16777216")
+        // A partition whose tail is only transaction markers (a warm restart: the last
+        // commit's) delivers no message; its end event wakes the read at once instead of
+        // a 200 ms poll timeout later.
+        .set("enable.partition.eof", "true");
     let consumer: BaseConsumer = config.create()?;
     consumer.assign(&assignment)?;
 

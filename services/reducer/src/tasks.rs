@@ -211,7 +211,9 @@ impl Engine {
         self.health
             .set(Err(format!("restoring partitions {partitions:?}")));
         let started = Instant::now();
-        let committed = match stable_offsets(consumer, tpl) {
+        let committed = match stable_offsets(consumer, tpl)
+            .and_then(|committed| from_log_start(&self.marks, committed))
+        {
             Ok(committed) => committed,
             Err(e) => {
                 // Without settled offsets a restore could fall behind the consumer; give
@@ -221,6 +223,7 @@ impl Engine {
                 return tpl.clone();
             }
         };
+        let offsets_ms = started.elapsed().as_millis() as u64;
         let mut plan = BTreeMap::new();
         for partition in &partitions {
             match self.store.changelog_offset(*partition) {
@@ -264,9 +267,8 @@ impl Engine {
             &mut |(partition, run_id, before, after)| {
                 gauges.update(partition, run_id, before, after)
             },
-            &|topic, partition| {
-                sortie_kafka::fetch_watermarks(marks, topic, partition, watermarks_by)
-                    .map(|(_, high)| high)
+            &|topic, partitions, end| {
+                sortie_kafka::list_offsets(marks, topic, partitions, end, watermarks_by)
             },
         ) {
             Ok(restored) => restored,
@@ -312,6 +314,7 @@ impl Engine {
             records,
             warm,
             millis = took.as_millis() as u64,
+            offsets_ms,
             stopped = ?restored.stopped.keys().collect::<Vec<_>>(),
             "Assignment restored; consuming from the committed offsets."
         );
@@ -363,6 +366,55 @@ impl Engine {
 
 /// How long an assignment waits for the changelog partitions' watermarks, all together.
 const WATERMARKS_WAIT: Duration = Duration::from_secs(30);
+
+/// The partitions of `committed` without a committed offset start at their log start,
+/// asked here in one request per topic, as `auto.offset.reset=earliest` would. Left to
+/// librdkafka (an `Invalid` offset), such a partition is looked up again after the
+/// assignment's first fetch request has left, and waits that fetch out
+/// (`fetch.wait.max.ms`): on a restart where the first input sat in a partition nobody
+/// had committed yet, that was a second before the first commit.
+fn from_log_start(
+    marks: &BaseConsumer,
+    committed: TopicPartitionList,
+) -> Result<TopicPartitionList, KafkaError> {
+    let mut unset: BTreeMap<String, Vec<i32>> = BTreeMap::new();
+    for element in committed.elements() {
+        if !matches!(element.offset(), Offset::Offset(_)) {
+            unset
+                .entry(element.topic().to_owned())
+                .or_default()
+                .push(element.partition());
+        }
+    }
+    if unset.is_empty() {
+        return Ok(committed);
+    }
+    let deadline = Instant::now() + WATERMARKS_WAIT;
+    let mut starts = BTreeMap::new();
+    for (topic, partitions) in &unset {
+        let found = sortie_kafka::list_offsets(
+            marks,
+            topic,
+            partitions,
+            sortie_kafka::End::Earliest,
+            deadline,
+        )?;
+        for (partition, offset) in found {
+            starts.insert((topic.clone(), partition), offset);
+        }
+    }
+    let mut assignment = TopicPartitionList::new();
+    for element in committed.elements() {
+        let offset = match element.offset() {
+            Offset::Offset(o) => Offset::Offset(o),
+            other => starts
+                .get(&(element.topic().to_owned(), element.partition()))
+                .map_or(other, |&o| Offset::Offset(o)),
+        };
+        assignment.add_partition_offset(element.topic(), element.partition(), offset)?;
+    }
+    Ok(assignment)
+}
 
 /// How long an assignment waits for stable committed offsets, all tries together.
 const OFFSETS_WAIT: Duration = Duration::from_secs(60);
