@@ -57,9 +57,13 @@ impl Topology {
         }
 
         let fresh: BTreeSet<String> = ready.into_iter().collect();
-        let drift = self
-            .diff_settled(&admin, |d| d.is_config() && fresh.contains(d.topic()))
-            .await?;
+        // A topic just created can still be missing from the metadata of the broker that
+        // answers the diff (in a cluster each broker learns of it on its own): wait for
+        // it like for its configs, rather than report it missing.
+        let settling = |d: &Difference| {
+            (d.is_config() || matches!(d, Difference::Missing { .. })) && fresh.contains(d.topic())
+        };
+        let drift = self.diff_settled(&admin, settling).await?;
         let mut by_topic: BTreeMap<&str, Vec<&Difference>> = BTreeMap::new();
         for difference in drift.iter().filter(|d| d.is_config()) {
             by_topic
@@ -99,7 +103,7 @@ impl Topology {
             .collect();
         report.remaining = self
             .diff_settled(&admin, |d| {
-                d.is_config() && (altered.contains(d.topic()) || fresh.contains(d.topic()))
+                settling(d) || (d.is_config() && altered.contains(d.topic()))
             })
             .await?;
         let touched: BTreeSet<&str> = report
