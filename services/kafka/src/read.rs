@@ -22,7 +22,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::Offset;
 
-use crate::fetch_watermarks;
+use crate::{list_offsets, End};
 
 /// How long a read may go without a record before it logs what it waits for.
 const QUIET: Duration = Duration::from_secs(10);
@@ -69,8 +69,9 @@ pub fn partition_ids<C: ClientContext>(
         .unwrap_or_default())
 }
 
-/// The (low, high) watermarks of `partitions` of `topic`, each retried on transient
-/// errors until `deadline`.
+/// The (low, high) watermarks of `partitions` of `topic`: each end asked for every
+/// partition in one request ([`list_offsets`]), retried on transient errors until
+/// `deadline`.
 pub fn watermarks<C, X>(
     consumer: &C,
     topic: &str,
@@ -81,10 +82,14 @@ where
     C: Consumer<X>,
     X: ConsumerContext,
 {
-    partitions
+    let partitions: Vec<i32> = partitions.into_iter().collect();
+    let lows = list_offsets(consumer, topic, &partitions, End::Earliest, deadline)?;
+    let highs = list_offsets(consumer, topic, &partitions, End::Latest, deadline)?;
+    // `list_offsets` answers every partition asked, or fails.
+    Ok(partitions
         .into_iter()
-        .map(|p| Ok((p, fetch_watermarks(consumer, topic, p, deadline)?)))
-        .collect()
+        .map(|p| (p, (lows[&p], highs[&p])))
+        .collect())
 }
 
 /// How long [`to_end`] waits for a message before it looks at the positions again.

@@ -44,6 +44,27 @@ where
     C: Consumer<X>,
     X: ConsumerContext,
 {
+    retrying(consumer, topic, &[partition], deadline, |left| {
+        consumer.fetch_watermarks(topic, partition, left)
+    })
+}
+
+/// Calls `ask` (given the time left, at least 100 ms) until it answers, or fails with an
+/// error that is not [transient](is_transient), or `deadline` would pass before the
+/// next try. Between tries it backs off (50 ms, doubling to 1 s) and asks for the topic's
+/// metadata (see [`fetch_watermarks`]); after 2 s of waiting it warns once, naming
+/// `partitions`, so a wait is never silent.
+fn retrying<C, X, T>(
+    consumer: &C,
+    topic: &str,
+    partitions: &[i32],
+    deadline: Instant,
+    mut ask: impl FnMut(Duration) -> Result<T, KafkaError>,
+) -> Result<T, KafkaError>
+where
+    C: Consumer<X>,
+    X: ConsumerContext,
+{
     let mut pause = Duration::from_millis(50);
     let started = Instant::now();
     let mut warned = false;
@@ -51,8 +72,8 @@ where
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(100));
-        match consumer.fetch_watermarks(topic, partition, left) {
-            Ok(marks) => return Ok(marks),
+        match ask(left) {
+            Ok(answer) => return Ok(answer),
             Err(e) if is_transient(&e) && Instant::now() + pause < deadline => {
                 // A moment after a topic is created this is normal; seconds of it mean a
                 // leader is gone (a broker died): say so once, so a wait is never silent.
@@ -60,14 +81,14 @@ where
                     warned = true;
                     tracing::warn!(
                         topic,
-                        partition,
+                        ?partitions,
                         error = %e,
                         waited_ms = started.elapsed().as_millis() as u64,
                         left_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64,
-                        "Watermarks still not available (a leader moving?); retrying until the deadline."
+                        "Offsets still not available (a leader moving?); retrying until the deadline."
                     );
                 } else {
-                    tracing::debug!(topic, partition, error = %e, "Watermarks not available yet; retrying.");
+                    tracing::debug!(topic, ?partitions, error = %e, "Offsets not available yet; retrying.");
                 }
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_secs(1));
@@ -89,7 +110,8 @@ pub enum End {
     Latest,
 }
 
-/// One end of each of `partitions` of `topic`, in **one** ListOffsets request (librdkafka's
+/// One end of each of `partitions` of `topic` (every one of them, or an error), in **one**
+/// ListOffsets request (librdkafka's
 /// `offsets_for_times` with the special timestamps −2/−1), retried like
 /// [`fetch_watermarks`] until `deadline`. `fetch_watermarks` asks per partition and for
 /// both ends, one after the other: for twelve partitions that was ~240 ms of a restart.
@@ -113,65 +135,43 @@ where
         End::Earliest => Offset::Beginning,
         End::Latest => Offset::End,
     };
-    let mut pause = Duration::from_millis(50);
-    let started = Instant::now();
-    let mut warned = false;
-    loop {
+    retrying(consumer, topic, partitions, deadline, |left| {
+        // Partitions answered by an earlier try are not asked again.
         let mut asked = TopicPartitionList::new();
         for &partition in partitions.iter().filter(|p| !found.contains_key(*p)) {
             asked.add_partition_offset(topic, partition, at)?;
         }
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(100));
-        let failed = match consumer.offsets_for_times(asked, left) {
-            Ok(answer) => {
-                let mut failed = None;
-                for element in answer.elements() {
-                    match (element.error(), element.offset()) {
-                        (Ok(()), Offset::Offset(offset)) => {
-                            found.insert(element.partition(), offset);
-                        }
-                        (Err(e), _) => failed = Some(e),
-                        (Ok(()), other) => {
-                            // A broker answers every partition with an offset; anything
-                            // else is a bug to report, not to wait out.
-                            tracing::error!(
-                                topic,
-                                partition = element.partition(),
-                                ?other,
-                                "ListOffsets answered without an offset."
-                            );
-                            return Err(KafkaError::OffsetFetch(
-                                RDKafkaErrorCode::InvalidPartitions,
-                            ));
-                        }
-                    }
+        let mut failed = None;
+        for element in consumer.offsets_for_times(asked, left)?.elements() {
+            match (element.error(), element.offset()) {
+                (Ok(()), Offset::Offset(offset)) => {
+                    found.insert(element.partition(), offset);
                 }
-                match failed {
-                    None => return Ok(found),
-                    Some(e) => e,
+                (Err(e), _) => failed = Some(e),
+                (Ok(()), other) => {
+                    // A broker answers every partition with an offset; anything else is
+                    // a bug to report, not to wait out.
+                    tracing::error!(
+                        topic,
+                        partition = element.partition(),
+                        ?other,
+                        "ListOffsets answered without an offset."
+                    );
+                    return Err(KafkaError::OffsetFetch(RDKafkaErrorCode::InvalidPartitions));
                 }
             }
-            Err(e) => e,
-        };
-        if !(is_transient(&failed) && Instant::now() + pause < deadline) {
-            return Err(failed);
         }
-        if !warned && started.elapsed() >= Duration::from_secs(2) {
-            warned = true;
-            tracing::warn!(
-                topic,
-                error = %failed,
-                waited_ms = started.elapsed().as_millis() as u64,
-                "Offsets still not available (a leader moving?); retrying until the deadline."
-            );
-        } else {
-            tracing::debug!(topic, error = %failed, "Offsets not available yet; retrying.");
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_secs(1));
-        let left = deadline.saturating_duration_since(Instant::now());
-        let _ = consumer.fetch_metadata(Some(topic), left.min(Duration::from_secs(2)));
+        failed.map_or(Ok(()), Err)
+    })?;
+    // Every partition asked has its offset, or none is returned: a caller never reads a
+    // missing one as 0.
+    if let Some(missing) = partitions.iter().find(|p| !found.contains_key(*p)) {
+        tracing::error!(
+            topic,
+            partition = missing,
+            "ListOffsets left a partition unanswered."
+        );
+        return Err(KafkaError::OffsetFetch(RDKafkaErrorCode::UnknownPartition));
     }
+    Ok(found)
 }

@@ -86,9 +86,8 @@ struct Progress {
 /// (`None`: a tombstone).
 pub type Change<'a> = (i32, &'a str, Option<&'a RunState>, Option<&'a RunState>);
 
-/// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
-/// For the partitions in `track` (warm ones), every change is also handed to `observe`.
-/// Asks one end (log start or high watermark) of several partitions of a topic at once.
+/// Asks one end (log start or high watermark) of several partitions of a topic at once;
+/// a partition missing from the answer fails the restore.
 pub type Ends<'a> = dyn Fn(&str, &[i32], sortie_kafka::End) -> Result<BTreeMap<i32, i64>, rdkafka::error::KafkaError>
     + 'a;
 
@@ -102,6 +101,8 @@ pub struct Sources<'a> {
     pub store: &'a Store,
 }
 
+/// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
+/// For the partitions in `track` (warm ones), every change is also handed to `observe`.
 pub fn partitions(
     sources: Sources<'_>,
     plan: &BTreeMap<i32, Option<u64>>,
@@ -137,15 +138,19 @@ pub fn partitions(
     // consumer (`Offset::Beginning` makes librdkafka look it up after the first fetch
     // request left, and the partition then waits out that fetch).
     let starts = ends(&topic, &cold, sortie_kafka::End::Earliest)?;
+    let unanswered =
+        |partition: i32| Error::Setup(format!("no offset of {topic}[{partition}] was answered"));
     for (&partition, &from) in plan {
-        let high = highs.get(&partition).copied().unwrap_or(0);
+        let high = *highs.get(&partition).ok_or_else(|| unanswered(partition))?;
         if from.is_none() {
             store.forget_partition(partition)?;
         }
-        let next = from.map_or_else(
-            || starts.get(&partition).copied().unwrap_or(0),
-            |o| o as i64,
-        );
+        let next = match from {
+            Some(offset) => offset as i64,
+            None => *starts
+                .get(&partition)
+                .ok_or_else(|| unanswered(partition))?,
+        };
         restored.records.insert(partition, 0);
         if next >= high {
             // Nothing to read. A cold partition gets its marker now (an empty partition

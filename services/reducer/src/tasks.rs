@@ -375,7 +375,7 @@ const WATERMARKS_WAIT: Duration = Duration::from_secs(30);
 /// had committed yet, that was a second before the first commit.
 fn from_log_start(
     marks: &BaseConsumer,
-    committed: TopicPartitionList,
+    mut committed: TopicPartitionList,
 ) -> Result<TopicPartitionList, KafkaError> {
     let mut unset: BTreeMap<String, Vec<i32>> = BTreeMap::new();
     for element in committed.elements() {
@@ -386,34 +386,20 @@ fn from_log_start(
                 .push(element.partition());
         }
     }
-    if unset.is_empty() {
-        return Ok(committed);
-    }
     let deadline = Instant::now() + WATERMARKS_WAIT;
-    let mut starts = BTreeMap::new();
     for (topic, partitions) in &unset {
-        let found = sortie_kafka::list_offsets(
+        let starts = sortie_kafka::list_offsets(
             marks,
             topic,
             partitions,
             sortie_kafka::End::Earliest,
             deadline,
         )?;
-        for (partition, offset) in found {
-            starts.insert((topic.clone(), partition), offset);
+        for (partition, start) in starts {
+            committed.set_partition_offset(topic, partition, Offset::Offset(start))?;
         }
     }
-    let mut assignment = TopicPartitionList::new();
-    for element in committed.elements() {
-        let offset = match element.offset() {
-            Offset::Offset(o) => Offset::Offset(o),
-            other => starts
-                .get(&(element.topic().to_owned(), element.partition()))
-                .map_or(other, |&o| Offset::Offset(o)),
-        };
-        assignment.add_partition_offset(element.topic(), element.partition(), offset)?;
-    }
-    Ok(assignment)
+    Ok(committed)
 }
 
 /// How long an assignment waits for stable committed offsets, all tries together.
