@@ -54,11 +54,12 @@ const DEADLINE: Duration = Duration::from_secs(120);
 const DECODE_CHUNK: usize = 256;
 const DECODE_AHEAD: usize = 16;
 
-/// The restore consumer's fetch sizes and prefetch queue (see where they are set).
+/// The restore consumer's fetch sizes (see where they are set).
 const FETCH_MAX_BYTES: &str = "2097152";
 const PARTITION_FETCH_MAX_BYTES: &str = "524288";
-const QUEUED_MAX_KBYTES: &str = "16384";
-const QUEUED_MIN_MESSAGES: &str = "10000";
+/// How long a partition whose prefetch queue is full waits before it is fetched again
+/// (librdkafka's default, 1 s, stalled a restore that had caught up with its queue).
+const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 
 /// How often a long restore says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
@@ -196,8 +197,7 @@ pub fn partitions(
         // they deliver. README "Performance".
         .set("fetch.max.bytes", FETCH_MAX_BYTES)
         .set("max.partition.fetch.bytes", PARTITION_FETCH_MAX_BYTES)
-        .set("queued.max.messages.kbytes", QUEUED_MAX_KBYTES)
-        .set("queued.min.messages", QUEUED_MIN_MESSAGES)
+        .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
         // A partition whose tail is only transaction markers (a warm restart: the last
         // commit's) delivers no message; its end event wakes the read at once instead of
         // a 200 ms poll timeout later.
