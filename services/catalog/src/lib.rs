@@ -25,7 +25,8 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 use sha2::{Digest, Sha256};
 use sortie_core::graph::InvalidGraph;
 use sortie_core::{Graph, Graphs};
-use sortie_kafka::{read, KafkaConfig};
+use sortie_kafka::read::{self, ReaderContext};
+use sortie_kafka::KafkaConfig;
 use sortie_wire::records::GraphDefinition;
 use sortie_wire::{Codec, DecodeError, EncodeError, Topics};
 use tokio::runtime::Handle;
@@ -498,7 +499,7 @@ enum Polled {
 /// An assigned, never-committing `read_committed` consumer over every partition of a topic,
 /// tracking how far each partition has been read.
 struct Reader {
-    consumer: BaseConsumer,
+    consumer: BaseConsumer<ReaderContext>,
     topic: String,
     /// Per partition: every offset below this has been read (or does not exist).
     next: BTreeMap<i32, i64>,
@@ -506,7 +507,7 @@ struct Reader {
 
 impl Reader {
     fn open(kafka: &KafkaConfig, topic: &str) -> Result<Self, Error> {
-        let consumer: BaseConsumer = kafka
+        let consumer: BaseConsumer<ReaderContext> = kafka
             .client()
             .set("group.id", THROWAWAY_GROUP)
             .set("enable.auto.commit", "false")
@@ -514,7 +515,7 @@ impl Reader {
             .set("enable.partition.eof", "true")
             .set("isolation.level", "read_committed")
             .set("auto.offset.reset", "earliest")
-            .create()
+            .create_with_context(ReaderContext)
             .map_err(kafka_error("creating a consumer"))?;
         let partitions = read::partition_ids(consumer.client(), topic, METADATA_TIMEOUT)
             .map_err(kafka_error(format!("fetching the metadata of {topic}")))?;

@@ -17,11 +17,12 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, StreamConsumer};
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedMessage;
-use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
+use rdkafka::{Message, Offset, TopicPartitionList};
 use sortie_core::{Event, EventBody};
+use sortie_kafka::read::ReaderContext;
 use sortie_kafka::KafkaConfig;
 use sortie_model as convert;
 use sortie_wire::records as w;
@@ -374,23 +375,6 @@ fn fold(
     }))
 }
 
-/// The view consumer's context: reaching the end of a partition is how readiness is
-/// measured, not an error worth a log line.
-struct ViewContext;
-
-impl ClientContext for ViewContext {
-    fn error(&self, error: KafkaError, reason: &str) {
-        if !matches!(
-            error,
-            KafkaError::Global(RDKafkaErrorCode::PartitionEOF) | KafkaError::PartitionEOF(_)
-        ) {
-            tracing::warn!(%error, reason, "The view's Kafka client reported an error.");
-        }
-    }
-}
-
-impl ConsumerContext for ViewContext {}
-
 /// Partition ids of a topic and the end offset of each.
 fn layout(kafka: &KafkaConfig, group: &str, topic: &str) -> Result<BTreeMap<i32, i64>, Error> {
     let consumer: BaseConsumer = kafka
@@ -453,7 +437,7 @@ pub async fn start(
 
     let stored_states = store.offsets(Source::RunState)?;
     let stored_events = store.offsets(Source::RunEvents)?;
-    let consumer: StreamConsumer<ViewContext> = kafka
+    let consumer: StreamConsumer<ReaderContext> = kafka
         .client()
         .set("group.id", &group)
         .set("enable.auto.commit", "false")
@@ -461,7 +445,7 @@ pub async fn start(
         .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed")
         .set("auto.offset.reset", "earliest")
-        .create_with_context(ViewContext)
+        .create_with_context(ReaderContext)
         .map_err(kafka_error("creating the view consumer"))?;
     let mut assignment = TopicPartitionList::new();
     for (topic, ends, stored) in [
@@ -516,7 +500,7 @@ pub async fn start(
 
 struct Follower {
     view: Arc<View>,
-    consumer: StreamConsumer<ViewContext>,
+    consumer: StreamConsumer<ReaderContext>,
     codec: Arc<Codec>,
     /// Opens sealed payloads as they come in (`None`: they are kept as they are).
     run_keys: Option<sortie_seal::RunKeys>,

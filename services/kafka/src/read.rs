@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::client::{Client, ClientContext};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::Offset;
 
@@ -52,6 +52,34 @@ pub enum Next {
     /// decode): its later records are passed over and it counts as done.
     StopPartition,
 }
+
+/// The context of a reader that sets `enable.partition.eof`: reaching the end of a
+/// partition is how it knows it has read everything, not an error. librdkafka also
+/// reports an empty partition's end as a client-wide error, which the default context
+/// logged at ERROR once per start; other errors are warnings (a read is bounded and
+/// reports its own failure).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ReaderContext;
+
+impl ReaderContext {
+    /// Whether `error` is only a partition's end.
+    pub fn is_end_of_partition(error: &KafkaError) -> bool {
+        matches!(
+            error,
+            KafkaError::Global(RDKafkaErrorCode::PartitionEOF) | KafkaError::PartitionEOF(_)
+        )
+    }
+}
+
+impl ClientContext for ReaderContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !Self::is_end_of_partition(&error) {
+            tracing::warn!(%error, reason, "A reader's Kafka client reported an error.");
+        }
+    }
+}
+
+impl ConsumerContext for ReaderContext {}
 
 /// The partition ids of `topic`; empty when the topic does not exist.
 /// Asked through any client: a consumer's (`consumer.client()`) or a producer's.
@@ -196,4 +224,22 @@ where
         }
     }
     Ok(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_partitions_end_is_quiet() {
+        assert!(ReaderContext::is_end_of_partition(&KafkaError::Global(
+            RDKafkaErrorCode::PartitionEOF
+        )));
+        assert!(ReaderContext::is_end_of_partition(
+            &KafkaError::PartitionEOF(3)
+        ));
+        assert!(!ReaderContext::is_end_of_partition(&KafkaError::Global(
+            RDKafkaErrorCode::AllBrokersDown
+        )));
+    }
 }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sortie_core::RunState;
-use sortie_kafka::read::{Next, ReadError};
+use sortie_kafka::read::{Next, ReadError, ReaderContext};
 use sortie_kafka::KafkaConfig;
 use sortie_wire::records as w;
 use sortie_wire::{Codec, Topics};
@@ -202,7 +202,7 @@ pub fn partitions(
         // commit's) delivers no message; its end event wakes the read at once instead of
         // a 200 ms poll timeout later.
         .set("enable.partition.eof", "true");
-    let consumer: BaseConsumer = config.create()?;
+    let consumer: BaseConsumer<ReaderContext> = config.create_with_context(ReaderContext)?;
     consumer.assign(&assignment)?;
 
     let spans = progress

@@ -8,7 +8,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sortie_kafka::{read, KafkaConfig};
+use sortie_kafka::read::{self, ReaderContext};
+use sortie_kafka::KafkaConfig;
 
 use crate::error::Error;
 use crate::record::Record;
@@ -49,13 +50,13 @@ pub fn replay(kafka: &KafkaConfig, topic: &str) -> Result<State, Error> {
     let started = Instant::now();
     // librdkafka refuses assign() without a group.id; the group is never joined (no
     // subscribe) and no offsets are committed.
-    let consumer: BaseConsumer = kafka
+    let consumer: BaseConsumer<ReaderContext> = kafka
         .client()
         .set("group.id", "sortie-registry-replay")
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
         .set("auto.offset.reset", "earliest")
-        .create()?;
+        .create_with_context(ReaderContext)?;
     // A freshly created topic may take a moment to show up in metadata.
     let (low, high) =
         sortie_kafka::fetch_watermarks(&consumer, topic, PARTITION, started + REPLAY_DEADLINE)?;
