@@ -115,9 +115,6 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
             producer_config.set(key, value); // given properties still win
         }
     }
-    producer_config
-        .set("linger.ms", "2")
-        .set("compression.type", "zstd");
     // Polled by this thread, like the reducer's: a producer with a background polling
     // thread makes commit_transaction's flush wait out 100 ms slices.
     let producer: BaseProducer = producer_config.create()?;

@@ -69,8 +69,10 @@ impl KafkaConfig {
 
     /// Configuration for a transactional producer with id `transactional_id`: idempotent,
     /// a transaction timeout short enough that a dead producer cannot hold
-    /// `read_committed` readers for long, and the retry backoff transactions need. Set
-    /// properties win, as everywhere.
+    /// `read_committed` readers for long, the retry backoff transactions need, a 2 ms
+    /// linger (a transaction's records are handed over at once and go out in few
+    /// requests) and zstd (a run's states repeat its payloads). Set properties win, as
+    /// everywhere.
     pub fn transactional_producer(&self, transactional_id: &str) -> ClientConfig {
         let mut config = self.producer();
         config
@@ -78,7 +80,9 @@ impl KafkaConfig {
             .set("enable.idempotence", "true")
             .set("transaction.timeout.ms", "15000")
             .set("retry.backoff.ms", TXN_RETRY_BACKOFF_MS)
-            .set("retry.backoff.max.ms", TXN_RETRY_BACKOFF_MAX_MS);
+            .set("retry.backoff.max.ms", TXN_RETRY_BACKOFF_MAX_MS)
+            .set("linger.ms", "2")
+            .set("compression.type", "zstd");
         for (key, value) in &self.properties {
             config.set(key, value);
         }
@@ -122,5 +126,26 @@ impl KafkaConfig {
         // Unlike the producers', these settings win over the properties file: a
         // `read_uncommitted` or auto-committing member would break exactly-once.
         config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_properties_file_overrides_the_transactional_producers_defaults() {
+        let mut kafka = KafkaConfig::new("127.0.0.1:9092");
+        let defaults = kafka.transactional_producer("t.reducer-0");
+        assert_eq!(defaults.get("linger.ms"), Some("2"));
+        assert_eq!(defaults.get("compression.type"), Some("zstd"));
+        assert_eq!(defaults.get("retry.backoff.ms"), Some(TXN_RETRY_BACKOFF_MS));
+        for (key, value) in [("linger.ms", "0"), ("compression.type", "lz4")] {
+            kafka.properties.insert(key.into(), value.into());
+        }
+        let set = kafka.transactional_producer("t.reducer-0");
+        assert_eq!(set.get("linger.ms"), Some("0"));
+        assert_eq!(set.get("compression.type"), Some("lz4"));
+        assert_eq!(set.get("transactional.id"), Some("t.reducer-0"));
     }
 }

@@ -135,19 +135,6 @@ impl ReducerConfig {
     pub fn transactional_id(&self) -> String {
         format!("{}-{}", self.group_id, self.instance_id)
     }
-
-    /// The transactional producer's settings: the reducer's defaults (a 2 ms linger, zstd:
-    /// states repeat their runs' payloads), which the properties file overrides, as
-    /// everywhere.
-    fn producer_config(&self) -> rdkafka::ClientConfig {
-        let mut producer = self.kafka.transactional_producer(&self.transactional_id());
-        for (key, value) in [("linger.ms", "2"), ("compression.type", "zstd")] {
-            if !self.kafka.properties.contains_key(key) {
-                producer.set(key, value);
-            }
-        }
-        producer
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -247,7 +234,8 @@ impl Reducer {
         let (producer, graphs) = std::thread::scope(|scope| {
             let init = scope.spawn(|| -> Result<TxnProducer, Error> {
                 let producer: TxnProducer = config
-                    .producer_config()
+                    .kafka
+                    .transactional_producer(&config.transactional_id())
                     .create_with_context(Deliveries::default())?;
                 let timeout = Duration::from_secs(30);
                 watchdog.bound("init_transactions", timeout, || {
@@ -588,34 +576,5 @@ impl Engine {
             );
         }
         failure
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config(properties: &[(&str, &str)]) -> ReducerConfig {
-        let mut kafka = KafkaConfig::new("127.0.0.1:9092");
-        for (key, value) in properties {
-            kafka.properties.insert((*key).into(), (*value).into());
-        }
-        ReducerConfig::new(
-            kafka,
-            "http://registry",
-            Topics::new("t."),
-            PathBuf::from("."),
-        )
-    }
-
-    #[test]
-    fn the_properties_file_overrides_the_producers_defaults() {
-        let defaults = config(&[]).producer_config();
-        assert_eq!(defaults.get("linger.ms"), Some("2"));
-        assert_eq!(defaults.get("compression.type"), Some("zstd"));
-        let set = config(&[("linger.ms", "0"), ("compression.type", "lz4")]).producer_config();
-        assert_eq!(set.get("linger.ms"), Some("0"));
-        assert_eq!(set.get("compression.type"), Some("lz4"));
-        assert_eq!(set.get("transactional.id"), Some("t.reducer-0"));
     }
 }
