@@ -12,6 +12,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::{ClientConfig, ClientContext, Message, Offset, TopicPartitionList};
 use sortie_devkit::local::{BrokerConfig, LocalBroker, Status};
+use sortie_kafka::produce::PolledProducer;
 use sortie_tests::{
     bootstrap, create_topic, key_value, produce, read_all, test_broker, unique_prefix, wait_for,
     wait_until, workspace_root, Isolation,
@@ -344,6 +345,49 @@ impl Drop for StopOnDrop {
             eprintln!("stopping the lifecycle broker: {error}");
         }
     }
+}
+
+/// `PolledProducer::serve` returns when a delivery report has come, not when its wait
+/// runs out (rdkafka's `BaseProducer::poll` polls until its timeout, however early the
+/// report): 40 rounds of one record, each waited for with a 20 s `serve`, must each end
+/// well inside one such wait, and with the report. A lost wake-up (the event queue turned
+/// non-empty while nobody looked, so no byte came) makes a round wait its whole 20 s.
+/// Red-proofed: with `serve`'s wait replaced by `BaseProducer::poll(wait)` the first
+/// round takes 20 s and the test fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polled_producer_wakes_at_each_delivery_report() {
+    let bootstrap = bootstrap().await;
+    let topic = format!("{}wake", unique_prefix("wake"));
+    create_topic(&bootstrap, &topic, 1, &[]).await;
+    tokio::task::spawn_blocking(move || {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &bootstrap)
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "0");
+        let producer = PolledProducer::create(&config, Deliveries::default())
+            .expect("creating the polled producer");
+        let wait = Duration::from_secs(20);
+        for round in 1..=40 {
+            producer
+                .send(BaseRecord::to(&topic).key("k").payload("v"))
+                .map_err(|(error, _)| error)
+                .expect("queueing a record");
+            let started = Instant::now();
+            while producer.context().ok.load(Ordering::SeqCst) < round {
+                producer.serve(wait);
+                let failed = producer.context().failed.lock().expect("deliveries lock");
+                assert!(failed.is_empty(), "deliveries failed: {failed:?}");
+                assert!(
+                    started.elapsed() < wait / 2,
+                    "round {round}: the report took {:?} to be served with a {wait:?} wait",
+                    started.elapsed()
+                );
+            }
+        }
+    })
+    .await
+    .expect("the producer thread");
 }
 
 fn free_port_pair() -> (u16, u16) {

@@ -19,10 +19,11 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::{json, Value};
+use sortie_kafka::produce::PolledProducer;
 use sortie_kafka::KafkaConfig;
 use tokio::runtime::Handle;
 
@@ -115,9 +116,10 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
             producer_config.set(key, value); // given properties still win
         }
     }
-    // Polled by this thread, like the reducer's: a producer with a background polling
-    // thread makes commit_transaction's flush wait out 100 ms slices.
-    let producer: BaseProducer = producer_config.create()?;
+    // Polled by this thread, like the reducer's (and woken the same way: a producer with
+    // a background polling thread makes commit_transaction's flush wait out 100 ms
+    // slices).
+    let producer = PolledProducer::create(&producer_config, DefaultProducerContext)?;
     producer.init_transactions(Duration::from_secs(30))?;
     consumer.subscribe(&[&input])?;
 
@@ -172,7 +174,7 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
                             break;
                         }
                         Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                            producer.poll(Duration::from_millis(5));
+                            producer.serve(Duration::from_millis(5));
                             record = back;
                         }
                         Err((e, _)) => bail!("ceiling produce failed: {e}"),
@@ -199,7 +201,7 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
         let _ = sent;
         let drain_deadline = Instant::now() + Duration::from_secs(60);
         while producer.in_flight_count() > 0 {
-            producer.poll(Duration::from_millis(5));
+            producer.serve(drain_deadline.saturating_duration_since(Instant::now()));
             if Instant::now() > drain_deadline {
                 bail!("ceiling deliveries did not drain in 60 s");
             }

@@ -10,6 +10,7 @@ pub mod clock;
 mod config;
 pub mod fault;
 pub mod metrics;
+pub mod produce;
 pub mod read;
 pub mod topology;
 mod watermarks;

@@ -233,10 +233,12 @@ impl Reducer {
         // trips to the broker, and a restart waits for the slower only.
         let (producer, graphs) = std::thread::scope(|scope| {
             let init = scope.spawn(|| -> Result<TxnProducer, Error> {
-                let producer: TxnProducer = config
-                    .kafka
-                    .transactional_producer(&config.transactional_id())
-                    .create_with_context(Deliveries::default())?;
+                let producer = TxnProducer::create(
+                    &config
+                        .kafka
+                        .transactional_producer(&config.transactional_id()),
+                    Deliveries::default(),
+                )?;
                 let timeout = Duration::from_secs(30);
                 watchdog.bound("init_transactions", timeout, || {
                     producer.init_transactions(timeout)

@@ -23,8 +23,9 @@ use std::sync::Mutex;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
+use sortie_kafka::produce::PolledProducer;
 
 use crate::batch::{Output, PendingBatch};
 use crate::convert;
@@ -33,11 +34,12 @@ use crate::engine::Engine;
 use crate::fault::{self, FaultPoint};
 use crate::metrics as meter;
 
-/// The reducer's transactional producer. A `BaseProducer` polled by the loop itself:
-/// with a background polling thread (`FutureProducer`), `commit_transaction`'s own flush
-/// raced that thread for the last delivery reports and often waited out a whole 100 ms
-/// poll slice after every delivery had already been awaited.
-pub(crate) type TxnProducer = BaseProducer<Deliveries>;
+/// The reducer's transactional producer, polled by the loop itself: with a background
+/// polling thread (`FutureProducer`), `commit_transaction`'s own flush raced that thread
+/// for the last delivery reports and often waited out a whole 100 ms poll slice after
+/// every delivery had already been awaited. Its waits end at the report that ends them
+/// (`PolledProducer::serve`).
+pub(crate) type TxnProducer = PolledProducer<Deliveries>;
 
 /// Delivery reports of the open transaction: (record index, partition and offset, or the
 /// error).
@@ -267,7 +269,7 @@ impl Engine {
                     Ok(()) => break,
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
                         // The local queue is full: serve delivery reports, then try again.
-                        producer.poll(Duration::from_millis(5));
+                        producer.serve(Duration::from_millis(5));
                         record = back;
                     }
                     Err((e, _)) => return Err(self.abort_after(e)),
@@ -321,12 +323,15 @@ impl Engine {
     pub fn serve_deliveries(&self, sending: &mut Sending, wait: Duration) -> Result<bool, Failure> {
         let producer = &self.producer;
         let deadline = Instant::now() + wait;
+        if sending.delivered() {
+            // The last report came in an earlier call: nothing is left to wait for (a
+            // wait here would sit out `wait` for an event that never comes).
+            return Ok(true);
+        }
         loop {
-            producer.poll(
-                deadline
-                    .saturating_duration_since(Instant::now())
-                    .min(Duration::from_millis(5)),
-            );
+            // Returns at the first report (or error) served, so the loop below sees
+            // each report as it comes.
+            producer.serve(deadline.saturating_duration_since(Instant::now()));
             for (index, report) in producer.context().take() {
                 sending.reported += 1;
                 match report {

@@ -115,8 +115,9 @@ impl Inner {
 
 /// Says why, then ends the process without running destructors or exit handlers: the
 /// stuck thread holds librdkafka's locks, and `exit`'s handlers (OpenSSL's cleanup among
-/// them) would run under the client's live threads. The workspace's one `unsafe`: `_exit`
-/// has no precondition to break, and nothing runs after it.
+/// them) would run under the client's live threads. One of the workspace's few `unsafe`
+/// calls (each with its SAFETY note): `_exit` has no precondition to break, and nothing
+/// runs after it.
 #[allow(unsafe_code)]
 fn wedged(armed: Armed, late: Duration) -> ! {
     tracing::error!(
