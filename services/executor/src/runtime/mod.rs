@@ -220,11 +220,20 @@ pub async fn run_with_health(
             .map_err(|e| Error::Registry(e.to_string()))?;
     }
     let mut producer_config = config.kafka.producer();
+    // Batching and compression yield to the properties file (as the reducer's do);
+    // idempotence and acks, which keep a result from being lost or doubled, do not.
+    for (key, value) in [
+        ("linger.ms", "1"),
+        ("compression.type", "zstd"),
+        ("compression.level", sortie_kafka::ZSTD_LEVEL),
+    ] {
+        if !config.kafka.properties.contains_key(key) {
+            producer_config.set(key, value);
+        }
+    }
     producer_config
         .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("linger.ms", "1")
-        .set("compression.type", "zstd");
+        .set("acks", "all");
     let producer: FutureProducer = producer_config.create()?;
     let result_partitions = {
         let producer = producer.clone();
