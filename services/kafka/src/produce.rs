@@ -61,10 +61,16 @@ impl<C: ProducerContext + 'static> PolledProducer<C> {
         self.drain();
     }
 
-    /// Serves the events on the queue until it is empty; whether there were any.
+    /// Serves the events on the queue until it is empty; whether there were any. Bounded,
+    /// so that an op librdkafka would never hand out cannot hold the caller here: the
+    /// wait then returns at once (the queue is not empty) and the caller's deadline
+    /// decides.
     fn drain(&self) -> bool {
         let mut served = false;
-        while self.wakeup.queued() > 0 {
+        for _ in 0..DRAIN_BOUND {
+            if self.wakeup.queued() == 0 {
+                break;
+            }
             // One event per call; its handler runs the context's callbacks.
             self.producer.poll(Duration::ZERO);
             served = true;
@@ -105,6 +111,10 @@ unsafe impl Send for QueueHandle {}
 // SAFETY: as above; `queued` is the only call made through a shared reference.
 #[allow(unsafe_code)]
 unsafe impl Sync for QueueHandle {}
+
+/// At most this many events are served per drain (one delivery report event carries
+/// many records' reports).
+const DRAIN_BOUND: usize = 100_000;
 
 /// The byte librdkafka writes on a wake-up.
 const WAKE: [u8; 1] = [1];
@@ -170,11 +180,12 @@ impl Wakeup {
                 return;
             }
             // A read timeout needs a blocking descriptor; it goes back to non-blocking for
-            // `clear`. Should a socket call fail, the wait ends early: the caller's loop
-            // serves the queue and calls again.
-            if self.read.set_nonblocking(false).is_err()
-                || self.read.set_read_timeout(Some(left)).is_err()
+            // `clear`, on every path. Should a socket call fail, the wait ends early: the
+            // caller's loop serves the queue and calls again.
+            if self.read.set_read_timeout(Some(left)).is_err()
+                || self.read.set_nonblocking(false).is_err()
             {
+                let _ = self.read.set_nonblocking(true);
                 return;
             }
             let read = (&self.read).read(&mut buf);
