@@ -31,6 +31,12 @@ pub const TXN_RETRY_BACKOFF_MAX_MS: &str = "20";
 /// against 79 / 90 ms at level 3. Set properties win.
 pub const ZSTD_LEVEL: &str = "1";
 
+/// The compression settings of Sortie's zstd producers, as producer defaults.
+pub const ZSTD_COMPRESSION: [(&str, &str); 2] = [
+    ("compression.type", "zstd"),
+    ("compression.level", ZSTD_LEVEL),
+];
+
 /// How a Sortie service reaches Kafka.
 ///
 /// `properties` are passed to librdkafka unchanged, so SASL and TLS settings
@@ -67,10 +73,20 @@ impl KafkaConfig {
     /// client (murmur2) so that a key lands on the same partition whoever produced it;
     /// run-scoped records are additionally sent to an explicit partition.
     pub fn producer(&self) -> ClientConfig {
+        self.producer_with(&[])
+    }
+
+    /// [`KafkaConfig::producer`] with a caller's `defaults` (batching, compression, ...),
+    /// which the properties file overrides, as everywhere. Settings that must win over the
+    /// properties are set by the caller afterwards.
+    pub fn producer_with(&self, defaults: &[(&str, &str)]) -> ClientConfig {
         let mut config = self.client();
         config
             .set("partitioner", "murmur2_random")
             .set("message.max.bytes", MAX_RECORD_BYTES.to_string());
+        for (key, value) in defaults {
+            config.set(*key, *value);
+        }
         for (key, value) in &self.properties {
             config.set(key, value);
         }
@@ -84,20 +100,17 @@ impl KafkaConfig {
     /// requests) and zstd at [`ZSTD_LEVEL`] (a run's states repeat its payloads). Set
     /// properties win, as everywhere.
     pub fn transactional_producer(&self, transactional_id: &str) -> ClientConfig {
-        let mut config = self.producer();
-        config
-            .set("transactional.id", transactional_id)
-            .set("enable.idempotence", "true")
-            .set("transaction.timeout.ms", "15000")
-            .set("retry.backoff.ms", TXN_RETRY_BACKOFF_MS)
-            .set("retry.backoff.max.ms", TXN_RETRY_BACKOFF_MAX_MS)
-            .set("linger.ms", "2")
-            .set("compression.type", "zstd")
-            .set("compression.level", ZSTD_LEVEL);
-        for (key, value) in &self.properties {
-            config.set(key, value);
-        }
-        config
+        let [compression, level] = ZSTD_COMPRESSION;
+        self.producer_with(&[
+            ("transactional.id", transactional_id),
+            ("enable.idempotence", "true"),
+            ("transaction.timeout.ms", "15000"),
+            ("retry.backoff.ms", TXN_RETRY_BACKOFF_MS),
+            ("retry.backoff.max.ms", TXN_RETRY_BACKOFF_MAX_MS),
+            ("linger.ms", "2"),
+            compression,
+            level,
+        ])
     }
 
     /// Configuration for a member of consumer group `group` that commits its own offsets

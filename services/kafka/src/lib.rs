@@ -15,5 +15,5 @@ pub mod read;
 pub mod topology;
 mod watermarks;
 
-pub use config::{KafkaConfig, MAX_RECORD_BYTES, ZSTD_LEVEL};
+pub use config::{KafkaConfig, MAX_RECORD_BYTES, ZSTD_COMPRESSION};
 pub use watermarks::{fetch_watermarks, is_transient, list_offsets, End};

@@ -219,18 +219,12 @@ pub async fn run_with_health(
             .await
             .map_err(|e| Error::Registry(e.to_string()))?;
     }
-    let mut producer_config = config.kafka.producer();
     // Batching and compression yield to the properties file (as the reducer's do);
     // idempotence and acks, which keep a result from being lost or doubled, do not.
-    for (key, value) in [
-        ("linger.ms", "1"),
-        ("compression.type", "zstd"),
-        ("compression.level", sortie_kafka::ZSTD_LEVEL),
-    ] {
-        if !config.kafka.properties.contains_key(key) {
-            producer_config.set(key, value);
-        }
-    }
+    let [compression, level] = sortie_kafka::ZSTD_COMPRESSION;
+    let mut producer_config = config
+        .kafka
+        .producer_with(&[("linger.ms", "1"), compression, level]);
     producer_config
         .set("enable.idempotence", "true")
         .set("acks", "all");
