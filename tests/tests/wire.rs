@@ -6,10 +6,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use rdkafka::Message;
+use schema_registry_converter::async_impl::{avro::AvroEncoder, schema_registry::SrSettings};
+use schema_registry_converter::schema_registry_common::{
+    SchemaType, SubjectNameStrategy, SuppliedSchema,
+};
 use sortie_kafka::KafkaConfig;
 use sortie_tests::{Isolation, ServedRegistry};
 use sortie_wire::records::*;
-use sortie_wire::{partition_for, Codec, CodecConfig, DecodeError, RecordKind, Topics};
+use sortie_wire::{partition_for, Codec, CodecConfig, DecodeError, Record, RecordKind, Topics};
 
 fn start_run(run_id: &str) -> RunCommand {
     RunCommand {
@@ -181,4 +185,149 @@ async fn an_unreachable_registry_is_retryable_not_a_dead_letter() {
         .await
         .expect_err("no registry");
     assert!(error.is_retryable(), "{error:?}");
+}
+
+/// The converter's bytes for `record` on `topic`: what the codec wrote before it wrote
+/// directly, and what any Confluent client writes with the same schema.
+async fn converter_bytes<R: Record>(
+    encoder: &AvroEncoder,
+    topic: &str,
+    record: &R,
+) -> anyhow::Result<Vec<u8>> {
+    let strategy = SubjectNameStrategy::TopicNameStrategyWithSchema(
+        topic.to_owned(),
+        false,
+        SuppliedSchema::new(
+            Some(R::KIND.full_name().to_owned()),
+            SchemaType::Avro,
+            R::KIND.schema_text().to_owned(),
+        ),
+    );
+    Ok(encoder.encode_struct(record, &strategy).await?)
+}
+
+#[tokio::test]
+async fn direct_encoding_writes_the_converters_bytes() -> anyhow::Result<()> {
+    let bootstrap = sortie_tests::bootstrap().await;
+    let prefix = sortie_tests::unique_prefix("wire-direct");
+    let kafka = KafkaConfig::new(bootstrap);
+    let registry = ServedRegistry::start(&kafka, &format!("{prefix}_schemas")).await?;
+    let codec = Codec::new(&CodecConfig {
+        registry_url: registry.url.clone(),
+        auto_register: true,
+    });
+    let encoder = AvroEncoder::new(SrSettings::new(registry.url.clone()));
+    let topics = Topics::new(prefix);
+
+    // Twice each: the first record asks the registry, the second is written from memory.
+    for _ in 0..2 {
+        let mut approve = start_run("run_a");
+        approve.body = CommandBody::ResumeRun(ResumeRun {
+            interrupt_id: "refund#0".into(),
+            proposal_hash: "ab".into(),
+            decision: Decision::Approve,
+            payload: None,
+            comment: Some("ok ✓".into()),
+            edited_args: Some(r#"{"amount":5}"#.into()),
+            payload_is_input: false,
+        });
+        for command in [start_run("run_s"), approve] {
+            let topic = topics.commands();
+            let direct = codec.encode(&topic, &command).await?;
+            assert_eq!(direct, converter_bytes(&encoder, &topic, &command).await?);
+            assert_eq!(codec.decode::<RunCommand>(Some(&direct)).await?, command);
+        }
+        let state = RunState {
+            tenant: "acme".into(),
+            run_id: "run_01".into(),
+            graph_id: "refund".into(),
+            graph_version: 1,
+            status: RunStatus::WaitingApproval,
+            version: 4,
+            last_event_seq: 9,
+            created_at: 1,
+            updated_at: 2,
+            labels: BTreeMap::from([("team".to_owned(), "billing".to_owned())]),
+            state: r#"{"steps":{}}"#.into(),
+        };
+        let topic = topics.run_state();
+        let direct = codec.encode(&topic, &state).await?;
+        assert_eq!(direct, converter_bytes(&encoder, &topic, &state).await?);
+        let event = RunEvent {
+            tenant: "acme".into(),
+            run_id: "run_01".into(),
+            seq: 1,
+            state_version: 1,
+            at: 5,
+            command_id: Some("cmd-run_01".into()),
+            operation_id: None,
+            prev_hash: None,
+            hash: Some("ab".into()),
+            body: EventBody::RunStarted(RunStarted {
+                graph_id: "refund".into(),
+                graph_version: 1,
+                input: "{}".into(),
+                started_by: "svc:orders".into(),
+                labels: BTreeMap::new(),
+                deadline_at: Some(9),
+                budget: None,
+                forked_from: None,
+            }),
+        };
+        let topic = topics.run_events();
+        let direct = codec.encode(&topic, &event).await?;
+        assert_eq!(direct, converter_bytes(&encoder, &topic, &event).await?);
+        assert_eq!(codec.decode::<RunEvent>(Some(&direct)).await?, event);
+    }
+    registry.stop().await
+}
+
+#[tokio::test]
+async fn a_subject_registered_with_another_schema_is_written_with_that_schema() -> anyhow::Result<()>
+{
+    // A newer build registered RunCommand with one more field (with a default) first, and
+    // this process may not register: the latest version is used, so the bytes must be
+    // written with it. Red-proofed: with the codec's schema comparison skipped (every
+    // subject written directly with this build's schema) the record came back undecodable.
+    let bootstrap = sortie_tests::bootstrap().await;
+    let prefix = sortie_tests::unique_prefix("wire-newer");
+    let kafka = KafkaConfig::new(bootstrap);
+    let registry = ServedRegistry::start(&kafka, &format!("{prefix}_schemas")).await?;
+    let topics = Topics::new(prefix);
+    let topic = topics.commands();
+    let mut newer: serde_json::Value = serde_json::from_str(RecordKind::RunCommand.schema_text())?;
+    newer["fields"]
+        .as_array_mut()
+        .expect("a record schema has fields")
+        .push(serde_json::json!({
+            "name": "priority", "type": "string", "default": "normal",
+            "doc": "Added by a newer build."
+        }));
+    let answer = reqwest::Client::new()
+        .post(format!("{}/subjects/{topic}-value/versions", registry.url))
+        .header("Content-Type", "application/vnd.schemaregistry.v1+json")
+        .body(serde_json::json!({ "schema": newer.to_string() }).to_string())
+        .send()
+        .await?;
+    anyhow::ensure!(
+        answer.status().is_success(),
+        "register: {}",
+        answer.text().await?
+    );
+
+    let codec = Codec::new(&CodecConfig {
+        registry_url: registry.url.clone(),
+        auto_register: false,
+    });
+    let command = start_run("run_n");
+    for _ in 0..2 {
+        let bytes = codec.encode(&topic, &command).await?;
+        assert_ne!(
+            &bytes[5..],
+            sortie_wire::to_datum(&command)?.as_slice(),
+            "written with this build's schema under the newer schema's id"
+        );
+        assert_eq!(codec.decode::<RunCommand>(Some(&bytes)).await?, command);
+    }
+    registry.stop().await
 }

@@ -2,6 +2,8 @@
 //! big-endian `u32`, then the Avro binary body. Schemas live in a registry under
 //! TopicNameStrategy (`<topic>-value`).
 
+use std::collections::HashMap;
+use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 
 use apache_avro::{
@@ -98,10 +100,28 @@ impl DecodeError {
 /// `schema_registry_converter` caches failed look-ups and never retries them by itself, so
 /// after a transient registry failure the codec clears those cached errors; callers
 /// pre-register with [`Codec::prepare`] at start-up, which retries.
+///
+/// Encoding asks the registry once per topic and kind. When the subject's schema is this
+/// build's (equal in Parsing Canonical Form, so the bytes are the same), later records are
+/// written directly: the header with the cached id, then the datum through this build's
+/// writer, whose names are resolved once per process. The converter's own path copied the
+/// schema text, the subject and the resolved names on every record (7 % of the reducer's
+/// CPU under load). A subject whose latest schema is another one (registration off, a
+/// newer build registered first) keeps the converter's path, which writes with that schema.
 pub struct Codec {
     encoder: AvroEncoder,
     decoder: AvroDecoder,
     auto_register: bool,
+    routes: RwLock<HashMap<RecordKind, HashMap<String, Route>>>,
+}
+
+/// How records of a kind are encoded for a topic, once the registry has answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// The subject's schema is this build's: the header with this id, then the datum.
+    Direct(u32),
+    /// The subject's schema is another one: the converter writes with it.
+    Registry,
 }
 
 impl std::fmt::Debug for Codec {
@@ -119,6 +139,7 @@ impl Codec {
             encoder: AvroEncoder::new(settings()),
             decoder: AvroDecoder::new(settings()),
             auto_register: config.auto_register,
+            routes: RwLock::new(HashMap::new()),
         }
     }
 
@@ -175,15 +196,74 @@ impl Codec {
 
     /// Encodes `record` for `topic` in the Confluent wire format.
     pub async fn encode<R: Record>(&self, topic: &str, record: &R) -> Result<Vec<u8>, EncodeError> {
-        let strategy = self.strategy(topic, R::KIND);
-        let result = self.encoder.encode_struct(record, &strategy).await;
-        result.map_err(|e| {
-            let error = encode_error(topic, R::KIND, e);
-            if error.is_retryable() {
-                self.encoder.remove_errors_from_cache();
+        match self.route(topic, R::KIND).await? {
+            Route::Direct(id) => {
+                let mut bytes = Vec::with_capacity(256);
+                bytes.push(0);
+                bytes.extend_from_slice(&id.to_be_bytes());
+                writer(R::KIND)
+                    .write_ser(&mut bytes, record)
+                    .map_err(|e| EncodeError::Schema {
+                        kind: R::KIND,
+                        message: e.to_string(),
+                    })?;
+                Ok(bytes)
             }
-            error
-        })
+            Route::Registry => {
+                let strategy = self.strategy(topic, R::KIND);
+                let result = self.encoder.encode_struct(record, &strategy).await;
+                result.map_err(|e| self.encode_failed(topic, R::KIND, e))
+            }
+        }
+    }
+
+    /// How `kind` is encoded for `topic`: asks the registry the first time (registering
+    /// when allowed), then answers from memory. Errors are not remembered.
+    async fn route(&self, topic: &str, kind: RecordKind) -> Result<Route, EncodeError> {
+        let known = self
+            .routes
+            .read()
+            .ok()
+            .and_then(|routes| routes.get(&kind)?.get(topic).copied());
+        if let Some(route) = known {
+            return Ok(route);
+        }
+        let strategy = self.strategy(topic, kind);
+        let subject = strategy
+            .get_subject()
+            .map_err(|e| encode_error(topic, kind, e))?;
+        let registered = self
+            .encoder
+            .get_schema_and_id(&subject, strategy)
+            .await
+            .map_err(|e| self.encode_failed(topic, kind, e))?;
+        let route = if registered.parsed == *kind.schema() {
+            Route::Direct(registered.id)
+        } else {
+            tracing::info!(
+                subject,
+                id = registered.id,
+                "The subject's schema is not this build's; encoding with the registered one."
+            );
+            Route::Registry
+        };
+        if let Ok(mut routes) = self.routes.write() {
+            routes
+                .entry(kind)
+                .or_default()
+                .insert(topic.to_owned(), route);
+        }
+        Ok(route)
+    }
+
+    /// Maps a converter error, clearing the converter's cached failure when it was
+    /// transient so that the next record asks the registry again.
+    fn encode_failed(&self, topic: &str, kind: RecordKind, e: SRCError) -> EncodeError {
+        let error = encode_error(topic, kind, e);
+        if error.is_retryable() {
+            self.encoder.remove_errors_from_cache();
+        }
+        error
     }
 
     /// [`Codec::decode`], waiting out a registry outage: the bytes may be fine, and
@@ -264,13 +344,32 @@ fn value_to_record<R: Record>(value: Value, writer: &Schema) -> Result<R, Decode
 /// Encodes `record` as a bare Avro datum (no wire-format header) with this build's schema.
 /// Used where the schema is known out of band: golden files, hashes, tests.
 pub fn to_datum<R: Record>(record: &R) -> Result<Vec<u8>, EncodeError> {
-    GenericDatumWriter::builder(R::KIND.schema())
-        .build()
-        .and_then(|writer| writer.write_ser_to_vec(record))
+    writer(R::KIND)
+        .write_ser_to_vec(record)
         .map_err(|e| EncodeError::Schema {
             kind: R::KIND,
             message: e.to_string(),
         })
+}
+
+/// This build's writer for `kind`, its named types resolved once per process.
+fn writer(kind: RecordKind) -> &'static GenericDatumWriter<'static> {
+    static WRITERS: OnceLock<Vec<GenericDatumWriter<'static>>> = OnceLock::new();
+    let writers = WRITERS.get_or_init(|| {
+        RecordKind::ALL
+            .iter()
+            .map(|kind| {
+                GenericDatumWriter::builder(kind.schema())
+                    .build()
+                    .unwrap_or_else(|e| {
+                        // The schemas are compiled in and parse (see `RecordKind::schema`);
+                        // one whose names do not resolve is a build defect, not input.
+                        panic!("schemas/{} does not resolve: {e}", kind.file())
+                    })
+            })
+            .collect()
+    });
+    &writers[kind as usize]
 }
 
 /// Decodes a bare Avro datum written with `writer` into `R` (this build's schema).
