@@ -156,6 +156,19 @@ async fn undecodable_bytes_give_typed_dead_letter_reasons() -> anyhow::Result<()
         "{truncated:?}"
     );
 
+    // Forged bodies under a valid schema id (a producer that is not Sortie's) give an
+    // error or a record, never a panic: these bytes reach the reducer's loop, and the
+    // body is read straight into the record. Every byte of a real record, changed one
+    // at a time to each of a few values, and the same with the tail cut off.
+    for at in 5..good.len() {
+        for forged in [0x00, 0x01, 0x7f, 0x80, 0xfe, 0xff] {
+            let mut bytes = good.clone();
+            bytes[at] = forged;
+            let _ = codec.decode::<RunCommand>(Some(&bytes)).await;
+            let _ = codec.decode::<RunCommand>(Some(&bytes[..=at])).await;
+        }
+    }
+
     let tombstone = codec.decode::<RunCommand>(None).await;
     assert!(
         matches!(tombstone, Err(DecodeError::Empty)),

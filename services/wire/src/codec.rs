@@ -113,6 +113,74 @@ pub struct Codec {
     decoder: AvroDecoder,
     auto_register: bool,
     routes: RwLock<HashMap<RecordKind, HashMap<String, Route>>>,
+    /// Per schema id met while decoding: its writer schema, resolved once.
+    writers: RwLock<HashMap<u32, &'static WriterSchema>>,
+}
+
+/// A writer's schema as decoding needs it. Leaked so that its datum reader can borrow it
+/// for the life of the process: one per distinct schema (by Parsing Canonical Form) the
+/// process ever reads, shared by all its codecs, so the leak is bounded by the schemas in
+/// the registry.
+struct WriterSchema {
+    reader: GenericDatumReader<'static>,
+    schema: &'static Schema,
+    /// The full name of its type ("a non-record schema" when it has none).
+    name: String,
+    /// The record kind of that name, if it is one of Sortie's.
+    kind: Option<RecordKind>,
+    /// It is this build's schema of `kind`: the bytes deserialise straight into the
+    /// record, with no `Value` in between and nothing to resolve.
+    current: bool,
+}
+
+impl WriterSchema {
+    fn of(schema: &Schema) -> Result<&'static WriterSchema, DecodeError> {
+        static SEEN: OnceLock<std::sync::Mutex<HashMap<String, &'static WriterSchema>>> =
+            OnceLock::new();
+        let form = schema.canonical_form();
+        let mut seen = SEEN
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(known) = seen.get(&form) {
+            return Ok(known);
+        }
+        let schema: &'static Schema = Box::leak(Box::new(schema.clone()));
+        let reader = GenericDatumReader::builder(schema)
+            .build()
+            .map_err(|e| DecodeError::UnknownSchema(format!("the writer's schema: {e}")))?;
+        let name = schema
+            .name()
+            .map(|name| name.fullname(None))
+            .unwrap_or_else(|| "a non-record schema".to_owned());
+        let kind = RecordKind::ALL
+            .into_iter()
+            .find(|kind| kind.full_name() == name);
+        let current = kind.is_some_and(|kind| schema == kind.schema());
+        let writer: &'static WriterSchema = Box::leak(Box::new(WriterSchema {
+            reader,
+            schema,
+            name,
+            kind,
+            current,
+        }));
+        seen.insert(form, writer);
+        Ok(writer)
+    }
+
+    fn read<R: Record>(&self, mut body: &[u8]) -> Result<R, DecodeError> {
+        if self.current && self.kind == Some(R::KIND) {
+            return self
+                .reader
+                .read_deser(&mut body)
+                .map_err(|e| DecodeError::Malformed(e.to_string()));
+        }
+        let value = self
+            .reader
+            .read_value(&mut body)
+            .map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        value_to_record(value, self.schema)
+    }
 }
 
 /// How records of a kind are encoded for a topic, once the registry has answered.
@@ -140,6 +208,7 @@ impl Codec {
             decoder: AvroDecoder::new(settings()),
             auto_register: config.auto_register,
             routes: RwLock::new(HashMap::new()),
+            writers: RwLock::new(HashMap::new()),
         }
     }
 
@@ -303,26 +372,40 @@ impl Codec {
                 bytes.first()
             )));
         }
-        let decoded = self.decoder.decode(Some(bytes)).await.map_err(|e| {
+        let id = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]);
+        let writer = self.writer(id).await?;
+        if writer.kind != Some(R::KIND) {
+            return Err(DecodeError::WrongSchema {
+                expected: R::KIND.full_name().to_owned(),
+                found: writer.name.clone(),
+            });
+        }
+        writer.read(&bytes[5..])
+    }
+
+    /// The writer schema of `id`: asked from the registry the first time, then from
+    /// memory. Errors are not remembered.
+    async fn writer(&self, id: u32) -> Result<&'static WriterSchema, DecodeError> {
+        let known = self
+            .writers
+            .read()
+            .ok()
+            .and_then(|writers| writers.get(&id).copied());
+        if let Some(writer) = known {
+            return Ok(writer);
+        }
+        let registered = self.decoder.get_schema(id).await.map_err(|e| {
             let error = decode_error(e);
             if error.is_retryable() {
                 self.decoder.remove_errors_from_cache();
             }
             error
         })?;
-        let found = decoded
-            .name
-            .map(|name| name.fullname(None))
-            .unwrap_or_else(|| "a non-record schema".to_owned());
-        if found != R::KIND.full_name() {
-            return Err(DecodeError::WrongSchema {
-                expected: R::KIND.full_name().to_owned(),
-                found,
-            });
+        let writer = WriterSchema::of(&registered.parsed)?;
+        if let Ok(mut writers) = self.writers.write() {
+            writers.insert(id, writer);
         }
-        let id = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]);
-        let writer = self.decoder.get_schema(id).await.map_err(decode_error)?;
-        value_to_record(decoded.value, &writer.parsed)
+        Ok(writer)
     }
 }
 
@@ -373,12 +456,8 @@ fn writer(kind: RecordKind) -> &'static GenericDatumWriter<'static> {
 }
 
 /// Decodes a bare Avro datum written with `writer` into `R` (this build's schema).
-pub fn from_datum<R: Record>(writer: &Schema, mut bytes: &[u8]) -> Result<R, DecodeError> {
-    let value = GenericDatumReader::builder(writer)
-        .build()
-        .and_then(|reader| reader.read_value(&mut bytes))
-        .map_err(|e| DecodeError::Malformed(e.to_string()))?;
-    value_to_record(value, writer)
+pub fn from_datum<R: Record>(writer: &Schema, bytes: &[u8]) -> Result<R, DecodeError> {
+    WriterSchema::of(writer)?.read(bytes)
 }
 
 fn encode_error(topic: &str, kind: RecordKind, e: SRCError) -> EncodeError {
