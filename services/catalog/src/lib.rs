@@ -22,7 +22,6 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::OwnedMessage;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sha2::{Digest, Sha256};
 use sortie_core::graph::InvalidGraph;
 use sortie_core::{Graph, Graphs};
 use sortie_kafka::read::{self, ReaderContext};
@@ -106,10 +105,7 @@ pub struct Publication {
 
 /// Lower-case hex SHA-256 of a definition's text (a record's `definition_hash`).
 pub fn definition_hash(definition: &str) -> String {
-    Sha256::digest(definition.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    sortie_core::blob::sha256_hex(definition.as_bytes())
 }
 
 /// The record that publishing `graph` writes: its canonical JSON and that text's hash.

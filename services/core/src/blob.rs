@@ -249,10 +249,7 @@ fn decode_segment(text: &str) -> Result<String, String> {
 
 /// Lower-case hex SHA-256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::json::hex(&Sha256::digest(bytes))
 }
 
 /// Whether `text` is 64 lower-case hex digits.

@@ -82,10 +82,7 @@ impl Event {
             "operation_id": self.operation_id,
             "body": self.body,
         });
-        json::sha256_hex(&[
-            self.prev_hash.as_deref().unwrap_or(""),
-            &json::canonical(&content),
-        ])
+        json::sha256_hex_of(self.prev_hash.as_deref().unwrap_or(""), &content)
     }
 }
 

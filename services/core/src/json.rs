@@ -15,11 +15,42 @@ pub fn sha256_hex(parts: &[&str]) -> String {
         hasher.update(part.as_bytes());
         hasher.update([0x1f]);
     }
-    hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&hasher.finalize())
+}
+
+/// Lower-case hex SHA-256 of `prefix` (followed by a unit separator) and of `value`'s
+/// canonical text (followed by one): `sha256_hex(&[prefix, &canonical(value)])`, with the
+/// text written into the hash rather than into a string first (the event hash of every
+/// event the fold emits).
+pub fn sha256_hex_of(prefix: &str, value: &Value) -> String {
+    struct Hashing<'h>(&'h mut Sha256);
+    impl std::io::Write for Hashing<'_> {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.update(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut hasher = Sha256::new();
+    hasher.update(prefix.as_bytes());
+    hasher.update([0x1f]);
+    // Writing a `Value` into a sink that never fails cannot fail: its keys are strings.
+    let _ = serde_json::to_writer(Hashing(&mut hasher), value);
+    hasher.update([0x1f]);
+    hex(&hasher.finalize())
+}
+
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[usize::from(b >> 4)] as char);
+        out.push(DIGITS[usize::from(b & 0x0f)] as char);
+    }
+    out
 }
 
 /// The value at a dotted path (`order.items.0.sku`); numbers index arrays.
@@ -135,6 +166,23 @@ pub fn render(template: &Value, lookup: &dyn Fn(&Reference<'_>) -> Option<Value>
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn hashes_are_lower_hex_and_streaming_equals_the_text() {
+        // SHA-256 of "abc" (FIPS 180-2, appendix B.1), through the unit-separated form.
+        assert_eq!(
+            crate::blob::sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(hex(&[0x00, 0x0f, 0xa0, 0xff]), "000fa0ff");
+        let value = json!({"b": [1, "x\u{1f}\"y"], "a": {"é": null, "d": 2.5}});
+        for prefix in ["", "ab12"] {
+            assert_eq!(
+                sha256_hex_of(prefix, &value),
+                sha256_hex(&[prefix, &canonical(&value)])
+            );
+        }
+    }
 
     #[test]
     fn canonical_sorts_keys() {

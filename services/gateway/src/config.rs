@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use sortie_core::budget::{Budget, Limits, Price};
 use sortie_kafka::KafkaConfig;
 
@@ -302,8 +301,7 @@ pub struct TokensFile {
 
 /// Lowercase hex SHA-256 of a token, as configured.
 pub fn token_hash(token: &str) -> String {
-    let digest = Sha256::digest(token.as_bytes());
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    sortie_core::blob::sha256_hex(token.as_bytes())
 }
 
 impl TokenEntry {
