@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{event::Event, graph::SideEffect, state::RunState};
+use crate::{event::Event, graph::SideEffect};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Effect {
@@ -19,8 +19,10 @@ pub enum Effect {
     },
     /// Forget a timer.
     DisarmTimer { run_id: String, timer: TimerKey },
-    /// Write the run's new state (`sortie.run-state`).
-    WriteState(Box<RunState>),
+    /// Write the run's new state, [`crate::Applied::state`] (`sortie.run-state`). The
+    /// effect does not carry a copy: the reducer wrote the one it already had, and the
+    /// copy was 2 % of its CPU under load.
+    WriteState,
     /// The run was forgotten (its retention passed): remove what else holds its
     /// payloads — a tombstone for each operation's record in `sortie.step-results`.
     Forget {

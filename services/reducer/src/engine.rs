@@ -275,10 +275,10 @@ impl Engine {
         trace: &TraceContext,
     ) -> Result<Option<String>, Error> {
         let run_id = run_id.to_owned();
-        // The fold's copy for the state write is `applied.state` again: not kept twice.
+        // The state to write is `applied.state`.
         let mut changed = false;
         applied.effects.retain(|e| {
-            let write = matches!(e, Effect::WriteState(_));
+            let write = matches!(e, Effect::WriteState);
             changed |= write;
             !write
         });
@@ -359,7 +359,7 @@ impl Engine {
                     }
                 }
                 // Taken out above; timers are derived from states at commit.
-                Effect::WriteState(_) | Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {}
+                Effect::WriteState | Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } => {}
             }
         }
         if applied.ignored.is_some() {

@@ -95,8 +95,8 @@ fn breach(applied: &Applied) -> Option<String> {
                     ));
                 }
             }
-            Effect::WriteState(state) => {
-                let size = limits::json_len(state.as_ref());
+            Effect::WriteState => {
+                let size = applied.state.as_ref().map_or(0, limits::json_len);
                 if size > limits::MAX_STATE_BYTES {
                     return Some(format!(
                         "the run state would grow to {size} bytes, over the {}-byte limit",
@@ -593,7 +593,7 @@ impl<'g> Ctx<'g> {
                     }
                 }
             }
-            effects.push(Effect::WriteState(Box::new(after.clone())));
+            effects.push(Effect::WriteState);
         }
         if let (Some(before), true) = (before, forgotten) {
             let mut operations: Vec<String> = before
