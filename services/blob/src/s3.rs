@@ -301,15 +301,14 @@ mod tests {
             .expect("hmac");
         mac.update(b"what do ya want ");
         mac.update(b"for nothing?");
-        let hex = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
         assert_eq!(
-            hex(mac.finish().expect("mac")),
+            sortie_core::json::hex(mac.finish().expect("mac")),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
         let mut digest = RustCrypto.digest(DigestAlgorithm::Sha256).expect("digest");
         digest.update(b"abc");
         assert_eq!(
-            hex(digest.finish().expect("digest")),
+            sortie_core::json::hex(digest.finish().expect("digest")),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
     }

@@ -225,10 +225,7 @@ fn dev_token(data_dir: &Path, given: Option<String>) -> anyhow::Result<String> {
     }
     let mut bytes = [0u8; 16];
     std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut bytes)?;
-    let token = format!(
-        "dev-{}",
-        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    );
+    let token = format!("dev-{}", sortie_core::json::hex(&bytes));
     std::fs::write(&file, &token)?;
     Ok(token)
 }

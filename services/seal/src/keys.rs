@@ -89,8 +89,7 @@ impl RunKeys {
         hash.update(tenant.as_bytes());
         hash.update([0]);
         hash.update(run_id.as_bytes());
-        let hex: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
-        format!("runs/{hex}")
+        format!("runs/{}", sortie_core::json::hex(&hash.finalize()))
     }
 
     fn aad(tenant: &str, run_id: &str) -> Vec<u8> {

@@ -270,12 +270,7 @@ impl Codec {
                 let mut bytes = Vec::with_capacity(256);
                 bytes.push(0);
                 bytes.extend_from_slice(&id.to_be_bytes());
-                writer(R::KIND)
-                    .write_ser(&mut bytes, record)
-                    .map_err(|e| EncodeError::Schema {
-                        kind: R::KIND,
-                        message: e.to_string(),
-                    })?;
+                write_datum(&mut bytes, record)?;
                 Ok(bytes)
             }
             Route::Registry => {
@@ -373,7 +368,7 @@ impl Codec {
             )));
         }
         let id = u32::from_be_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]);
-        let writer = self.writer(id).await?;
+        let writer = self.writer_schema(id).await?;
         if writer.kind != Some(R::KIND) {
             return Err(DecodeError::WrongSchema {
                 expected: R::KIND.full_name().to_owned(),
@@ -385,7 +380,7 @@ impl Codec {
 
     /// The writer schema of `id`: asked from the registry the first time, then from
     /// memory. Errors are not remembered.
-    async fn writer(&self, id: u32) -> Result<&'static WriterSchema, DecodeError> {
+    async fn writer_schema(&self, id: u32) -> Result<&'static WriterSchema, DecodeError> {
         let known = self
             .writers
             .read()
@@ -427,8 +422,16 @@ fn value_to_record<R: Record>(value: Value, writer: &Schema) -> Result<R, Decode
 /// Encodes `record` as a bare Avro datum (no wire-format header) with this build's schema.
 /// Used where the schema is known out of band: golden files, hashes, tests.
 pub fn to_datum<R: Record>(record: &R) -> Result<Vec<u8>, EncodeError> {
-    writer(R::KIND)
-        .write_ser_to_vec(record)
+    let mut bytes = Vec::new();
+    write_datum(&mut bytes, record)?;
+    Ok(bytes)
+}
+
+/// Appends `record`'s datum, written with this build's schema, to `bytes`.
+fn write_datum<R: Record>(bytes: &mut Vec<u8>, record: &R) -> Result<(), EncodeError> {
+    datum_writer(R::KIND)
+        .write_ser(bytes, record)
+        .map(drop)
         .map_err(|e| EncodeError::Schema {
             kind: R::KIND,
             message: e.to_string(),
@@ -436,7 +439,7 @@ pub fn to_datum<R: Record>(record: &R) -> Result<Vec<u8>, EncodeError> {
 }
 
 /// This build's writer for `kind`, its named types resolved once per process.
-fn writer(kind: RecordKind) -> &'static GenericDatumWriter<'static> {
+fn datum_writer(kind: RecordKind) -> &'static GenericDatumWriter<'static> {
     static WRITERS: OnceLock<Vec<GenericDatumWriter<'static>>> = OnceLock::new();
     let writers = WRITERS.get_or_init(|| {
         RecordKind::ALL
