@@ -93,6 +93,7 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
     runtime.block_on(create_topics(kafka, &[&input, &output], setup.partitions))?;
     preload(kafka, &input, setup)?;
 
+    let kafka = &kafka.named(&format!("{}ceiling-{}", setup.prefix, setup.name));
     let mut consumer_config = kafka.client();
     consumer_config
         .set(

@@ -133,6 +133,7 @@ impl Driver {
         codec: Arc<Codec>,
         runtime: Handle,
     ) -> anyhow::Result<Driver> {
+        let kafka = kafka.named(&format!("{}bench-driver", topics.prefix()));
         let mut config = kafka.client();
         config
             .set("group.id", format!("{}bench-driver", topics.prefix()))

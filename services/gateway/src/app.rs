@@ -114,6 +114,7 @@ impl AppState {
         let partitions = view::partitions(&config.kafka, &topics, &topics.commands()).await?;
         let producer: FutureProducer = config
             .kafka
+            .named(&format!("{}gateway-producer", topics.prefix()))
             .producer()
             .set("enable.idempotence", "true")
             .set(

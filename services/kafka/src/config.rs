@@ -59,6 +59,20 @@ impl KafkaConfig {
         }
     }
 
+    /// A copy whose clients send `client.id` `id`, or `<client.id>-<id>` when the
+    /// properties set one (a prefix, as Kafka Streams derives its clients' ids). Without
+    /// it every librdkafka client is `rdkafka`, and the broker's per-client quotas,
+    /// request logs and metrics cannot tell a reducer's producer from an executor's.
+    pub fn named(&self, id: &str) -> KafkaConfig {
+        let mut named = self.clone();
+        let client_id = match self.properties.get("client.id") {
+            Some(base) if !base.is_empty() => format!("{base}-{id}"),
+            _ => id.to_owned(),
+        };
+        named.properties.insert("client.id".into(), client_id);
+        named
+    }
+
     /// Base configuration for any client (admin, consumer).
     pub fn client(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
@@ -177,5 +191,30 @@ mod tests {
         assert_eq!(set.get("compression.type"), Some("lz4"));
         assert_eq!(set.get("compression.level"), Some("3"));
         assert_eq!(set.get("transactional.id"), Some("t.reducer-0"));
+    }
+
+    #[test]
+    fn named_clients_carry_their_role_under_the_properties_client_id() {
+        let kafka = KafkaConfig::new("127.0.0.1:9092");
+        let named = kafka.named("t.reducer-0-producer");
+        assert_eq!(
+            named.producer().get("client.id"),
+            Some("t.reducer-0-producer")
+        );
+        assert_eq!(
+            named.named("graphs").client().get("client.id"),
+            Some("t.reducer-0-producer-graphs")
+        );
+        let mut prefixed = KafkaConfig::new("127.0.0.1:9092");
+        prefixed
+            .properties
+            .insert("client.id".into(), "acme".into());
+        assert_eq!(
+            prefixed
+                .named("t.reducer-0-consumer")
+                .group_member("g", "range", std::time::Duration::from_secs(6), None)
+                .get("client.id"),
+            Some("acme-t.reducer-0-consumer")
+        );
     }
 }

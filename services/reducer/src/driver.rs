@@ -225,6 +225,11 @@ impl Reducer {
         health: Health,
         watchdog: Watchdog,
     ) -> Result<Self, Error> {
+        // Every client of this instance is named `<transactional id>-<role>`.
+        let config = &ReducerConfig {
+            kafka: config.kafka.named(&config.transactional_id()),
+            ..config.clone()
+        };
         let topics = &config.topics;
         let keys = crate::keys::Keys::open(config.keyring.clone(), config.require_signatures)?;
         // The transactional producer (init fences and aborts a previous incarnation's
@@ -236,6 +241,7 @@ impl Reducer {
                 let producer = TxnProducer::create(
                     &config
                         .kafka
+                        .named("producer")
                         .transactional_producer(&config.transactional_id()),
                     Deliveries::default(),
                 )?;
@@ -245,7 +251,8 @@ impl Reducer {
                 })?;
                 Ok(producer)
             });
-            let graphs = GraphTable::open(&config.kafka, topics, codec.clone(), runtime.clone())
+            let graphs_kafka = config.kafka.named("graphs");
+            let graphs = GraphTable::open(&graphs_kafka, topics, codec.clone(), runtime.clone())
                 .map_err(Error::from)
                 .and_then(|mut graphs| {
                     let loaded = graphs.catch_up(Duration::from_secs(30))?;
@@ -268,7 +275,7 @@ impl Reducer {
         // writer per run (cooperative-sticky does not guarantee that). read_committed also
         // makes OffsetFetch require stable offsets (KIP-447): see `tasks`. Statistics feed
         // ReducerContext::stats (consumer lag per partition).
-        let mut consumer_config = config.kafka.group_member(
+        let mut consumer_config = config.kafka.named("consumer").group_member(
             &config.group_id,
             "range",
             config.session_timeout,
@@ -302,14 +309,19 @@ impl Reducer {
         // The restore's end is the changelog's high watermark, asked read_uncommitted
         // (see `restore`); this client does nothing else (never subscribes or commits).
         let marks: BaseConsumer =
-            crate::restore::client(&config.kafka, topics, "read_uncommitted").create()?;
+            crate::restore::client(&config.kafka.named("marks"), topics, "read_uncommitted")
+                .create()?;
         let run_keys = config
             .seal
             .as_ref()
             .map(|seal| seal.open_logged().map_err(|e| Error::Setup(e.to_string())))
             .transpose()?;
         let engine = Arc::new(Mutex::new(Engine {
-            config: config.clone(),
+            config: ReducerConfig {
+                // The engine's own clients are the restore's readers.
+                kafka: config.kafka.named("restore"),
+                ..config.clone()
+            },
             run_keys,
             runtime,
             codec,

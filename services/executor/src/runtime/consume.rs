@@ -263,14 +263,21 @@ impl QueueConsumer {
             drain_timeout: config.drain_timeout,
         });
         // Statistics feed QueueContext::stats (consumer lag per partition).
-        let consumer_config = config.kafka.group_member(
-            &config.group_id(queue),
-            "cooperative-sticky",
-            config.session_timeout,
-            config
-                .static_membership
-                .then_some(config.executor_id.as_str()),
-        );
+        let consumer_config = config
+            .kafka
+            .named(&format!(
+                "{}-{}",
+                config.group_id(queue),
+                config.executor_id
+            ))
+            .group_member(
+                &config.group_id(queue),
+                "cooperative-sticky",
+                config.session_timeout,
+                config
+                    .static_membership
+                    .then_some(config.executor_id.as_str()),
+            );
         let consumer: BaseConsumer<QueueContext> =
             consumer_config.create_with_context(QueueContext {
                 shared: shared.clone(),

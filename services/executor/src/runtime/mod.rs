@@ -224,6 +224,11 @@ pub async fn run_with_health(
     let [compression, level] = sortie_kafka::ZSTD_COMPRESSION;
     let mut producer_config = config
         .kafka
+        .named(&format!(
+            "{}executor-{}-producer",
+            config.topics.prefix(),
+            config.executor_id
+        ))
         .producer_with(&[("linger.ms", "1"), compression, level]);
     producer_config
         .set("enable.idempotence", "true")
