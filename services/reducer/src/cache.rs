@@ -61,7 +61,8 @@ impl Engine {
         for (run_id, state) in &batch.after {
             let partition = self.partition_of(run_id);
             let before = batch.before.get(run_id).and_then(Option::as_ref);
-            self.gauges.update(partition, run_id, before, Some(state));
+            self.gauges
+                .update_from(partition, run_id, before.map(|b| &b.gauge), Some(state));
         }
         tracing::debug!(
             inputs = batch.inputs,
@@ -77,7 +78,8 @@ impl Engine {
         batch
             .counts
             .committed(batch.inputs + batch.fired.len(), committed.took);
-        for (run_id, state) in batch.after {
+        // Committed states, changed or read: the next batch starts from them.
+        for (run_id, state) in batch.after.into_iter().chain(batch.unchanged) {
             if state.status.is_terminal() {
                 self.hot.remove(&run_id);
                 continue;

@@ -16,7 +16,7 @@ use sortie_core::{apply_sealed, Effect, Input, RunState, Seal as _};
 use sortie_wire::{partition_for, Codec, Record, TraceContext};
 use tokio::runtime::Handle;
 
-use crate::batch::{Output, PendingBatch};
+use crate::batch::{Before, Output, PendingBatch};
 use crate::convert;
 use crate::driver::{Error, ReducerConfig};
 use crate::graphs::GraphTable;
@@ -103,53 +103,62 @@ impl Engine {
     }
 
     /// The run as this batch sees it, and whether that is the batch's own latest write.
-    /// The batch's own write is taken out of it, not copied (a state carries the run's
-    /// whole history): the caller puts it, or the fold's answer, back. Otherwise the state
-    /// as the batch found it, from the cache.
+    /// The batch's own state of the run is taken out of it, not copied (a state carries
+    /// the run's whole history): the caller puts it, or the fold's answer, back
+    /// ([`Engine::put_back`]). Otherwise the state as the batch found it.
     fn take_state(&mut self, run_id: &str) -> Result<(Option<RunState>, bool), Error> {
         if let Some(state) = self.batch.after.remove(run_id) {
             return Ok((Some(state), true));
         }
+        if let Some(state) = self.batch.unchanged.remove(run_id) {
+            return Ok((Some(state), false));
+        }
         self.state_before(run_id).map(|state| (state, false))
     }
 
-    /// The run as it was before this batch: the batch in flight's, the hot states, then
-    /// sled (which does not have the batch in flight yet).
+    /// Hands a state [`Engine::take_state`] gave out back to the batch unchanged.
+    fn put_back(&mut self, run_id: &str, state: RunState, from_batch: bool) {
+        match from_batch {
+            true => self.batch.after.insert(run_id.to_owned(), state),
+            false => self.batch.unchanged.insert(run_id.to_owned(), state),
+        };
+    }
+
+    /// The run as it was before this batch: the batch in flight's (a copy: that batch
+    /// still writes it), the hot states (taken: the commit puts the batch's state back),
+    /// then sled (which does not have the batch in flight yet). Notes what the commit
+    /// needs of it ([`Before`]) the first time.
     fn state_before(&mut self, run_id: &str) -> Result<Option<RunState>, Error> {
-        if let Some(before) = self.batch.before.get(run_id) {
-            return Ok(before.clone());
-        }
-        if let Some(after) = self
+        let state = if let Some(after) = self
             .sending
             .as_ref()
             .and_then(|s| s.batch.after.get(run_id))
         {
-            let state = Some(after.clone());
-            self.batch.before.insert(run_id.to_owned(), state.clone());
             self.batch.on_in_flight = true;
-            return Ok(state);
-        }
-        if let Some(hot) = self.hot.get(run_id) {
-            let state = Some(hot.clone());
-            self.batch.before.insert(run_id.to_owned(), state.clone());
-            return Ok(state);
-        }
-        let stored = match self.store.get_run(run_id)? {
-            Some(bytes) => {
-                let mut state = serde_json::from_slice::<RunState>(&bytes).map_err(|e| {
-                    // Never treat an unreadable cache entry as "no such run": that would
-                    // start the run's history over. Stop loudly instead; a restart
-                    // rebuilds the cache.
-                    crate::store::Error::Corrupt(format!("cached state of run {run_id}: {e}"))
-                })?;
-                // Sled holds what the changelog holds: payloads sealed.
-                self.open_state(&mut state)?;
-                Some(state)
+            Some(after.clone())
+        } else if let Some(hot) = self.hot.remove(run_id) {
+            Some(hot)
+        } else {
+            match self.store.get_run(run_id)? {
+                Some(bytes) => {
+                    let mut state = serde_json::from_slice::<RunState>(&bytes).map_err(|e| {
+                        // Never treat an unreadable cache entry as "no such run": that
+                        // would start the run's history over. Stop loudly instead; a
+                        // restart rebuilds the cache.
+                        crate::store::Error::Corrupt(format!("cached state of run {run_id}: {e}"))
+                    })?;
+                    // Sled holds what the changelog holds: payloads sealed.
+                    self.open_state(&mut state)?;
+                    Some(state)
+                }
+                None => None,
             }
-            None => None,
         };
-        self.batch.before.insert(run_id.to_owned(), stored.clone());
-        Ok(stored)
+        self.batch
+            .before
+            .entry(run_id.to_owned())
+            .or_insert_with(|| state.as_ref().map(Before::of));
+        Ok(state)
     }
 
     /// Applies one input with the fold and adds its effects to the batch. All of its
@@ -218,8 +227,8 @@ impl Engine {
                         opened
                     }
                     Err(reason) => {
-                        if let (true, Some(state)) = (from_batch, state) {
-                            self.batch.after.insert(run_id.clone(), state);
+                        if let Some(state) = state {
+                            self.put_back(&run_id, state, from_batch);
                         }
                         let Input::Command(command) = input else {
                             return Ok(Some(reason));
@@ -300,10 +309,8 @@ impl Engine {
                     self.batch.after.insert(run_id.clone(), after);
                 }
             }
-            (false, Some(state)) if from_batch => {
-                self.batch.after.insert(run_id.clone(), state);
-            }
-            (false, _) => {}
+            (false, Some(state)) => self.put_back(&run_id, state, from_batch),
+            (false, None) => {}
         }
         let partition = self.partition_of(&run_id);
         let mut outputs = Vec::new();

@@ -348,7 +348,9 @@ pub(crate) fn transaction_failed() {
 // ---------------------------------------------------------------- gauges from run states
 
 /// What one run contributes to the gauges.
-struct Contribution {
+/// A run's share of the run gauges.
+#[derive(Debug)]
+pub(crate) struct Contribution {
     status: RunStatus,
     awaiting_operator: i64,
     open_interrupts: Vec<String>,
@@ -356,7 +358,7 @@ struct Contribution {
 }
 
 impl Contribution {
-    fn of(state: &RunState) -> Contribution {
+    pub(crate) fn of(state: &RunState) -> Contribution {
         Contribution {
             status: state.status,
             awaiting_operator: state
@@ -539,11 +541,23 @@ impl RunGauges {
         before: Option<&RunState>,
         after: Option<&RunState>,
     ) {
+        let before = before.map(Contribution::of);
+        self.update_from(partition, run_id, before.as_ref(), after);
+    }
+
+    /// [`RunGauges::update`] from the run's share before the change.
+    pub(crate) fn update_from(
+        &mut self,
+        partition: i32,
+        run_id: &str,
+        before: Option<&Contribution>,
+        after: Option<&RunState>,
+    ) {
         let tally = self.partitions.entry(partition).or_default();
         let after = after.map(Contribution::of);
         if let Some(before) = before {
             let still_open = after.as_ref().map_or(&[][..], |a| &a.open_interrupts);
-            tally.remove(run_id, &Contribution::of(before), still_open);
+            tally.remove(run_id, before, still_open);
         }
         if let Some(after) = &after {
             tally.add(run_id, after);
