@@ -702,6 +702,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             "runs": w.json["runs"],
             "steps_per_s": w.json["steps_per_s"],
             "elapsed_s": w.json["elapsed_s"],
+            "broker_jit_cores": w.broker_jit_cores,
         })),
         "ceiling": ceiling.json(),
         "ceilings_one_record_per_input": ceilings.iter().map(ceiling::Ceiling::json).collect::<Vec<_>>(),
@@ -726,6 +727,9 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
 /// What one load phase measured.
 struct Phase {
     json: Value,
+    /// CPU the broker's JIT compiler threads used during the phase, in cores (`None`:
+    /// not our broker, or not a JVM we can see).
+    broker_jit_cores: Option<f64>,
 }
 
 /// Drives `runs` runs (`<name>-<i>`) with `concurrency` in flight and reports the figures:
@@ -753,8 +757,15 @@ fn phase(
     let log_before = services[0].log_lines().len();
     eprintln!("sortie bench: {name}: {runs} runs x {steps} steps, {concurrency} in flight");
     let window = procfs::CpuWindow::start(&watched);
+    let jit_before = broker_pid.and_then(procfs::jit_cpu_seconds);
     let outcome = driver.run(&commands, concurrency, bench.options.timeout, services)?;
     let processes = window.finish();
+    let broker_jit_cores = match (jit_before, broker_pid.and_then(procfs::jit_cpu_seconds)) {
+        (Some(before), Some(after)) => Some(round(
+            (after - before) / outcome.elapsed.as_secs_f64().max(1e-9),
+        )),
+        _ => None,
+    };
     let lines = services[0].log_lines();
     let commits = stack::commits(lines.get(log_before..).unwrap_or_default());
     let elapsed = outcome.elapsed.as_secs_f64().max(1e-9);
@@ -801,7 +812,9 @@ fn phase(
             "inputs_per_txn": summary(&inputs),
             "profile": profile,
             "processes": processes,
+            "broker_jit_cores": broker_jit_cores,
         }),
+        broker_jit_cores,
     })
 }
 

@@ -18,6 +18,30 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
     Some((utime + stime) as f64 / rustix::param::clock_ticks_per_second() as f64)
 }
 
+/// CPU seconds the JIT compiler threads of the JVM `pid` (`C1 CompilerThre…`,
+/// `C2 CompilerThre…`: thread names are cut at 15 bytes) have used so far.
+pub fn jit_cpu_seconds(pid: u32) -> Option<f64> {
+    let mut ticks = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let Ok(stat) = std::fs::read_to_string(task.ok()?.path().join("stat")) else {
+            continue; // the thread ended meanwhile
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = &stat[open + 1..close];
+        if !(name.starts_with("C1 CompilerThre") || name.starts_with("C2 CompilerThre")) {
+            continue;
+        }
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // utime and stime, fields 14 and 15 of proc(5); `fields` starts at field 3.
+        let utime: u64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let stime: u64 = fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+        ticks += utime + stime;
+    }
+    Some(ticks as f64 / rustix::param::clock_ticks_per_second() as f64)
+}
+
 /// `(VmRSS, VmHWM)` of a process in MiB: resident now, and the peak.
 pub fn rss_mib(pid: u32) -> Option<(f64, f64)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -108,5 +132,41 @@ impl CpuWindow {
         };
         out.insert("machine_busy".into(), json!(busy));
         Value::Object(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jit_time_counts_only_compiler_threads() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let spin = |name: &str, stop: Arc<AtomicBool>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || while !stop.load(Ordering::Relaxed) {})
+                .expect("thread")
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        // Linux keeps 15 bytes of a thread's name, as of the JVM's "C2 CompilerThread0".
+        let compiler = spin("C2 CompilerThread0", stop.clone());
+        let other = spin("busy", stop.clone());
+        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        let (jit, all) = loop {
+            let jit = jit_cpu_seconds(std::process::id()).expect("own threads");
+            let all = cpu_seconds(std::process::id()).expect("own process");
+            if jit > 0.1 || Instant::now() > deadline {
+                break (jit, all);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        stop.store(true, Ordering::Relaxed);
+        compiler.join().expect("compiler thread");
+        other.join().expect("other thread");
+        assert!(jit > 0.1, "the compiler thread's time: {jit}");
+        assert!(jit < all - 0.05, "only the compiler thread: {jit} of {all}");
+        assert_eq!(jit_cpu_seconds(u32::MAX), None);
     }
 }
