@@ -6,16 +6,26 @@ use serde_json::{json, Value};
 
 use crate::stats::round;
 
+/// A `/proc/<pid>[/task/<tid>]/stat` line: the command (thread) name and the CPU ticks
+/// (user + system) used so far.
+fn stat_ticks(stat: &str) -> Option<(&str, u64)> {
+    // The name is in parentheses and may hold spaces: count fields after it.
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let fields: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
+    // Fields 14 (utime) and 15 (stime) of proc(5); `fields` starts at field 3.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((stat.get(open + 1..close)?, utime + stime))
+}
+
+fn seconds(ticks: u64) -> f64 {
+    ticks as f64 / rustix::param::clock_ticks_per_second() as f64
+}
+
 /// CPU seconds (user + system) a process has used so far.
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is in parentheses and may hold spaces: count fields after it.
-    let rest = stat.get(stat.rfind(')')? + 2..)?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // Fields 14 (utime) and 15 (stime) of proc(5); `rest` starts at field 3.
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) as f64 / rustix::param::clock_ticks_per_second() as f64)
+    stat_ticks(&stat).map(|(_, ticks)| seconds(ticks))
 }
 
 /// CPU seconds the JIT compiler threads of the JVM `pid` (`C1 CompilerThre…`,
@@ -26,20 +36,16 @@ pub fn jit_cpu_seconds(pid: u32) -> Option<f64> {
         let Ok(stat) = std::fs::read_to_string(task.ok()?.path().join("stat")) else {
             continue; // the thread ended meanwhile
         };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let name = &stat[open + 1..close];
-        if !(name.starts_with("C1 CompilerThre") || name.starts_with("C2 CompilerThre")) {
-            continue;
+        match stat_ticks(&stat) {
+            Some((name, used))
+                if name.starts_with("C1 CompilerThre") || name.starts_with("C2 CompilerThre") =>
+            {
+                ticks += used
+            }
+            _ => {}
         }
-        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-        // utime and stime, fields 14 and 15 of proc(5); `fields` starts at field 3.
-        let utime: u64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0);
-        let stime: u64 = fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-        ticks += utime + stime;
     }
-    Some(ticks as f64 / rustix::param::clock_ticks_per_second() as f64)
+    Some(seconds(ticks))
 }
 
 /// `(VmRSS, VmHWM)` of a process in MiB: resident now, and the peak.

@@ -263,15 +263,12 @@ impl QueueConsumer {
             drain_timeout: config.drain_timeout,
         });
         // Statistics feed QueueContext::stats (consumer lag per partition).
+        let group = config.group_id(queue);
         let consumer_config = config
             .kafka
-            .named(&format!(
-                "{}-{}",
-                config.group_id(queue),
-                config.executor_id
-            ))
+            .named(&format!("{group}-{}", config.executor_id))
             .group_member(
-                &config.group_id(queue),
+                &group,
                 "cooperative-sticky",
                 config.session_timeout,
                 config
@@ -284,7 +281,7 @@ impl QueueConsumer {
             })?;
         partition_count(consumer.client(), &topic)?;
         consumer.subscribe(&[&topic])?;
-        tracing::info!(%topic, group = %config.group_id(queue), "Subscribed.");
+        tracing::info!(%topic, %group, "Subscribed.");
         Ok(Self {
             worker,
             shared,
