@@ -281,6 +281,58 @@ async fn a_reducer_wedged_in_a_kafka_call_ends_itself_and_its_restart_loses_noth
     assert_exactly_once(&stack, &ledger, &runs, true).await;
 }
 
+/// The executor's side of the watchdog (`sortie_kafka::watchdog`): a synchronous offset
+/// commit waits for librdkafka with no timeout of its own, and an executor whose consumer
+/// thread stops there serves its queue no more, silently (a broker-restart test once saw
+/// an executor go quiet for good after a rebalance). Told to hang in its first commit
+/// (`executor.hang_in_commit`: the thread parks inside the watchdog's bound), the
+/// executor must end itself with status 75 once the commit is past its bound
+/// (session timeout 6 s + `socket.timeout.ms` 10 s here) and the grace (1 s); started
+/// again, as its supervisor would, it takes the uncommitted intents back and every run
+/// finishes with each effect once (the receiver may be called twice: keyed).
+///
+/// Checked red: with the executor's commit outside the watchdog's bound, it never exits
+/// ("the wedged executor ended itself with status 75 … None").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_wedged_in_an_offset_commit_ends_itself_and_its_restart_loses_nothing() {
+    let stack = Stack::start("crash-wedged-executor", &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&chain_graph(&ledger.url)).await;
+    let properties = stack.dir.join("executor.properties");
+    std::fs::write(&properties, "socket.timeout.ms=10000\n").expect("properties file");
+    let properties = properties.display().to_string();
+    let mut executor = stack.executor_process(
+        "executor",
+        &["default"],
+        &[
+            "--fault",
+            "executor.hang_in_commit",
+            "--stall-grace-ms",
+            "1000",
+            "--kafka-properties",
+            &properties,
+        ],
+    );
+    let _reducer = stack.reducer("0");
+    let runs = runs(8);
+    start_runs(&stack, &runs).await;
+    let status = executor.wait_exit(LONG).await;
+    let log = executor.own_log_text();
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(75), // sortie_kafka::watchdog::WEDGED_EXIT_CODE
+        "the wedged executor ended itself with status 75 ({status:?}):\n{log}"
+    );
+    assert!(
+        log.contains("hangs here on purpose")
+            && log.contains("outlived its timeout")
+            && log.contains("call=\"commit\""),
+        "it said which call wedged:\n{log}"
+    );
+    let _restarted = stack.executor_process("executor", &["default"], &[]);
+    assert_exactly_once(&stack, &ledger, &runs, false).await;
+}
+
 /// Issue #13, the commit pipeline: the loop folds batch N+1 while batch N's transaction
 /// is in flight, on N's after-states. If N then aborts, N+1 must go with it and the
 /// consumer must seek back to the first offset *either* batch read: N+1 kept would apply

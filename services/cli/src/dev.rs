@@ -128,7 +128,8 @@ impl Stack {
     }
 
     /// A service that exited on its own, if any. One that exited asking to be restarted
-    /// (a reducer whose Kafka client wedged: status 75, see `sortie_reducer::watchdog`)
+    /// (a reducer or executor whose Kafka client wedged: status 75, see
+    /// `sortie_kafka::watchdog`)
     /// is started again in its place, as Kubernetes would.
     fn exited(&mut self) -> Option<(&'static str, PathBuf, String)> {
         for at in 0..self.services.len() {
@@ -137,7 +138,7 @@ impl Stack {
                 continue;
             };
             let (name, log) = (service.name, service.log.clone());
-            if status.code() == Some(sortie_reducer::watchdog::WEDGED_EXIT_CODE) {
+            if status.code() == Some(sortie_kafka::watchdog::WEDGED_EXIT_CODE) {
                 let args = service.args.clone();
                 match self.start(name, args) {
                     Ok(again) => {

@@ -77,8 +77,18 @@ pub struct Args {
     blob_threshold: usize,
     #[command(flatten)]
     seal: crate::seal::SealArgs,
+    /// How long past its own timeout an offset commit may block before the executor
+    /// exits with status 75 for its supervisor to restart it with fresh clients (a
+    /// wedged librdkafka call; see `sortie_kafka::watchdog`).
+    #[arg(
+        long,
+        env = "SORTIE__EXECUTOR__STALL_GRACE_MS",
+        default_value_t = 30_000
+    )]
+    stall_grace_ms: u64,
     /// Crash tests only: die on purpose at this point (executor.before_call,
-    /// executor.after_call, executor.after_result).
+    /// executor.after_call, executor.after_result), or hang in the first offset commit
+    /// (executor.hang_in_commit).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
     /// Where to serve /metrics, /healthz and /readyz (port 0: any free port; the bound
@@ -112,6 +122,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.drain_timeout = Duration::from_millis(args.drain_timeout_ms);
     config.session_timeout = Duration::from_millis(args.session_timeout_ms);
     config.default_timeout = Duration::from_millis(args.default_timeout_ms);
+    config.stall_grace = Duration::from_millis(args.stall_grace_ms);
     config.fault = args.fault;
     config.seal = args.seal.config();
     config.blobs = args.blob_store.map(|store| sortie_blob::BlobConfig {

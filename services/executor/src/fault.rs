@@ -19,6 +19,10 @@ sortie_kafka::fault_points! {
         /// `executor.after_result`: the result was delivered; the intent offset (for
         /// `pure` / `idempotent` / `keyed`) was not committed.
         AfterResult = "executor.after_result",
+        /// `executor.hang_in_commit`: the consumer thread blocks for good inside its
+        /// first offset commit (a wedged librdkafka call, for the watchdog's test). Not a
+        /// death: the watchdog is what ends the process.
+        HangInCommit = "executor.hang_in_commit",
     }
 }
 
@@ -31,6 +35,17 @@ pub(crate) fn check(configured: Option<FaultPoint>, point: FaultPoint, operation
             "Fault injection: the executor dies here on purpose."
         );
     });
+}
+
+/// Blocks this thread for good if `point` is the configured fault (once it is reached):
+/// a wedged librdkafka call, for the watchdog's test.
+pub(crate) fn hang_if(configured: Option<FaultPoint>, point: FaultPoint) {
+    if sortie_kafka::fault::fires(configured, 1, point) {
+        tracing::error!(fault = %point, "Fault injection: the executor's consumer thread hangs here on purpose.");
+        loop {
+            std::thread::park();
+        }
+    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod produce;
 pub mod read;
 pub mod topology;
+pub mod watchdog;
 mod watermarks;
 
 pub use config::{KafkaConfig, MAX_RECORD_BYTES, ZSTD_COMPRESSION};

@@ -172,7 +172,7 @@ pub fn run_with_health(
         registry_url: config.registry_url.clone(),
         auto_register: config.auto_register,
     }));
-    let watchdog = Watchdog::start(config.stall_grace);
+    let watchdog = Watchdog::start(config.stall_grace, "reducer");
     let mut failures = 0u32;
     while !shutdown.load(Ordering::Relaxed) {
         match Reducer::new(

@@ -27,4 +27,5 @@ mod sealing;
 pub mod store;
 mod tasks;
 mod txn;
-pub mod watchdog;
+/// The watchdog on librdkafka's blocking calls, shared with the executor.
+pub use sortie_kafka::watchdog;

@@ -33,6 +33,11 @@ pub(super) struct Shared {
     pub(super) state: Mutex<QueueState>,
     pub(super) changed: Condvar,
     pub(super) drain_timeout: Duration,
+    /// Ends the process when a commit or a pass of this queue's consumer thread blocks
+    /// far past its bound (`sortie_kafka::watchdog`).
+    pub(super) watchdog: Watchdog,
+    pub(super) commit_timeout: Duration,
+    pub(super) fault: Option<FaultPoint>,
 }
 
 impl Shared {
@@ -72,7 +77,11 @@ impl Shared {
                 return false;
             }
         }
-        match consumer.commit(&list, CommitMode::Sync) {
+        let committed = self.watchdog.bound("commit", self.commit_timeout, || {
+            fault::hang_if(self.fault, FaultPoint::HangInCommit);
+            consumer.commit(&list, CommitMode::Sync)
+        });
+        match committed {
             Ok(()) => {
                 let mut state = self.lock();
                 for (partition, position) in positions {
@@ -261,6 +270,9 @@ impl QueueConsumer {
             state: Mutex::new(QueueState::default()),
             changed: Condvar::new(),
             drain_timeout: config.drain_timeout,
+            watchdog: Watchdog::start(config.stall_grace, "executor"),
+            commit_timeout: config.commit_timeout(),
+            fault: config.fault,
         });
         // Statistics feed QueueContext::stats (consumer lag per partition).
         let group = config.group_id(queue);
@@ -292,6 +304,7 @@ impl QueueConsumer {
     pub(super) fn run(self, runtime: &Handle, stop: &AtomicBool) {
         let max = self.worker.config.max_in_flight;
         let interval = self.worker.config.commit_interval;
+        let pass_timeout = self.worker.config.pass_timeout();
         let mut last_commit = Instant::now();
         let mut next_task = 0u64;
         let mut paused = false;
@@ -340,7 +353,12 @@ impl QueueConsumer {
             } else {
                 Duration::from_millis(100)
             };
-            match self.consumer.poll(timeout) {
+            // The poll runs the rebalance callbacks (a revocation drains and commits).
+            let polled = self
+                .shared
+                .watchdog
+                .bound("poll", pass_timeout, || self.consumer.poll(timeout));
+            match polled {
                 None => {}
                 Some(Err(e)) => {
                     tracing::warn!(topic = %self.shared.topic, error = %e, "Consumer error.")

@@ -56,6 +56,7 @@ use rdkafka::message::{Headers as _, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use serde_json::Value;
+use sortie_kafka::watchdog::Watchdog;
 use sortie_kafka::KafkaConfig;
 use sortie_wire::records::{self as w, SideEffectClass, StepIntent};
 use sortie_wire::{
@@ -108,6 +109,10 @@ pub struct ExecutorConfig {
     pub session_timeout: Duration,
     /// An attempt's timeout when the node sets none.
     pub default_timeout: Duration,
+    /// How long past its own timeout an offset commit (or a consumer pass) may block
+    /// before the process ends itself for its supervisor to restart it (see
+    /// `sortie_kafka::watchdog`).
+    pub stall_grace: Duration,
     /// Die on purpose at this point (crash tests only; never set by default).
     pub fault: Option<FaultPoint>,
     /// Where large values go: arguments that reference a blob are resolved from it before
@@ -140,6 +145,7 @@ impl ExecutorConfig {
             drain_timeout: Duration::from_secs(10),
             session_timeout: Duration::from_secs(10),
             default_timeout: Duration::from_secs(30),
+            stall_grace: Duration::from_secs(30),
             fault: None,
             blobs: None,
             seal: None,
@@ -149,6 +155,25 @@ impl ExecutorConfig {
     /// The consumer group of every executor serving `queue`.
     pub fn group_id(&self, queue: &str) -> String {
         format!("{}executor.{queue}", self.topics.prefix())
+    }
+
+    /// How long a synchronous offset commit may take: librdkafka fails one it had to
+    /// defer (no coordinator) after `session.timeout.ms`, and one it sent after
+    /// `socket.timeout.ms` (60 s unless the properties set it).
+    pub fn commit_timeout(&self) -> Duration {
+        let socket = self
+            .kafka
+            .properties
+            .get("socket.timeout.ms")
+            .and_then(|ms| ms.parse().ok())
+            .map_or(Duration::from_secs(60), Duration::from_millis);
+        self.session_timeout + socket
+    }
+
+    /// How long one pass of a queue's consumer loop may take: a poll serves the rebalance
+    /// callbacks, and a revocation drains for up to `drain_timeout` around two commits.
+    pub fn pass_timeout(&self) -> Duration {
+        self.drain_timeout + 2 * self.commit_timeout() + Duration::from_secs(10)
     }
 }
 

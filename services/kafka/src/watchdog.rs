@@ -1,0 +1,199 @@
+//! A bound on librdkafka's blocking calls, for the reducer's transactions and the
+//! executor's offset commits.
+//!
+//! Every such call takes a timeout, or has one librdkafka applies, and the loops rely on
+//! it: a call that times out is retried or aborts the batch. librdkafka does not always
+//! keep it:
+//!
+//! - `send_offsets_to_transaction` never checks its timeout while it looks for the group
+//!   coordinator (confluentinc/librdkafka#5456), and a coordinator whose broker left the
+//!   cluster stays cached with nothing to wake the lookup up (#5511): when the group
+//!   coordinator's broker dies the call does not return until some other broker changes
+//!   state — in the cluster leader-kill test, minutes later, while the other reducers
+//!   waited for this one to rejoin the group.
+//! - A synchronous `commit` waits for its answer with no timeout of its own
+//!   (`RD_POLL_INFINITE`); librdkafka fails a commit it had to defer after
+//!   `session.timeout.ms` and a sent one after `socket.timeout.ms`, and commits made
+//!   during a cooperative rebalance have a history of stalling consumers (#2933, #4059).
+//!   An executor whose consumer thread stops there serves nothing, silently.
+//!
+//! A wedged call cannot be interrupted, and the client it blocks cannot be used again
+//! (the stuck call holds it). So a loop arms the watchdog around each such call, and a
+//! call that outlives its own timeout by the grace period ends the process with
+//! [`WEDGED_EXIT_CODE`], after one line that says which call and how long. Its supervisor
+//! (Kubernetes, `sortie dev`, the test harness) starts it again with fresh clients —
+//! exactly what a crash at that point is, and the crash suite proves a crash anywhere
+//! loses and repeats nothing. A reducer's open transaction is fenced by its next
+//! incarnation; an executor's uncommitted intents are delivered again.
+//!
+//! Why not rebuild the clients in the process: the stuck call holds its thread and its
+//! client for as long as librdkafka keeps it, possibly forever; every occurrence would
+//! leak both.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The exit status of a service that ended itself because a call wedged (sysexits'
+/// `EX_TEMPFAIL`: try again). Supervisors restart on it.
+pub const WEDGED_EXIT_CODE: i32 = 75;
+
+/// Arms a deadline around blocking calls; a thread ends the process when one passes.
+///
+/// One watchdog per thread that makes such calls: it holds one armed call at a time. A
+/// call bound inside another's bound (a commit inside a poll that runs a rebalance
+/// callback) is watched on its own deadline, and the outer one is watched again once it
+/// returns.
+#[derive(Clone)]
+pub struct Watchdog {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    armed: Mutex<Option<Armed>>,
+    grace: Duration,
+    /// Which service, for the last line (`reducer`, `executor`).
+    role: &'static str,
+}
+
+#[derive(Clone, Copy)]
+struct Armed {
+    what: &'static str,
+    timeout: Duration,
+    since: Instant,
+}
+
+impl std::fmt::Debug for Watchdog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watchdog")
+            .field("role", &self.inner.role)
+            .field("grace", &self.inner.grace)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Watchdog {
+    /// A watchdog whose thread ends the process when an armed call outlives its timeout
+    /// by `grace`; `role` names the service in its last line and the thread's name.
+    pub fn start(grace: Duration, role: &'static str) -> Self {
+        let watchdog = Self::unwatched(grace, role);
+        let inner = watchdog.inner.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("{role}-watchdog"))
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(250));
+                if let Some((armed, late)) = inner.overdue() {
+                    wedged(inner.role, armed, late);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "The watchdog thread did not start: a wedged Kafka call would not be noticed.");
+        }
+        watchdog
+    }
+
+    /// A watchdog no thread watches (unit tests).
+    fn unwatched(grace: Duration, role: &'static str) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                armed: Mutex::new(None),
+                grace,
+                role,
+            }),
+        }
+    }
+
+    /// Runs `call`, which should return within `timeout`, under the watchdog.
+    pub fn bound<T>(&self, what: &'static str, timeout: Duration, call: impl FnOnce() -> T) -> T {
+        let outer = self.replace(Some(Armed {
+            what,
+            timeout,
+            since: Instant::now(),
+        }));
+        let result = call();
+        self.replace(outer);
+        result
+    }
+
+    fn replace(&self, armed: Option<Armed>) -> Option<Armed> {
+        match self.inner.armed.lock() {
+            Ok(mut slot) => std::mem::replace(&mut *slot, armed),
+            Err(_) => None,
+        }
+    }
+}
+
+impl Inner {
+    /// The armed call and how far past its timeout it is, once that is beyond the grace.
+    fn overdue(&self) -> Option<(Armed, Duration)> {
+        let armed = (*self.armed.lock().ok()?)?;
+        let late = armed.since.elapsed().checked_sub(armed.timeout)?;
+        (late > self.grace).then_some((armed, late))
+    }
+}
+
+/// Says why, then ends the process without running destructors or exit handlers: the
+/// stuck thread holds librdkafka's locks, and `exit`'s handlers (OpenSSL's cleanup among
+/// them) would run under the client's live threads. One of the workspace's few `unsafe`
+/// calls (each with its SAFETY note): `_exit` has no precondition to break, and nothing
+/// runs after it.
+#[allow(unsafe_code)]
+fn wedged(role: &'static str, armed: Armed, late: Duration) -> ! {
+    tracing::error!(
+        role,
+        call = armed.what,
+        timeout_ms = armed.timeout.as_millis() as u64,
+        late_ms = late.as_millis() as u64,
+        exit_code = WEDGED_EXIT_CODE,
+        "A Kafka call outlived its timeout: its client is wedged. Exiting for the supervisor to restart this {role} with fresh clients (a restart is what a crash here is: nothing is lost or repeated)."
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit` takes a plain int and never returns.
+    unsafe { libc::_exit(WEDGED_EXIT_CODE) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_call_past_its_timeout_and_the_grace_is_overdue() {
+        let watchdog = Watchdog::unwatched(Duration::from_millis(20), "test");
+        assert!(watchdog.inner.overdue().is_none(), "nothing armed");
+        watchdog.bound("quick", Duration::from_secs(10), || {
+            assert!(watchdog.inner.overdue().is_none(), "within its timeout");
+        });
+        assert!(
+            watchdog.inner.overdue().is_none(),
+            "disarmed after the call"
+        );
+        watchdog.bound("stuck", Duration::from_millis(10), || {
+            let until = Instant::now() + Duration::from_secs(5);
+            while watchdog.inner.overdue().is_none() {
+                assert!(Instant::now() < until, "never overdue");
+                std::thread::yield_now();
+            }
+            let (armed, late) = watchdog.inner.overdue().expect("overdue");
+            assert_eq!(armed.what, "stuck");
+            assert!(late > Duration::from_millis(20));
+        });
+    }
+
+    #[test]
+    fn a_nested_call_is_watched_on_its_own_deadline_and_the_outer_one_again_after() {
+        let watchdog = Watchdog::unwatched(Duration::from_millis(20), "test");
+        watchdog.bound("poll", Duration::from_millis(10), || {
+            watchdog.bound("commit", Duration::from_secs(60), || {
+                std::thread::sleep(Duration::from_millis(50));
+                assert!(
+                    watchdog.inner.overdue().is_none(),
+                    "the inner call is within its own timeout"
+                );
+            });
+            let (armed, _) = watchdog.inner.overdue().expect("the outer call is overdue");
+            assert_eq!(armed.what, "poll");
+        });
+        assert!(watchdog.inner.overdue().is_none(), "disarmed after both");
+    }
+}
