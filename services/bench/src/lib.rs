@@ -53,6 +53,8 @@ pub struct Options {
     /// Extra librdkafka settings (`key=value` lines) for every client: the services get
     /// the file, the ceiling loop and the driver the same properties.
     pub kafka_properties: Option<PathBuf>,
+    /// Extra JVM flags of the bench's own broker, after its defaults.
+    pub broker_jvm_flags: Vec<String>,
     pub runs: usize,
     pub steps: usize,
     /// Runs in flight at once (a closed loop).
@@ -106,6 +108,7 @@ impl Options {
             keep_broker: false,
             keep_topics: false,
             kafka_properties: None,
+            broker_jvm_flags: Vec::new(),
             runs: 10_000,
             steps: 5,
             concurrency: 2000,
@@ -465,16 +468,32 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         all.extend(executors.iter_mut());
         let warmup = match options.warmup_runs {
             0 => None,
-            runs => Some(phase(
-                bench,
-                &mut driver,
-                &topics,
-                "warmup",
-                runs,
-                options.concurrency,
-                &mut all,
-                broker_pid,
-            )?),
+            runs => {
+                let full = phase(
+                    bench,
+                    &mut driver,
+                    &topics,
+                    "warmup",
+                    runs,
+                    options.concurrency,
+                    &mut all,
+                    broker_pid,
+                )?;
+                // The same light load once more, unmeasured: the broker compiles again
+                // for each new kind of load, and the light load is the one it meets
+                // first after the full-load warm-up.
+                let light = phase(
+                    bench,
+                    &mut driver,
+                    &topics,
+                    "warmup-light",
+                    options.light_runs,
+                    options.light_concurrency,
+                    &mut all,
+                    broker_pid,
+                )?;
+                Some((full, light))
+            }
         };
         let light = phase(
             bench,
@@ -698,11 +717,16 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         "events_per_run": pattern.events,
         "sortie": load.json,
         "sortie_light_load": light.json,
-        "warmup": warmup.map(|w| json!({
+        "warmup": warmup.map(|(w, light)| json!({
             "runs": w.json["runs"],
             "steps_per_s": w.json["steps_per_s"],
             "elapsed_s": w.json["elapsed_s"],
             "broker_jit_cores": w.broker_jit_cores,
+            "light": {
+                "runs": light.json["runs"],
+                "step_round_trip_ms": light.json["step_round_trip_ms"],
+                "broker_jit_cores": light.broker_jit_cores,
+            },
         })),
         "ceiling": ceiling.json(),
         "ceilings_one_record_per_input": ceilings.iter().map(ceiling::Ceiling::json).collect::<Vec<_>>(),

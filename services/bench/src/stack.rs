@@ -44,8 +44,13 @@ pub fn repo_file(relative: &str) -> anyhow::Result<PathBuf> {
     bail!("{relative} not found: run `sortie bench` from a Sortie checkout")
 }
 
-/// The bench's own broker: its own data dir and port, and JIT flags for a long run (the
-/// dev default `-XX:TieredStopAtLevel=1` stops at C1 and caps the broker's throughput).
+/// The bench's own broker: its own data dir and port, and JIT flags for a long run. The
+/// dev default `-XX:TieredStopAtLevel=1` stops at C1 and caps the broker's throughput;
+/// tiered compilation, the JVM's default, kept the 2-core box's broker compiling at ~0.5
+/// core through the light load after a 10k-run warm-up (it compiles ~13k methods, and
+/// each new kind of load brings more), so the bench runs the broker C2-only
+/// (`-XX:-TieredCompilation`: only hot methods are compiled). A/B in the README
+/// ("The light load"); `--broker-jvm-flag=-XX:+TieredCompilation` turns it back.
 pub fn own_broker(options: &Options) -> anyhow::Result<LocalBroker> {
     let mut config = BrokerConfig::new(
         options.data_dir.join("kafka"),
@@ -56,6 +61,10 @@ pub fn own_broker(options: &Options) -> anyhow::Result<LocalBroker> {
     config
         .jvm_flags
         .retain(|flag| !flag.starts_with("-XX:TieredStopAtLevel"));
+    config.jvm_flags.push("-XX:-TieredCompilation".to_owned());
+    config
+        .jvm_flags
+        .extend(options.broker_jvm_flags.iter().cloned());
     // Reuse jars another local broker of this checkout already fetched.
     if let Ok(target) = repo_file("target") {
         config.libs_dir = ["kafka-test/libs", "dev/kafka/libs"]

@@ -102,6 +102,11 @@ pub struct Args {
     /// compare two builds under the same harness, in the same quarter hour.
     #[arg(long)]
     services_exe: Option<std::path::PathBuf>,
+    /// An extra JVM flag for the bench's own broker (repeatable), after its defaults
+    /// (`-XX:+UseSerialGC`, `-XX:-TieredCompilation`): to compare broker tunings under
+    /// the same harness, e.g. `--broker-jvm-flag=-XX:+TieredCompilation`.
+    #[arg(long, allow_hyphen_values = true)]
+    broker_jvm_flag: Vec<String>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -122,6 +127,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         keep_broker: args.keep_broker,
         keep_topics: args.keep_topics,
         kafka_properties: args.kafka_properties,
+        broker_jvm_flags: args.broker_jvm_flag,
         runs: args.runs.unwrap_or(base.runs),
         steps: args.steps.unwrap_or(base.steps).max(1),
         concurrency: args.concurrency.unwrap_or(base.concurrency).max(1),
