@@ -235,6 +235,25 @@ async fn a_reducer_killed_after_commit_before_its_cache_write_restores_from_the_
     );
 }
 
+/// Waits for `process`, told by a fault point to hang inside a Kafka call, to end itself
+/// as a wedged client: status 75 (`sortie_kafka::watchdog::WEDGED_EXIT_CODE`), after the
+/// fault's line and the watchdog's, which names the call (`call` is found in the log).
+async fn assert_ends_itself_wedged(process: &mut Process, who: &str, call: &str) {
+    let status = process.wait_exit(LONG).await;
+    let log = process.own_log_text();
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(75),
+        "the wedged {who} ended itself with status 75 ({status:?}):\n{log}"
+    );
+    assert!(
+        log.contains("hangs here on purpose")
+            && log.contains("outlived its timeout")
+            && log.contains(call),
+        "it said which call wedged:\n{log}"
+    );
+}
+
 /// Issue #17: librdkafka's `send_offsets_to_transaction` can block past its timeout for
 /// good when the group coordinator's broker dies (librdkafka#5456, #5511). A reducer told
 /// to hang there on its 4th batch (`reducer.hang_in_send_offsets`: the thread parks inside
@@ -264,19 +283,7 @@ async fn a_reducer_wedged_in_a_kafka_call_ends_itself_and_its_restart_loses_noth
     );
     let runs = runs(16);
     start_runs(&stack, &runs).await;
-    let status = reducer.wait_exit(LONG).await;
-    let log = reducer.own_log_text();
-    assert_eq!(
-        status.and_then(|s| s.code()),
-        Some(75), // sortie_reducer::watchdog::WEDGED_EXIT_CODE
-        "the wedged reducer ended itself with status 75 ({status:?}):\n{log}"
-    );
-    assert!(
-        log.contains("hangs here on purpose")
-            && log.contains("outlived its timeout")
-            && log.contains("send_offsets_to_transaction"),
-        "it said which call wedged:\n{log}"
-    );
+    assert_ends_itself_wedged(&mut reducer, "reducer", "send_offsets_to_transaction").await;
     let _restarted = stack.reducer("0");
     assert_exactly_once(&stack, &ledger, &runs, true).await;
 }
@@ -316,19 +323,7 @@ async fn an_executor_wedged_in_an_offset_commit_ends_itself_and_its_restart_lose
     let _reducer = stack.reducer("0");
     let runs = runs(8);
     start_runs(&stack, &runs).await;
-    let status = executor.wait_exit(LONG).await;
-    let log = executor.own_log_text();
-    assert_eq!(
-        status.and_then(|s| s.code()),
-        Some(75), // sortie_kafka::watchdog::WEDGED_EXIT_CODE
-        "the wedged executor ended itself with status 75 ({status:?}):\n{log}"
-    );
-    assert!(
-        log.contains("hangs here on purpose")
-            && log.contains("outlived its timeout")
-            && log.contains("call=\"commit\""),
-        "it said which call wedged:\n{log}"
-    );
+    assert_ends_itself_wedged(&mut executor, "executor", "call=\"commit\"").await;
     let _restarted = stack.executor_process("executor", &["default"], &[]);
     assert_exactly_once(&stack, &ledger, &runs, false).await;
 }
