@@ -40,12 +40,9 @@ pub(crate) fn check(configured: Option<FaultPoint>, point: FaultPoint, operation
 /// Blocks this thread for good if `point` is the configured fault (once it is reached):
 /// a wedged librdkafka call, for the watchdog's test.
 pub(crate) fn hang_if(configured: Option<FaultPoint>, point: FaultPoint) {
-    if sortie_kafka::fault::fires(configured, 1, point) {
+    sortie_kafka::fault::hang(configured, 1, point, |_| {
         tracing::error!(fault = %point, "Fault injection: the executor's consumer thread hangs here on purpose.");
-        loop {
-            std::thread::park();
-        }
-    }
+    });
 }
 
 #[cfg(test)]

@@ -121,10 +121,17 @@ pub fn check<P: FaultPoint>(configured: Option<P>, after: u32, point: P, log: im
     }
 }
 
-/// Whether `point` fires on this pass, for a point that does something other than dying
-/// (counted as [`check`] counts).
-pub fn fires<P: FaultPoint>(configured: Option<P>, after: u32, point: P) -> bool {
-    reached(configured, after, point).is_some()
+/// Blocks the calling thread for good at `point` if it is the `configured` one and this is
+/// its `after`-th pass or later (counted as [`check`] counts): calls `log` with the pass
+/// number first. A wedged librdkafka call, for the watchdog's tests: the process is ended
+/// by its watchdog, not here.
+pub fn hang<P: FaultPoint>(configured: Option<P>, after: u32, point: P, log: impl FnOnce(u32)) {
+    if let Some(pass) = reached(configured, after, point) {
+        log(pass);
+        loop {
+            std::thread::park();
+        }
+    }
 }
 
 /// Whether `point` fires on this pass and only this one: the `after`-th (a fault the

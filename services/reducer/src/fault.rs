@@ -30,14 +30,12 @@ sortie_kafka::fault_points! {
     }
 }
 
-/// Whether `point` fires now (for a point that does something other than dying): the
-/// same passes as [`check`]; logged when it does.
-pub(crate) fn fires(configured: Option<FaultPoint>, after: u32, point: FaultPoint) -> bool {
-    let fires = sortie_kafka::fault::fires(configured, after, point);
-    if fires {
+/// Blocks this thread for good at `point` if it is the configured fault (the same passes
+/// as [`check`]), after one line: a wedged librdkafka call, for the watchdog's test.
+pub(crate) fn hang(configured: Option<FaultPoint>, after: u32, point: FaultPoint) {
+    sortie_kafka::fault::hang(configured, after, point, |_| {
         tracing::error!(fault = %point, "Fault injection: the reducer hangs here on purpose.");
-    }
-    fires
+    });
 }
 
 /// Whether `point` fires now, on its `after`-th pass only (a fault the reducer

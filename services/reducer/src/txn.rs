@@ -424,11 +424,7 @@ impl Engine {
     /// Blocks this thread for good at `point` if it is the configured fault: a wedged
     /// librdkafka call, for the watchdog's test.
     fn hang_if(&self, point: FaultPoint) {
-        if fault::fires(self.config.fault, self.config.fault_after, point) {
-            loop {
-                std::thread::park();
-            }
-        }
+        fault::hang(self.config.fault, self.config.fault_after, point);
     }
 
     /// Aborts the open transaction after `e`. A fatal error, or an abort that fails,
