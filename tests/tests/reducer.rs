@@ -145,28 +145,35 @@ async fn a_reducer_killed_mid_run_restarts_and_dispatches_nothing_twice() {
     );
 }
 
+/// The restart also runs with a page cache smaller than the restored states, so the store
+/// is closed and opened again after the runs are counted, and the approval is folded by
+/// the reopened store. Red-proofed: with `Store::reopen` leaving the store closed, the
+/// approved run never finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
     let stack = Stack::start("reducer-cold", &[GATED]).await;
     let mut reducer = stack.reducer("0");
     let _executor = stack.executor("default", succeed);
     let run = "run-refund".to_owned();
-    stack
-        .send(&start_run(&run, "gated", r#"{"amount": 30}"#))
-        .await;
+    let others: Vec<String> = (0..4).map(|i| format!("run-other-{i}")).collect();
+    for id in std::iter::once(&run).chain(&others) {
+        stack
+            .send(&start_run(id, "gated", r#"{"amount": 30}"#))
+            .await;
+    }
+    let all: Vec<String> = std::iter::once(run.clone()).chain(others).collect();
     let waiting = stack
-        .wait_for_states(
-            "the run to wait for approval",
-            std::slice::from_ref(&run),
-            LONG,
-            |s| s.status == RunStatus::WaitingApproval,
-        )
+        .wait_for_states("the runs to wait for approval", &all, LONG, |s| {
+            s.status == RunStatus::WaitingApproval
+        })
         .await;
     let before = waiting[&run].clone();
 
     reducer.stop();
     std::fs::remove_dir_all(stack.reducer_data("0")).expect("delete the cache");
-    let restarted = stack.reducer("0");
+    // A page cache smaller than the five states: counting the restored runs reads more
+    // than it holds.
+    let restarted = stack.reducer_with("0", &["--store-cache-bytes", "4096"]);
 
     let interrupt = before
         .interrupts
@@ -191,9 +198,14 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
         "the approved call ran with the proposed args"
     );
     check_history(&run, &stack.events().await[&run], after);
+    let log = restarted.log_text();
     assert!(
-        restarted.log_text().contains("warm=false"),
+        log.contains("warm=false"),
         "the restart restored cold from the changelog"
+    );
+    assert!(
+        log.contains("Reopened the local store after counting its runs."),
+        "the store was reopened after the cold restore's count"
     );
 }
 

@@ -21,6 +21,15 @@ pub struct Args {
         default_value = "target/dev/reducer"
     )]
     data_dir: PathBuf,
+    /// The sled cache's page cache, in bytes. After counting every cached run (a cold
+    /// restore) the store is opened again when it held more than this.
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__STORE_CACHE_BYTES",
+        default_value_t = sortie_reducer::store::CACHE_CAPACITY,
+        value_parser = clap::value_parser!(u64).range(sortie_reducer::store::MIN_CACHE_CAPACITY..)
+    )]
+    store_cache_bytes: u64,
     /// Stable identity of this instance (the transactional id derives from it).
     #[arg(long, env = "SORTIE__REDUCER__INSTANCE_ID", default_value = "0")]
     instance_id: String,
@@ -92,6 +101,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.data_dir,
     );
     config.instance_id = args.instance_id;
+    config.store_cache_bytes = args.store_cache_bytes;
     config.static_membership = args.static_membership;
     config.commit_interval = Duration::from_millis(args.commit_interval_ms);
     config.batch_linger = Duration::from_millis(args.batch_linger_ms);

@@ -80,6 +80,9 @@ pub struct ReducerConfig {
     /// keeps the assignment without a rebalance).
     pub static_membership: bool,
     pub data_dir: PathBuf,
+    /// sled's page cache in bytes. sled holds more than this after a scan of the whole
+    /// store; the reducer then opens the store again (see `Store::reopen`).
+    pub store_cache_bytes: u64,
     pub commit_interval: Duration,
     /// A batch stays open at least this long even when no input is waiting (0: adaptive,
     /// commit as soon as no input waits).
@@ -118,6 +121,7 @@ impl ReducerConfig {
             instance_id: "0".into(),
             static_membership: false,
             data_dir,
+            store_cache_bytes: crate::store::CACHE_CAPACITY,
             commit_interval: Duration::from_millis(100),
             batch_linger: Duration::ZERO,
             max_batch: 500,
@@ -167,7 +171,10 @@ pub fn run_with_health(
     shutdown: Arc<AtomicBool>,
     health: Health,
 ) -> Result<(), Error> {
-    let store = Arc::new(Store::open(&config.data_dir.join("sled"))?);
+    let store = Arc::new(Store::open_with_cache(
+        &config.data_dir.join("sled"),
+        config.store_cache_bytes,
+    )?);
     let codec = Arc::new(Codec::new(&CodecConfig {
         registry_url: config.registry_url.clone(),
         auto_register: config.auto_register,

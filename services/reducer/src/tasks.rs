@@ -296,10 +296,30 @@ impl Engine {
         let untracked: BTreeSet<i32> = self.tasks.active().difference(&tracked).copied().collect();
         if !untracked.is_empty() {
             let n = self.partitions;
-            let runs = self.store.runs().filter_map(Result::ok);
+            let mut scanned = 0u64;
+            let runs = self
+                .store
+                .runs()
+                .filter_map(Result::ok)
+                .inspect(|(_, state)| scanned += state.len() as u64);
             self.gauges.rebuild(&untracked, runs, |run| {
                 sortie_wire::partition_for(run.as_bytes(), n)
             });
+            if scanned > self.store.cache_capacity() {
+                // sled keeps every node such a scan read back from disk, far past its
+                // cache's capacity (~300 MiB after a cold restore of 1M runs); the store
+                // opened again holds what a fresh start would (~160 MiB).
+                let reopening = Instant::now();
+                if let Err(e) = self.store.reopen() {
+                    self.fatal.get_or_insert(Error::Store(e));
+                    return tpl.clone();
+                }
+                tracing::info!(
+                    scanned_mib = scanned / (1024 * 1024),
+                    millis = reopening.elapsed().as_millis() as u64,
+                    "Reopened the local store after counting its runs."
+                );
+            }
         }
         for (partition, read) in &restored.records {
             tracing::info!(
