@@ -184,25 +184,8 @@ impl Stack {
     }
 
     pub fn spawn(&self, name: &str, args: &[&str]) -> Process {
-        let log = self.dir.join(format!("{name}.log"));
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("log file");
-        let log_start = file.metadata().map(|m| m.len()).unwrap_or(0);
-        let child = Command::new(sortie_bin())
-            .args(args)
-            .env("RUST_LOG", "info,sortie_reducer=debug")
-            .stdout(Stdio::from(file.try_clone().expect("log handle")))
-            .stderr(Stdio::from(file))
-            .spawn()
-            .expect("spawn sortie");
-        Process {
-            child,
-            log,
-            log_start,
-        }
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        spawn_logged(self.dir.join(format!("{name}.log")), args)
     }
 
     /// Produces a command keyed by its run id with the Java-compatible partitioner.
@@ -467,6 +450,106 @@ pub struct Process {
     pub log: PathBuf,
     /// Where this spawn's output starts in the (appended) log.
     log_start: u64,
+    /// What it was started with (a supervisor starts it again with the same).
+    args: Vec<String>,
+}
+
+/// Starts `sortie` with `args`, its output appended to `log`.
+fn spawn_logged(log: PathBuf, args: Vec<String>) -> Process {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .expect("log file");
+    let log_start = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let child = Command::new(sortie_bin())
+        .args(&args)
+        .env("RUST_LOG", "info,sortie_reducer=debug")
+        .stdout(Stdio::from(file.try_clone().expect("log handle")))
+        .stderr(Stdio::from(file))
+        .spawn()
+        .expect("spawn sortie");
+    Process {
+        child,
+        log,
+        log_start,
+        args,
+    }
+}
+
+/// A process started again whenever it ends itself as wedged (status 75,
+/// `sortie_kafka::watchdog::WEDGED_EXIT_CODE`), as `sortie dev` and the kubelet do. Any
+/// other exit ends the supervision (the test sees the process gone).
+#[derive(Debug)]
+pub struct Supervised {
+    process: Arc<Mutex<Process>>,
+    restarts: Arc<std::sync::atomic::AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Process {
+    /// Hands the process to a supervisor (see [`Supervised`]).
+    pub fn supervised(self) -> Supervised {
+        let process = Arc::new(Mutex::new(self));
+        let restarts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = std::thread::spawn({
+            let (process, restarts, stop) = (process.clone(), restarts.clone(), stop.clone());
+            move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let mut current = process.lock().unwrap_or_else(|e| e.into_inner());
+                    match current.try_exit() {
+                        None => {}
+                        Some(status)
+                            if status.code() == Some(sortie_kafka::watchdog::WEDGED_EXIT_CODE) =>
+                        {
+                            eprintln!(
+                                "supervisor: {} ended itself as wedged; starting it again",
+                                current.log.display()
+                            );
+                            let again = spawn_logged(current.log.clone(), current.args.clone());
+                            *current = again;
+                            restarts.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Some(_) => return,
+                    }
+                }
+            }
+        });
+        Supervised {
+            process,
+            restarts,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Supervised {
+    /// How many times it was started again.
+    pub fn restarts(&self) -> usize {
+        self.restarts.load(Ordering::Relaxed)
+    }
+
+    /// The whole log, every start's.
+    pub fn log_text(&self) -> String {
+        self.process
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .log_text()
+    }
+}
+
+impl Drop for Supervised {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        // The process itself is killed when the last handle of it goes.
+    }
 }
 
 impl Process {
