@@ -532,14 +532,6 @@ impl Supervised {
     pub fn restarts(&self) -> usize {
         self.restarts.load(Ordering::Relaxed)
     }
-
-    /// The whole log, every start's.
-    pub fn log_text(&self) -> String {
-        self.process
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .log_text()
-    }
 }
 
 impl Drop for Supervised {
@@ -548,7 +540,10 @@ impl Drop for Supervised {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-        // The process itself is killed when the last handle of it goes.
+        self.process
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .kill();
     }
 }
 

@@ -305,9 +305,7 @@ async fn an_executor_wedged_in_an_offset_commit_ends_itself_and_its_restart_lose
     let stack = Stack::start("crash-wedged-executor", &[]).await;
     let ledger = stack.ledger_process("ledger", "keyed").await;
     stack.publish(&chain_graph(&ledger.url)).await;
-    let properties = stack.dir.join("executor.properties");
-    std::fs::write(&properties, "socket.timeout.ms=10000\n").expect("properties file");
-    let properties = properties.display().to_string();
+    let properties = short_socket_timeout(&stack);
     let mut executor = stack.executor_process(
         "executor",
         &["default"],
@@ -395,6 +393,14 @@ async fn an_aborted_batch_in_flight_takes_the_batch_folded_on_it_along() {
     );
 }
 
+/// A `--kafka-properties` file with `socket.timeout.ms=10000` (librdkafka's default is
+/// 60 s): the executor's commit bound (session + socket timeout) then fits a test's wait.
+fn short_socket_timeout(stack: &Stack) -> String {
+    let properties = stack.dir.join("executor.properties");
+    std::fs::write(&properties, "socket.timeout.ms=10000\n").expect("properties file");
+    properties.display().to_string()
+}
+
 /// SPEC §10 "broker restarted mid-run": a broker of this test's own (the shared one
 /// serves the suites running beside it) is stopped with runs in flight and started again
 /// on its data; every service rides it out. The runs started before and after all finish,
@@ -415,9 +421,7 @@ async fn a_broker_restarted_mid_run_loses_nothing() {
     let stack = Stack::start_on(broker.bootstrap(), "crash-broker", &[]).await;
     let ledger = stack.ledger_process("ledger", "keyed").await;
     stack.publish(&chain_graph(&ledger.url)).await;
-    let properties = stack.dir.join("executor.properties");
-    std::fs::write(&properties, "socket.timeout.ms=10000\n").expect("properties file");
-    let properties = properties.display().to_string();
+    let properties = short_socket_timeout(&stack);
     let executor = stack
         .executor_process(
             "executor",

@@ -302,8 +302,9 @@ impl Store {
     }
 
     /// Closes the database and opens it again, which hands back the memory sled keeps
-    /// after bulk writes: a cold restore of 1M runs left the reducer at ~300 MiB, against
-    /// ~110 MiB when the same store is opened by a fresh process (README "Performance").
+    /// after a scan of the whole store: the gauges' recount after a cold restore of 1M
+    /// runs left the reducer at ~300 MiB, ~160 MiB with the store reopened after it
+    /// (README "Performance").
     /// Everything written is flushed first; a store that cannot be opened again is an
     /// error, and every later call fails with [`Error::Closed`] (the reducer exits and
     /// its restart opens — or wipes and restores — the store as at any start).
