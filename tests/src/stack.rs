@@ -904,6 +904,35 @@ impl Process {
             .unwrap_or(text)
     }
 
+    /// How this spawn (a reducer) counted each restored partition's runs for its gauges,
+    /// from its "Partition restored" lines: `snapshot` (the tally stored with the cache's
+    /// marker), `restore` (a cold partition, counted as it was read) or `scan` (every
+    /// cached run read back).
+    pub fn gauges_counted_by(&self) -> Vec<String> {
+        self.own_log_text()
+            .lines()
+            .filter(|l| l.contains("Partition restored from the changelog"))
+            .filter_map(|l| {
+                let at = l.find("gauges=\"")? + "gauges=\"".len();
+                Some(l[at..].split('"').next()?.to_owned())
+            })
+            .collect()
+    }
+
+    /// Waits until this spawn's `sortie_runs` gauge shows `expected` (status → runs) for
+    /// every status named there.
+    pub async fn wait_for_run_gauges(&self, expected: &[(&str, f64)], within: Duration) {
+        let url = self.metrics_url().await;
+        let what = format!("the run gauges to show {expected:?}");
+        crate::wait_until(&what, within, || async {
+            let metrics = scrape(&url).await;
+            expected
+                .iter()
+                .all(|(status, n)| metric_sum(&metrics, "sortie_runs", &[("status", status)]) == *n)
+        })
+        .await;
+    }
+
     /// Whether this spawn died at a fault point (its log says so).
     pub fn died_at_fault(&self) -> bool {
         self.own_log_text().contains("Fault injection")

@@ -166,6 +166,18 @@ async fn a_reducer_killed_mid_transaction_leaves_nothing_visible_and_nothing_twi
     let stack = &crash.stack;
     let restarted = stack.reducer("0");
     assert_exactly_once(stack, &crash.ledger, &crash.runs, true).await;
+    // The gauges' tallies are stored with every commit's cache write, so even a restart
+    // after a crash starts from them rather than reading every cached run back.
+    // Red-proofed: with the tallies stored only at a clean stop, the partitions the
+    // crashed reducer had committed to were counted by `scan`.
+    let counted = restarted.gauges_counted_by();
+    assert!(
+        !counted.is_empty() && counted.iter().all(|how| how == "snapshot"),
+        "every partition's gauges came from its stored tally: {counted:?}"
+    );
+    restarted
+        .wait_for_run_gauges(&[("succeeded", 16.0), ("running", 0.0)], LONG)
+        .await;
 
     let committed = stack.event_keys(Isolation::ReadCommitted).await;
     let written = stack.event_keys(Isolation::ReadUncommitted).await;

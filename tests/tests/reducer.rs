@@ -145,10 +145,10 @@ async fn a_reducer_killed_mid_run_restarts_and_dispatches_nothing_twice() {
     );
 }
 
-/// The restart also runs with a page cache smaller than the restored states, so the store
-/// is closed and opened again after the runs are counted, and the approval is folded by
-/// the reopened store. Red-proofed: with `Store::reopen` leaving the store closed, the
-/// approved run never finishes.
+/// The cold restore also counts the runs for the gauges as it reads them, each run once by
+/// its last record, without reading the cache back afterwards. Red-proofed: with the
+/// restore handing the gauges no earlier share (every record counted as a new run), the
+/// gauges showed more runs than there are and this timed out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
     let stack = Stack::start("reducer-cold", &[GATED]).await;
@@ -171,9 +171,12 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
 
     reducer.stop();
     std::fs::remove_dir_all(stack.reducer_data("0")).expect("delete the cache");
-    // A page cache smaller than the five states: counting the restored runs reads more
-    // than it holds.
-    let restarted = stack.reducer_with("0", &["--store-cache-bytes", "4096"]);
+    let restarted = stack.reducer("0");
+    // The gauges were counted from the records the restore read (each run has several:
+    // started, dispatched, waiting), each run once, by its last one.
+    restarted
+        .wait_for_run_gauges(&[("waiting_approval", 5.0), ("running", 0.0)], LONG)
+        .await;
 
     let interrupt = before
         .interrupts
@@ -203,10 +206,22 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
         log.contains("warm=false"),
         "the restart restored cold from the changelog"
     );
+    let counted = restarted.gauges_counted_by();
     assert!(
-        log.contains("Reopened the local store after counting its runs."),
-        "the store was reopened after the cold restore's count"
+        counted.len() == PARTITIONS as usize && counted.iter().all(|how| how == "restore"),
+        "every cold partition's runs were counted as they were restored, none by a scan: {counted:?}"
     );
+    assert!(!log.contains("Reopened the local store"), "{log}");
+    restarted
+        .wait_for_run_gauges(
+            &[
+                ("waiting_approval", 4.0),
+                ("succeeded", 1.0),
+                ("running", 0.0),
+            ],
+            LONG,
+        )
+        .await;
 }
 
 /// A restart after a clean stop is warm in every partition, the ones that never held a

@@ -38,6 +38,7 @@ use tokio::runtime::Handle;
 
 use crate::convert;
 use crate::driver::Error;
+use crate::metrics::{Contribution, Shares};
 use crate::store::{Batch, Store};
 
 /// Records written to sled per atomic batch during a restore.
@@ -85,13 +86,18 @@ struct Progress {
     /// bounded on a cold restore of a million runs; across chunks the cache has the state
     /// (warm restores read it). A stale timer left behind only fires and is ignored.
     armed: HashMap<String, BTreeMap<String, i64>>,
-    /// Tracked partitions: the state each run got from an earlier record of this restore.
-    prior: HashMap<String, RunState>,
+    /// Counted partitions: each run's share of the gauges as this restore last read it.
+    shares: Option<Shares>,
 }
 
-/// A run's state as the cache held it before a restored record, and as the record has it
-/// (`None`: a tombstone).
-pub type Change<'a> = (i32, &'a str, Option<&'a RunState>, Option<&'a RunState>);
+/// A run's share of the gauges before a restored record (as the cache held it, or as an
+/// earlier record of the restore had it), and as the record has it (`None`: absent).
+pub type Change<'a> = (
+    i32,
+    &'a str,
+    Option<&'a Contribution>,
+    Option<&'a Contribution>,
+);
 
 /// Asks one end (log start or high watermark) of several partitions of a topic at once;
 /// a partition missing from the answer fails the restore.
@@ -109,11 +115,13 @@ pub struct Sources<'a> {
 }
 
 /// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
-/// For the partitions in `track` (warm ones), every change is also handed to `observe`.
+/// For the partitions in `count`, every change of a run's share of the gauges is also
+/// handed to `observe`: a cold partition's from nothing, a warm one's from what the cache
+/// held.
 pub fn partitions(
     sources: Sources<'_>,
     plan: &BTreeMap<i32, Option<u64>>,
-    track: &std::collections::BTreeSet<i32>,
+    count: &std::collections::BTreeSet<i32>,
     observe: &mut dyn FnMut(Change<'_>),
     ends: &Ends<'_>,
 ) -> Result<Restored, Error> {
@@ -179,7 +187,7 @@ pub fn partitions(
                 pending: 0,
                 batch: Batch::default(),
                 armed: HashMap::new(),
-                prior: HashMap::new(),
+                shares: count.contains(&partition).then(Shares::default),
             },
         );
     }
@@ -212,7 +220,6 @@ pub fn partitions(
     let mut applier = Applier {
         topic: &topic,
         store,
-        track,
         observe,
         progress: &mut progress,
         restored: &mut restored,
@@ -222,15 +229,15 @@ pub fn partitions(
     // read, so every run's records are still applied in offset order.
     let (to_decoder, decoder_in) = mpsc::sync_channel::<Vec<Raw>>(DECODE_AHEAD);
     let (decoder_out, from_decoder) = mpsc::channel::<Vec<Decoded>>();
-    let keep_states = track.clone();
+    let counted = count.clone();
     let reached = std::thread::scope(|scope| -> Result<BTreeMap<i32, i64>, Error> {
         scope.spawn(move || {
             for chunk in decoder_in {
                 let decoded = chunk
                     .into_iter()
                     .map(|raw| {
-                        let keep = keep_states.contains(&raw.partition);
-                        decode(raw, codec, runtime, keep)
+                        let share = counted.contains(&raw.partition);
+                        decode(raw, codec, runtime, share)
                     })
                     .collect();
                 if decoder_out.send(decoded).is_err() {
@@ -373,33 +380,27 @@ struct Restoring {
     /// The changelog's JSON: exactly what sled stores.
     json: String,
     timers: BTreeMap<String, i64>,
-    /// The whole state, for a tracked partition only (its gauges see each change). The
-    /// others' states are dropped on the decoder thread, which allocated them: freeing
-    /// them on the applying thread was 8 % of a cold restore's CPU samples (`perf`, 300k
-    /// runs), 1.4 % now. The rate did not move with it: sled's writes set it (README
-    /// "Performance").
-    state: Option<RunState>,
+    /// The run's share of the gauges, for a counted partition. The state itself is
+    /// dropped on the decoder thread, which allocated it: freeing states on the applying
+    /// thread was 8 % of a cold restore's CPU samples (`perf`, 300k runs), 1.4 % after.
+    share: Option<Contribution>,
 }
 
 /// Decodes a record fully — Avro, then the state's JSON into a [`RunState`] — so a state
 /// this build cannot read stops its partition here, at the restore, not at the run's
 /// next input.
-fn decode(raw: Raw, codec: &Codec, runtime: &Handle, keep_state: bool) -> Decoded {
+fn decode(raw: Raw, codec: &Codec, runtime: &Handle, share: bool) -> Decoded {
     let value = raw.payload.map(|payload| {
         runtime
             .block_on(codec.decode_patiently::<w::RunState>(Some(&payload), None))
             .map_err(|e| e.to_string())
             .and_then(|r| {
                 let mut state = convert::state_from_wire(&r).map_err(|e| e.0)?;
-                let timers = std::mem::take(&mut state.timers);
-                let state = keep_state.then(|| RunState {
-                    timers: timers.clone(),
-                    ..state
-                });
+                let share = share.then(|| Contribution::of(&state));
                 Ok(Restoring {
                     json: r.state,
-                    timers,
-                    state,
+                    timers: std::mem::take(&mut state.timers),
+                    share,
                 })
             })
     });
@@ -415,7 +416,6 @@ fn decode(raw: Raw, codec: &Codec, runtime: &Handle, keep_state: bool) -> Decode
 struct Applier<'a> {
     topic: &'a str,
     store: &'a Store,
-    track: &'a std::collections::BTreeSet<i32>,
     observe: &'a mut dyn FnMut(Change<'_>),
     progress: &'a mut BTreeMap<i32, Progress>,
     restored: &'a mut Restored,
@@ -450,8 +450,16 @@ impl Applier<'_> {
                 p.batch.disarm_timer(partition, &key, timer, *due);
             }
         }
-        let tracked = self.track.contains(&partition);
-        let mut before = if tracked { p.prior.remove(&key) } else { None };
+        let counted = p.shares.is_some();
+        let share = match &value {
+            Some(Ok(restoring)) => restoring.share.as_ref(),
+            _ => None,
+        };
+        let mut before = match (&mut p.shares, &value) {
+            // An undecodable record changes nothing: the partition stops before it.
+            (Some(shares), None | Some(Ok(_))) => shares.replace(&key, share),
+            _ => None,
+        };
         if p.warm {
             // The cache holds an older state of this run: its timers go.
             if let Some(old) = store.get_run(&key)? {
@@ -461,22 +469,22 @@ impl Applier<'_> {
                 for (timer, due) in &old.timers {
                     p.batch.disarm_timer(partition, &key, timer, *due);
                 }
-                if tracked && before.is_none() {
-                    before = Some(old);
+                if counted && before.is_none() {
+                    before = Some(Contribution::of(&old));
                 }
             }
         }
         match value {
             None => {
                 p.batch.remove_run(&key);
-                if tracked {
+                if counted {
                     (self.observe)((partition, &key, before.as_ref(), None));
                 }
             }
             Some(Ok(Restoring {
                 json,
                 timers,
-                state,
+                share,
             })) => {
                 for (timer, due) in &timers {
                     p.batch.arm_timer(partition, &key, timer, *due);
@@ -486,9 +494,8 @@ impl Applier<'_> {
                 }
                 // The changelog's JSON is exactly what sled stores.
                 p.batch.put_run(&key, json.into_bytes());
-                if let (true, Some(state)) = (tracked, state) {
-                    (self.observe)((partition, &key, before.as_ref(), Some(&state)));
-                    p.prior.insert(key.clone(), state);
+                if let Some(share) = &share {
+                    (self.observe)((partition, &key, before.as_ref(), Some(share)));
                 }
             }
             Some(Err(e)) => {
@@ -520,7 +527,6 @@ impl Applier<'_> {
             store.apply(batch)?;
             p.pending = 0;
             p.armed.clear();
-            p.prior.clear();
         }
         Ok(())
     }

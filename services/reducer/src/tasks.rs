@@ -236,17 +236,28 @@ impl Engine {
                 }
             }
         }
-        // The gauges' tallies: from the snapshot stored at the last revocation or shutdown
-        // where it reflects exactly the cache's marker, then kept up to date by the
-        // restore; the other partitions are counted again from the cache afterwards.
-        let mut tracked = BTreeSet::new();
+        // The gauges' tallies, kept up to date by the restore: a warm partition's from the
+        // snapshot stored with its cache marker, where it reflects exactly that marker; a
+        // cold one's from nothing. Only a warm partition without such a snapshot (a crash
+        // mid-restore, a cache from an older build) is counted again from the cache
+        // afterwards.
+        let mut counted = BTreeMap::new();
         for (partition, from) in &plan {
-            if let (Some(offset), Ok(Some(bytes))) = (from, self.store.tally(*partition)) {
-                if self.gauges.load(*partition, &bytes, *offset) {
-                    tracked.insert(*partition);
+            match from {
+                Some(offset) => {
+                    if let Ok(Some(bytes)) = self.store.tally(*partition) {
+                        if self.gauges.load(*partition, &bytes, *offset) {
+                            counted.insert(*partition, "snapshot");
+                        }
+                    }
+                }
+                None => {
+                    self.gauges.reset(*partition);
+                    counted.insert(*partition, "restore");
                 }
             }
         }
+        let count: BTreeSet<i32> = counted.keys().copied().collect();
         // One deadline for every partition's watermark: a dead leader costs this once, not
         // once per partition, and the whole assignment stays well inside
         // `max.poll.interval.ms` (this runs inside poll).
@@ -263,9 +274,9 @@ impl Engine {
         let restored = match crate::restore::partitions(
             sources,
             &plan,
-            &tracked,
+            &count,
             &mut |(partition, run_id, before, after)| {
-                gauges.update(partition, run_id, before, after)
+                gauges.change(partition, run_id, before, after)
             },
             &|topic, partitions, end| {
                 sortie_kafka::list_offsets(marks, topic, partitions, end, watermarks_by)
@@ -293,8 +304,8 @@ impl Engine {
             self.tasks.tasks.insert(*partition, task);
         }
         self.tasks.joined = true;
-        let untracked: BTreeSet<i32> = self.tasks.active().difference(&tracked).copied().collect();
-        if !untracked.is_empty() {
+        let uncounted: BTreeSet<i32> = self.tasks.active().difference(&count).copied().collect();
+        if !uncounted.is_empty() {
             let n = self.partitions;
             let mut scanned = 0u64;
             let runs = self
@@ -302,7 +313,7 @@ impl Engine {
                 .runs()
                 .filter_map(Result::ok)
                 .inspect(|(_, state)| scanned += state.len() as u64);
-            self.gauges.rebuild(&untracked, runs, |run| {
+            self.gauges.rebuild(&uncounted, runs, |run| {
                 sortie_wire::partition_for(run.as_bytes(), n)
             });
             if scanned > self.store.cache_capacity() {
@@ -322,13 +333,22 @@ impl Engine {
             }
         }
         for (partition, read) in &restored.records {
+            let gauges = match counted.get(partition) {
+                Some(how) => *how,
+                None if uncounted.contains(partition) => "scan",
+                None => "stopped",
+            };
             tracing::info!(
                 partition,
                 records = read,
                 warm = plan.get(partition).is_some_and(Option::is_some),
+                gauges,
                 "Partition restored from the changelog."
             );
         }
+        // The tallies now reflect the restored markers: a crash before the next commit
+        // that touches a partition finds them there.
+        self.save_tallies();
         tracing::info!(
             ?partitions,
             records,
