@@ -72,6 +72,8 @@ pub struct Restored {
     pub records: BTreeMap<i32, usize>,
     /// Partitions that stopped at a record they could not decode, and why.
     pub stopped: BTreeMap<i32, String>,
+    /// Bytes of run state written to the store.
+    pub written: u64,
 }
 
 struct Progress {
@@ -493,6 +495,7 @@ impl Applier<'_> {
                     p.armed.insert(key.clone(), timers);
                 }
                 // The changelog's JSON is exactly what sled stores.
+                self.restored.written += json.len() as u64;
                 p.batch.put_run(&key, json.into_bytes());
                 if let Some(share) = &share {
                     (self.observe)((partition, &key, before.as_ref(), Some(share)));

@@ -305,9 +305,9 @@ impl Engine {
         }
         self.tasks.joined = true;
         let uncounted: BTreeSet<i32> = self.tasks.active().difference(&count).copied().collect();
+        let mut scanned = 0u64;
         if !uncounted.is_empty() {
             let n = self.partitions;
-            let mut scanned = 0u64;
             let runs = self
                 .store
                 .runs()
@@ -316,21 +316,23 @@ impl Engine {
             self.gauges.rebuild(&uncounted, runs, |run| {
                 sortie_wire::partition_for(run.as_bytes(), n)
             });
-            if scanned > self.store.cache_capacity() {
-                // sled keeps every node such a scan read back from disk, far past its
-                // cache's capacity (~300 MiB after a cold restore of 1M runs); the store
-                // opened again holds what a fresh start would (~160 MiB).
-                let reopening = Instant::now();
-                if let Err(e) = self.store.reopen() {
-                    self.fatal.get_or_insert(Error::Store(e));
-                    return tpl.clone();
-                }
-                tracing::info!(
-                    scanned_mib = scanned / (1024 * 1024),
-                    millis = reopening.elapsed().as_millis() as u64,
-                    "Reopened the local store after counting its runs."
-                );
+        }
+        if restored.written + scanned > self.store.cache_capacity() {
+            // sled keeps the nodes a restore wrote, and every node a scan read back from
+            // disk, far past its cache's capacity (~430 MiB after a cold restore of 1M
+            // runs, ~300 after its scan); the store opened again holds what a fresh start
+            // would (~160 MiB).
+            let reopening = Instant::now();
+            if let Err(e) = self.store.reopen() {
+                self.fatal.get_or_insert(Error::Store(e));
+                return tpl.clone();
             }
+            tracing::info!(
+                written_mib = restored.written / (1024 * 1024),
+                scanned_mib = scanned / (1024 * 1024),
+                millis = reopening.elapsed().as_millis() as u64,
+                "Reopened the local store after the restore."
+            );
         }
         for (partition, read) in &restored.records {
             let gauges = match counted.get(partition) {
