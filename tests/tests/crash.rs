@@ -245,6 +245,18 @@ async fn a_reducer_killed_after_commit_before_its_cache_write_restores_from_the_
         "the restart read the batch the cache missed from the changelog:\n{}",
         restarted.own_log_text()
     );
+    // The tallies stored with the cache's (older) markers, plus the changes the restore
+    // read past them: every run counted once, where it ended. Red-proofed: with the
+    // restore not taking a run's share from the cached state it replaces, the runs the
+    // cache held as running stayed counted there and this timed out.
+    let counted = restarted.gauges_counted_by();
+    assert!(
+        !counted.is_empty() && counted.iter().all(|how| how == "snapshot"),
+        "every partition's gauges came from its stored tally: {counted:?}"
+    );
+    restarted
+        .wait_for_run_gauges(&[("succeeded", 16.0), ("running", 0.0)], LONG)
+        .await;
 }
 
 /// Waits for `process`, told by a fault point to hang inside a Kafka call, to end itself
