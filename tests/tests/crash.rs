@@ -148,6 +148,19 @@ async fn reducer_dies_at(name: &str, fault: &str, after: u32, n: usize) -> Reduc
     }
 }
 
+/// The restarted reducer's gauges started from the tallies stored with its cache (no
+/// partition scanned) and count all `runs` as succeeded, none as running.
+async fn assert_gauges_from_tallies(restarted: &Process, runs: usize) {
+    let counted = restarted.gauges_counted_by();
+    assert!(
+        !counted.is_empty() && counted.iter().all(|how| how == "snapshot"),
+        "every partition's gauges came from its stored tally: {counted:?}"
+    );
+    restarted
+        .wait_for_run_gauges(&[("succeeded", runs as f64), ("running", 0.0)], LONG)
+        .await;
+}
+
 struct ReducerCrash {
     stack: Stack,
     ledger: LedgerProcess,
@@ -170,14 +183,7 @@ async fn a_reducer_killed_mid_transaction_leaves_nothing_visible_and_nothing_twi
     // after a crash starts from them rather than reading every cached run back.
     // Red-proofed: with the tallies stored only at a clean stop, the partitions the
     // crashed reducer had committed to were counted by `scan`.
-    let counted = restarted.gauges_counted_by();
-    assert!(
-        !counted.is_empty() && counted.iter().all(|how| how == "snapshot"),
-        "every partition's gauges came from its stored tally: {counted:?}"
-    );
-    restarted
-        .wait_for_run_gauges(&[("succeeded", 16.0), ("running", 0.0)], LONG)
-        .await;
+    assert_gauges_from_tallies(&restarted, crash.runs.len()).await;
 
     let committed = stack.event_keys(Isolation::ReadCommitted).await;
     let written = stack.event_keys(Isolation::ReadUncommitted).await;
@@ -249,14 +255,7 @@ async fn a_reducer_killed_after_commit_before_its_cache_write_restores_from_the_
     // read past them: every run counted once, where it ended. Red-proofed: with the
     // restore not taking a run's share from the cached state it replaces, the runs the
     // cache held as running stayed counted there and this timed out.
-    let counted = restarted.gauges_counted_by();
-    assert!(
-        !counted.is_empty() && counted.iter().all(|how| how == "snapshot"),
-        "every partition's gauges came from its stored tally: {counted:?}"
-    );
-    restarted
-        .wait_for_run_gauges(&[("succeeded", 16.0), ("running", 0.0)], LONG)
-        .await;
+    assert_gauges_from_tallies(&restarted, crash.runs.len()).await;
 }
 
 /// Waits for `process`, told by a fault point to hang inside a Kafka call, to end itself
