@@ -57,7 +57,7 @@ const DECODE_AHEAD: usize = 16;
 
 /// The restore consumer's fetch sizes (see where they are set).
 const FETCH_MAX_BYTES: &str = "2097152";
-const PARTITION_FETCH_MAX_BYTES: &str = "524288";
+const PARTITION_FETCH_MAX_BYTES: &str = "32768";
 /// How long a partition whose prefetch queue is full waits before it is fetched again
 /// (librdkafka's default, 1 s, stalled a restore that had caught up with its queue).
 const FETCH_QUEUE_BACKOFF_MS: &str = "10";
@@ -203,8 +203,10 @@ pub fn partitions(
         // the next fetch. A changelog compresses well (the states of a run repeat its
         // payloads; the bench's 1M synthetic states, 1.08 GB, take 14 MB on disk), so
         // one 64 MiB response was the whole changelog, ~1.6 GiB in memory. Small
-        // responses bound that; the reader is bound by sled's writes, far below what
-        // they deliver. README "Performance".
+        // responses bound that: 32 KiB a partition (512 KiB before) took the peak of a
+        // 1M-run cold restore from ~910 to ~540 MiB at the same rate, and the load's
+        // changelog restored as fast; the reader is bound by sled's writes, far below
+        // what they deliver. README "Performance".
         .set("fetch.max.bytes", FETCH_MAX_BYTES)
         .set("max.partition.fetch.bytes", PARTITION_FETCH_MAX_BYTES)
         .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
