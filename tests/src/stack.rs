@@ -904,19 +904,28 @@ impl Process {
             .unwrap_or(text)
     }
 
-    /// How this spawn (a reducer) counted each restored partition's runs for its gauges,
-    /// from its "Partition restored" lines: `snapshot` (the tally stored with the cache's
-    /// marker), `restore` (a cold partition, counted as it was read) or `scan` (every
-    /// cached run read back).
-    pub fn gauges_counted_by(&self) -> Vec<String> {
+    /// The value of `field` in each of this spawn's (a reducer's) "Partition restored
+    /// from the changelog" lines, unquoted.
+    pub fn restored_partitions(&self, field: &str) -> Vec<String> {
+        let name = format!("{field}=");
         self.own_log_text()
             .lines()
             .filter(|l| l.contains("Partition restored from the changelog"))
             .filter_map(|l| {
-                let at = l.find("gauges=\"")? + "gauges=\"".len();
-                Some(l[at..].split('"').next()?.to_owned())
+                let value = &l[l.find(&name)? + name.len()..];
+                Some(match value.strip_prefix('"') {
+                    Some(quoted) => quoted.split('"').next()?.to_owned(),
+                    None => value.split_whitespace().next()?.to_owned(),
+                })
             })
             .collect()
+    }
+
+    /// How this spawn (a reducer) counted each restored partition's runs for its gauges:
+    /// `snapshot` (the tally stored with the cache's marker), `restore` (a cold
+    /// partition, counted as it was read) or `scan` (every cached run read back).
+    pub fn gauges_counted_by(&self) -> Vec<String> {
+        self.restored_partitions("gauges")
     }
 
     /// Waits until this spawn's `sortie_runs` gauge shows `expected` (status → runs) for

@@ -234,17 +234,9 @@ async fn a_reducer_killed_after_commit_before_its_cache_write_restores_from_the_
     let unique: BTreeSet<_> = written.iter().collect();
     assert_eq!(unique.len(), written.len(), "no event was written twice");
     let restored: u64 = restarted
-        .own_log_text()
-        .lines()
-        .filter(|l| l.contains("Partition restored from the changelog"))
-        .filter_map(|l| {
-            let at = l.find("records=")? + "records=".len();
-            l[at..]
-                .split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
+        .restored_partitions("records")
+        .iter()
+        .filter_map(|n| n.parse::<u64>().ok())
         .sum();
     assert!(
         restored > 0,

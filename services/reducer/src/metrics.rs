@@ -473,21 +473,17 @@ impl Shares {
     /// it replaces, if the restore had read one.
     pub fn replace(&mut self, run_id: &str, share: Option<&Contribution>) -> Option<Contribution> {
         let key = Self::key(run_id);
-        let before = match self.open.remove(&key) {
-            Some(open) => {
-                self.plain.remove(&key);
-                Some(open)
-            }
-            None => self
-                .plain
+        // A run is in one of the two maps at most: each insert below follows this removal.
+        let before = self.open.remove(&key).or_else(|| {
+            self.plain
                 .remove(&key)
                 .map(|(status, awaiting)| Contribution {
                     status,
                     awaiting_operator: i64::from(awaiting),
                     open_interrupts: Vec::new(),
                     updated_at: 0, // read only for open interrupts
-                }),
-        };
+                })
+        });
         match share {
             Some(share) if !share.open_interrupts.is_empty() => {
                 self.open.insert(key, share.clone());
