@@ -597,8 +597,9 @@ impl LocalBroker {
         }
         let proc_dir = PathBuf::from(format!("/proc/{pid}"));
         let Ok(stat) = fs::read_to_string(proc_dir.join("stat")) else {
-            // No procfs: trust kill(pid, 0).
-            return true;
+            // Reaped since kill(pid, 0) answered (seen: a zombie's parent reaped it in
+            // between), unless there is no procfs at all: then trust kill(pid, 0).
+            return !Path::new("/proc/self/stat").exists();
         };
         // The state follows the last ')' (the command name may contain anything).
         let state = stat
@@ -617,11 +618,23 @@ impl LocalBroker {
         }
         // An empty command line is a process that is exiting (its memory is gone
         // already): still alive. Any other command line must be this broker's.
-        let cmdline = fs::read(proc_dir.join("cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline);
         let server = self.path("server.properties");
-        cmdline.is_empty()
-            || (cmdline.contains("kafka.Kafka") && cmdline.contains(&*server.to_string_lossy()))
+        let server = server.to_string_lossy();
+        let ours = |cmdline: &str| {
+            cmdline.is_empty() || (cmdline.contains("kafka.Kafka") && cmdline.contains(&*server))
+        };
+        // Unreadable: reaped since the stat was read.
+        let Some(cmdline) = read_cmdline(&proc_dir) else {
+            return false;
+        };
+        if ours(&cmdline) {
+            return true;
+        }
+        // A process whose memory goes away during the read leaves the read cut short:
+        // not this broker's command line, yet the broker is still exiting. Its memory
+        // never comes back, so a second read is empty then; a process that reuses the
+        // pid reads the same again.
+        read_cmdline(&proc_dir).is_some_and(|again| ours(&again))
     }
 
     fn lock(&self) -> Result<FileLock> {
@@ -903,6 +916,16 @@ fn has_kafka_jar(dir: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// A process's command line in one `read` (`fs::read` starts with a 32-byte probe, and a
+/// process exiting between two reads leaves a truncated line); `None` if unreadable.
+fn read_cmdline(proc_dir: &Path) -> Option<String> {
+    let mut buf = vec![0; 256 * 1024];
+    let n = File::open(proc_dir.join("cmdline"))
+        .and_then(|mut f| f.read(&mut buf))
+        .ok()?;
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
 fn classpath(libs: &Path) -> String {
     // The JVM expands `dir/*` itself.
     format!("{}/*", libs.display())
@@ -999,5 +1022,62 @@ mod tests {
         fs::write(dir.join("server.properties"), broker.server_properties()).expect("write");
         assert_eq!(configured_port(&dir), Some(19555));
         fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}
+
+#[cfg(test)]
+mod liveness {
+    use super::*;
+
+    /// After SIGKILL, `is_alive` may say "alive" for a while, but once it says "gone" it
+    /// must never say "alive" again: `kill` trusts the first "gone". Red before the fix
+    /// (7 of 40 processes came back): a parent reaping its zombie between `kill(pid, 0)`
+    /// and the read of `/proc/<pid>/stat` made the failed read count as "no procfs, so
+    /// alive" (the CI flake of `local_broker_restarts_on_its_own_data`).
+    #[test]
+    fn a_killed_process_never_comes_back_to_life() {
+        // Nothing is written there: the path only goes into the command line.
+        let dir = std::env::temp_dir().join(format!("sortie-liveness-{}", std::process::id()));
+        let broker = LocalBroker::new(BrokerConfig::new(&dir, 19556, "pom.xml"));
+        let server = broker.path("server.properties");
+        let mut flips = 0;
+        for _ in 0..40 {
+            // A process with threads and some memory, so that its exit takes a while;
+            // its command line names this broker's server.properties.
+            let mut child = Command::new("python3")
+                .arg("-c")
+                .arg("import threading,time\nb=bytearray(64<<20)\n[threading.Thread(target=time.sleep,args=(100,)).start() for _ in range(16)]\nprint('up',flush=True)\ntime.sleep(100)")
+                .arg("kafka.Kafka")
+                .arg(&server)
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("python3");
+            let mut up = [0u8; 3];
+            child
+                .stdout
+                .take()
+                .expect("stdout")
+                .read_exact(&mut up)
+                .expect("up");
+            let pid = child.id();
+            assert!(broker.is_alive(pid));
+            let reaper = thread::spawn(move || child.wait());
+            signal(pid, Signal::KILL);
+            let mut gone = false;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                let alive = broker.is_alive(pid);
+                if gone && alive {
+                    flips += 1;
+                    break;
+                }
+                gone |= !alive;
+                if gone && reaper.is_finished() {
+                    break;
+                }
+            }
+            reaper.join().expect("reaper").expect("wait");
+        }
+        assert_eq!(flips, 0, "a process said gone, then alive again");
     }
 }
