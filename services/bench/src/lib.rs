@@ -887,3 +887,23 @@ fn restart(
         },
     }))
 }
+
+/// `bytes` of pseudo-random letters and digits, the same for the same `seed`: a payload
+/// that packs about as badly as text does (the reducer's cache compresses run states; a
+/// run of one letter, the bench's payload before, would flatter it).
+pub(crate) fn payload_text(bytes: usize, seed: &str) -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    // FNV-1a of the seed, then xorshift64*.
+    let mut x = seed.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    }) | 1;
+    (0..bytes)
+        .map(|_| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            let r = x.wrapping_mul(0x2545_f491_4f6c_dd1d);
+            char::from(ALPHABET[(r >> 58) as usize % ALPHABET.len()])
+        })
+        .collect()
+}

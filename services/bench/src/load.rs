@@ -180,7 +180,8 @@ impl Driver {
         run_id: &str,
         payload_bytes: usize,
     ) -> anyhow::Result<Vec<u8>> {
-        let input = serde_json::json!({ "payload": "x".repeat(payload_bytes) }).to_string();
+        let input = serde_json::json!({ "payload": crate::payload_text(payload_bytes, run_id) })
+            .to_string();
         let command = w::RunCommand {
             command_id: format!("start-{run_id}"),
             tenant: "bench".into(),

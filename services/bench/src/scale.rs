@@ -43,7 +43,7 @@ pub fn finished_run(graph: &Graph, payload_bytes: usize) -> anyhow::Result<RunSt
         body: CommandBody::StartRun {
             graph_id: graph.id.clone(),
             graph_version: Some(graph.version),
-            input: json!({ "payload": "x".repeat(payload_bytes) }),
+            input: json!({ "payload": crate::payload_text(payload_bytes, "template") }),
             labels: BTreeMap::new(),
             budget: None,
             fork: None,

@@ -39,7 +39,7 @@ use tokio::runtime::Handle;
 use crate::convert;
 use crate::driver::Error;
 use crate::metrics::{Contribution, Shares};
-use crate::store::{Batch, Store};
+use crate::store::{Batch, Packed, Store};
 
 /// Records written to sled per atomic batch during a restore.
 const CHUNK: usize = 4_000;
@@ -381,8 +381,8 @@ struct Decoded {
 
 /// What the applying thread needs of a decoded state.
 struct Restoring {
-    /// The changelog's JSON: exactly what sled stores.
-    json: String,
+    /// The changelog's JSON, packed for sled here, off the applying thread.
+    state: Packed,
     timers: BTreeMap<String, i64>,
     /// The run's share of the gauges, for a counted partition. The state itself is
     /// dropped on the decoder thread, which allocated it: freeing states on the applying
@@ -402,7 +402,7 @@ fn decode(raw: Raw, codec: &Codec, runtime: &Handle, share: bool) -> Decoded {
                 let mut state = convert::state_from_wire(&r).map_err(|e| e.0)?;
                 let share = share.then(|| Contribution::of(&state));
                 Ok(Restoring {
-                    json: r.state,
+                    state: Packed::new(r.state.as_bytes()),
                     timers: std::mem::take(&mut state.timers),
                     share,
                 })
@@ -486,7 +486,7 @@ impl Applier<'_> {
                 }
             }
             Some(Ok(Restoring {
-                json,
+                state,
                 timers,
                 share,
             })) => {
@@ -496,9 +496,8 @@ impl Applier<'_> {
                 if !timers.is_empty() {
                     p.armed.insert(key.clone(), timers);
                 }
-                // The changelog's JSON is exactly what sled stores.
-                self.restored.written += json.len() as u64;
-                p.batch.put_run(&key, json.into_bytes());
+                self.restored.written += state.len() as u64;
+                p.batch.put_packed(&key, state);
                 if let Some(share) = &share {
                     (self.observe)((partition, &key, before.as_ref(), Some(share)));
                 }

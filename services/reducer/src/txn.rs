@@ -235,8 +235,8 @@ impl Engine {
                 value: Some(value),
                 headers: vec![],
             });
-            // The same JSON goes to sled (sealed, as in the changelog): one serialisation
-            // per state.
+            // The same JSON goes to sled (sealed, as in the changelog; packed there): one
+            // serialisation per state.
             states.push((run_id.clone(), record.state.into_bytes()));
         }
 
