@@ -944,9 +944,7 @@ mod tests {
         {
             let store = Store::open(dir.path()).unwrap().with_durable_writes(true);
             let mut batch = Batch::new();
-            batch
-                .put_run("run-1", b"s")
-                .set_changelog_offset(3, 9);
+            batch.put_run("run-1", b"s").set_changelog_offset(3, 9);
             store.apply(batch).unwrap();
         }
         let store = Store::open(dir.path()).unwrap();
@@ -1014,9 +1012,7 @@ mod tests {
     fn a_run_id_with_nul_is_rejected_and_nothing_is_written() {
         let store = Store::temporary().unwrap();
         let mut batch = Batch::new();
-        batch
-            .put_run("ok", b"x")
-            .arm_timer(0, "a\0b", "t", 1);
+        batch.put_run("ok", b"x").arm_timer(0, "a\0b", "t", 1);
         assert!(matches!(store.apply(batch), Err(Error::InvalidRunId(_))));
         assert_eq!(store.get_run("ok").unwrap(), None);
     }
@@ -1173,9 +1169,7 @@ mod tests {
             {
                 let store = Store::open(dir.path()).unwrap();
                 let mut batch = Batch::new();
-                batch
-                    .put_run("run-1", b"s")
-                    .set_changelog_offset(0, 7);
+                batch.put_run("run-1", b"s").set_changelog_offset(0, 7);
                 store.apply(batch).unwrap();
                 store.flush().unwrap();
             }
