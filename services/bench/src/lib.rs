@@ -229,7 +229,32 @@ impl Bench {
         data: &Path,
         instance: &str,
     ) -> anyhow::Result<Service> {
+        self.reducer_with(dir, name, prefix, data, instance, &[])
+    }
+
+    /// [`Bench::reducer`] as a static group member (`group.instance.id`), as the Helm
+    /// chart runs it: a restart within the session timeout keeps its partitions.
+    pub fn reducer_static(
+        &self,
+        dir: &Path,
+        name: &str,
+        prefix: &str,
+        data: &Path,
+    ) -> anyhow::Result<Service> {
+        self.reducer_with(dir, name, prefix, data, "0", &["--static-membership"])
+    }
+
+    fn reducer_with(
+        &self,
+        dir: &Path,
+        name: &str,
+        prefix: &str,
+        data: &Path,
+        instance: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Service> {
         let mut args = vec!["reducer".to_owned()];
+        args.extend(extra.iter().map(|arg| (*arg).to_owned()));
         args.extend(self.common_args(prefix));
         args.extend(self.seal_args.iter().cloned());
         args.extend([

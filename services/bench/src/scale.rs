@@ -242,6 +242,28 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
     let (_, warm_records, warm_millis) = wait_restored(&reducer, options.partitions)?;
     let after_warm = rss(&reducer);
     reducer.stop();
+
+    // A crash: the same cache, a reducer SIGKILLed right after its first commit (no clean
+    // stop stores the gauges' tallies: the restart starts from those its commits stored,
+    // or counts by scan). Both are static members, as the Helm chart runs them; a dynamic
+    // member's restart waits out the session timeout (10 s) for the dead member first.
+    let (probe_id, bytes) = probe("before-crash")?;
+    driver.send(&probe_id, &bytes)?;
+    driver.flush()?;
+    let mut reducer = bench.reducer_static(&dir, "reducer-to-crash", &prefix, &data)?;
+    driver.first_event(&probe_id, Duration::from_secs(600), &mut reducer)?;
+    reducer.kill();
+    let (probe_id, bytes) = probe("crash")?;
+    driver.send(&probe_id, &bytes)?;
+    driver.flush()?;
+    eprintln!("sortie bench: scale {runs}: restart after a crash");
+    let mut reducer = bench.reducer_static(&dir, "reducer-crashed", &prefix, &data)?;
+    let seen = driver.first_event(&probe_id, Duration::from_secs(600), &mut reducer)?;
+    let crash_ms = seen.duration_since(reducer.spawned).as_secs_f64() * 1000.0;
+    let (_, crash_records, crash_millis) = wait_restored(&reducer, options.partitions)?;
+    let crash_gauges = gauges_started(&reducer.log_lines());
+    let after_crash = rss(&reducer);
+    reducer.stop();
     executor.stop();
     let sled_bytes = dir_bytes(&data);
     let _ = std::fs::remove_dir_all(&data);
@@ -273,11 +295,34 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
         "warm_start_to_first_commit_ms": round(warm_ms),
         "warm_restore": { "records": warm_records, "millis": warm_millis },
         "reducer_after_warm_restart": after_warm,
+        "crash_start_to_first_commit_ms": round(crash_ms),
+        "crash_restore": {
+            "records": crash_records,
+            "millis": crash_millis,
+            "gauges": crash_gauges,
+        },
+        "reducer_after_crash_restart": after_crash,
         "sled_bytes_on_disk": sled_bytes,
     }))
 }
 
 /// Waits until the reducer's log shows every partition restored.
+/// How many partitions started their gauges each way (`gauges=` of the reducer's
+/// "Partition restored" lines: "snapshot", "restore", "scan", "stopped").
+fn gauges_started(lines: &[String]) -> Value {
+    let mut started = serde_json::Map::new();
+    for line in lines {
+        if line.contains("Partition restored from the changelog.") {
+            let how = stack::field(line, "gauges")
+                .unwrap_or("?")
+                .trim_matches('"');
+            let n = started.entry(how).or_insert(json!(0));
+            *n = json!(n.as_u64().unwrap_or(0) + 1);
+        }
+    }
+    Value::Object(started)
+}
+
 fn wait_restored(reducer: &Service, partitions: u32) -> anyhow::Result<(usize, u64, u64)> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {

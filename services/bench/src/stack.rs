@@ -361,6 +361,12 @@ impl Service {
         }
     }
 
+    /// SIGKILL, and wait: a crash.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// The log's lines (the whole file).
     pub fn log_lines(&self) -> Vec<String> {
         std::fs::read_to_string(&self.log)
