@@ -216,35 +216,12 @@ impl Bench {
         prefix: &str,
         data: &Path,
     ) -> anyhow::Result<Service> {
-        self.reducer_instance(dir, name, prefix, data, "0")
+        self.reducer_with(dir, name, prefix, data, "0", &[])
     }
 
-    /// [`Bench::reducer`] with its own instance id (and so transactional ids): one of
-    /// several reducers sharing the partitions.
-    pub fn reducer_instance(
-        &self,
-        dir: &Path,
-        name: &str,
-        prefix: &str,
-        data: &Path,
-        instance: &str,
-    ) -> anyhow::Result<Service> {
-        self.reducer_with(dir, name, prefix, data, instance, &[])
-    }
-
-    /// [`Bench::reducer`] as a static group member (`group.instance.id`), as the Helm
-    /// chart runs it: a restart within the session timeout keeps its partitions.
-    pub fn reducer_static(
-        &self,
-        dir: &Path,
-        name: &str,
-        prefix: &str,
-        data: &Path,
-    ) -> anyhow::Result<Service> {
-        self.reducer_with(dir, name, prefix, data, "0", &["--static-membership"])
-    }
-
-    fn reducer_with(
+    /// [`Bench::reducer`] with its own instance id (and so transactional ids: one of
+    /// several reducers sharing the partitions) and more arguments for `sortie reducer`.
+    pub fn reducer_with(
         &self,
         dir: &Path,
         name: &str,
@@ -457,12 +434,13 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
     let mut reducer = bench.reducer(&bench.dir, "reducer", &bench.prefix, &data)?;
     let mut extra_reducers = (1..options.reducers.max(1))
         .map(|k| {
-            bench.reducer_instance(
+            bench.reducer_with(
                 &bench.dir,
                 &format!("reducer-{k}"),
                 &bench.prefix,
                 &bench.dir.join(format!("reducer-{k}")),
                 &k.to_string(),
+                &[],
             )
         })
         .collect::<anyhow::Result<Vec<_>>>()?;

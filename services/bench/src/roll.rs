@@ -37,12 +37,13 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
     let spawn = |kind: &'static str, index: usize, generation: usize| -> anyhow::Result<Service> {
         let name = format!("{kind}-{index}-g{generation}");
         match kind {
-            "reducer" => bench.reducer_instance(
+            "reducer" => bench.reducer_with(
                 &bench.dir,
                 &name,
                 &bench.prefix,
                 &bench.dir.join(format!("reducer-{index}")),
                 &index.to_string(),
+                &[],
             ),
             _ => bench.executor(&bench.dir, &name, &bench.prefix, index),
         }

@@ -129,6 +129,10 @@ fn write_states(
     Ok(record_bytes)
 }
 
+/// A reducer as a static group member (`group.instance.id`), as the Helm chart runs it: a
+/// restart within the session timeout keeps its partitions.
+const STATIC: &[&str] = &["--static-membership"];
+
 /// How long after the cold restore's first commit its memory is measured again.
 const SETTLE: Duration = Duration::from_secs(2);
 
@@ -184,11 +188,17 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
         ))?;
         Ok((run_id, bytes))
     };
+    // A probe run started now: the first event of it is the restarted reducer's first
+    // commit.
+    let send_probe = |driver: &mut Driver, name: &str| -> anyhow::Result<String> {
+        let (run_id, bytes) = probe(name)?;
+        driver.send(&run_id, &bytes)?;
+        driver.flush()?;
+        Ok(run_id)
+    };
 
     // Cold: an empty cache restores every state.
-    let (probe_id, bytes) = probe("cold")?;
-    driver.send(&probe_id, &bytes)?;
-    driver.flush()?;
+    let probe_id = send_probe(&mut driver, "cold")?;
     eprintln!("sortie bench: scale {runs}: cold restore");
     let mut reducer = bench.reducer(&dir, "reducer-cold", &prefix, &data)?;
     let seen = driver.first_event(&probe_id, Duration::from_secs(1800), &mut reducer)?;
@@ -232,9 +242,7 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
 
     // Warm: the same cache, restarted.
     reducer.stop();
-    let (probe_id, bytes) = probe("warm")?;
-    driver.send(&probe_id, &bytes)?;
-    driver.flush()?;
+    let probe_id = send_probe(&mut driver, "warm")?;
     eprintln!("sortie bench: scale {runs}: warm restart");
     let mut reducer = bench.reducer(&dir, "reducer-warm", &prefix, &data)?;
     let seen = driver.first_event(&probe_id, Duration::from_secs(600), &mut reducer)?;
@@ -247,17 +255,13 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
     // stop stores the gauges' tallies: the restart starts from those its commits stored,
     // or counts by scan). Both are static members, as the Helm chart runs them; a dynamic
     // member's restart waits out the session timeout (10 s) for the dead member first.
-    let (probe_id, bytes) = probe("before-crash")?;
-    driver.send(&probe_id, &bytes)?;
-    driver.flush()?;
-    let mut reducer = bench.reducer_static(&dir, "reducer-to-crash", &prefix, &data)?;
+    let probe_id = send_probe(&mut driver, "before-crash")?;
+    let mut reducer = bench.reducer_with(&dir, "reducer-to-crash", &prefix, &data, "0", STATIC)?;
     driver.first_event(&probe_id, Duration::from_secs(600), &mut reducer)?;
     reducer.kill();
-    let (probe_id, bytes) = probe("crash")?;
-    driver.send(&probe_id, &bytes)?;
-    driver.flush()?;
+    let probe_id = send_probe(&mut driver, "crash")?;
     eprintln!("sortie bench: scale {runs}: restart after a crash");
-    let mut reducer = bench.reducer_static(&dir, "reducer-crashed", &prefix, &data)?;
+    let mut reducer = bench.reducer_with(&dir, "reducer-crashed", &prefix, &data, "0", STATIC)?;
     let seen = driver.first_event(&probe_id, Duration::from_secs(600), &mut reducer)?;
     let crash_ms = seen.duration_since(reducer.spawned).as_secs_f64() * 1000.0;
     let (_, crash_records, crash_millis) = wait_restored(&reducer, options.partitions)?;
