@@ -310,7 +310,6 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
     }))
 }
 
-/// Waits until the reducer's log shows every partition restored.
 /// How many partitions started their gauges each way (`gauges=` of the reducer's
 /// "Partition restored" lines: "snapshot", "restore", "scan", "stopped").
 fn gauges_started(lines: &[String]) -> Value {
@@ -327,6 +326,7 @@ fn gauges_started(lines: &[String]) -> Value {
     Value::Object(started)
 }
 
+/// Waits until the reducer's log shows every partition restored.
 fn wait_restored(reducer: &Service, partitions: u32) -> anyhow::Result<(usize, u64, u64)> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {

@@ -380,8 +380,7 @@ impl Service {
 impl Drop for Service {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            self.kill();
         }
     }
 }

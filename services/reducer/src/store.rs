@@ -657,23 +657,18 @@ pub struct Packed(Vec<u8>);
 const MAX_STATE_BYTES: u64 = 256 * 1024 * 1024;
 
 thread_local! {
-    // One context per thread: making one per state cost more than sled saved.
-    static PACKER: RefCell<Option<zstd::bulk::Compressor<'static>>> = const { RefCell::new(None) };
-    static UNPACKER: RefCell<Option<zstd::bulk::Decompressor<'static>>> =
-        const { RefCell::new(None) };
+    // One context per thread: making one per state cost more than sled saved. zstd fails
+    // to make one only when out of memory.
+    static PACKER: RefCell<zstd::bulk::Compressor<'static>> =
+        RefCell::new(zstd::bulk::Compressor::new(1).expect("a zstd compression context"));
+    static UNPACKER: RefCell<zstd::bulk::Decompressor<'static>> =
+        RefCell::new(zstd::bulk::Decompressor::new().expect("a zstd decompression context"));
 }
 
 impl Packed {
     /// Packs a state's bytes.
     pub fn new(state: &[u8]) -> Packed {
-        let packed = PACKER.with(|packer| {
-            let mut packer = packer.borrow_mut();
-            let packer = match &mut *packer {
-                Some(packer) => packer,
-                none => none.insert(zstd::bulk::Compressor::new(1)?),
-            };
-            packer.compress(state)
-        });
+        let packed = PACKER.with(|packer| packer.borrow_mut().compress(state));
         // zstd fails only when out of memory or on a state over 4 GiB: both beyond any
         // state this reducer has already held in memory.
         Packed(packed.expect("zstd packs a state"))
@@ -698,14 +693,7 @@ fn unpack(run_id: &str, packed: &[u8]) -> Result<Vec<u8>> {
         Ok(None) | Err(_) => return Err(corrupt("no zstd frame with its size".to_owned())),
     };
     UNPACKER
-        .with(|unpacker| {
-            let mut unpacker = unpacker.borrow_mut();
-            let unpacker = match &mut *unpacker {
-                Some(unpacker) => unpacker,
-                none => none.insert(zstd::bulk::Decompressor::new()?),
-            };
-            unpacker.decompress(packed, len)
-        })
+        .with(|unpacker| unpacker.borrow_mut().decompress(packed, len))
         .map_err(|e| corrupt(e.to_string()))
         .and_then(|state| {
             if state.len() == len {
