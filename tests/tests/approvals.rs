@@ -567,8 +567,9 @@ async fn decisions_are_bound_to_time_proposal_and_the_first_answer() {
     }
 
     // Interrupt ids are derived, so an approver may decide before the interrupt exists:
-    // the decision is produced right behind the StartRun.
-    stack.send(&start_run(early, "refund", &input(early))).await;
+    // the decision is produced right behind the StartRun, by the same producer in the same
+    // call. Two sends (a producer each) once let two echo steps finish in between on a
+    // loaded CI host, and the decision met a registered interrupt.
     let proposal = json!({
         "node": "refund",
         "step_id": "refund#1",
@@ -578,14 +579,10 @@ async fn decisions_are_bound_to_time_proposal_and_the_first_answer() {
     let hash = sortie_core::ids::proposal_hash(&proposal);
     let interrupt_id = sortie_core::ids::interrupt_id(early, "refund#1", &hash);
     stack
-        .send(&decision_on(
-            early,
-            "approve-early",
-            &interrupt_id,
-            &hash,
-            true,
-            None,
-        ))
+        .send_many(&[
+            start_run(early, "refund", &input(early)),
+            decision_on(early, "approve-early", &interrupt_id, &hash, true, None),
+        ])
         .await;
 
     tokio::join!(
