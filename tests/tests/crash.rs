@@ -250,6 +250,92 @@ async fn a_reducer_killed_after_commit_before_its_cache_write_restores_from_the_
     assert_gauges_from_tallies(&restarted, crash.runs.len()).await;
 }
 
+/// Waits until `reducer`'s gauges show `waiting` runs waiting for approval (each with one
+/// open interrupt) and `succeeded` runs succeeded.
+async fn wait_for_open_interrupts(reducer: &Process, waiting: usize, succeeded: usize) {
+    let url = reducer.metrics_url().await;
+    let what = format!("{waiting} open interrupts and {succeeded} succeeded runs");
+    sortie_tests::wait_until(&what, LONG, || async {
+        let m = sortie_tests::stack::scrape(&url).await;
+        let sum =
+            |name: &str, labels: &[(&str, &str)]| sortie_tests::stack::metric_sum(&m, name, labels);
+        sum("sortie_interrupts_open", &[]) == waiting as f64
+            && sum("sortie_runs", &[("status", "waiting_approval")]) == waiting as f64
+            && sum("sortie_runs", &[("status", "succeeded")]) == succeeded as f64
+    })
+    .await;
+}
+
+/// A crash with many runs waiting for approval in every partition (70 each: a tally once
+/// carried its open interrupts, and was stored with a commit only up to 64 of them). Each
+/// commit stores the counts and the changes to the partition's open-interrupt index in
+/// sled, so a restart after SIGKILL starts every partition's gauges from them — no scan of
+/// the cached runs — and counts every open interrupt; again after some are approved.
+/// Red-proofed: before the index (the 64-interrupt limit), every partition of the first
+/// restart was counted by `scan`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_after_a_crash_loads_many_open_interrupts_without_a_scan() {
+    const PER_PARTITION: usize = 70;
+    let stack = Stack::start("crash-open", &[sortie_tests::GATED]).await;
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let mut reducer = stack.reducer("0");
+    let partitions = stack.partitions;
+    let mut runs = Vec::new();
+    let mut per: BTreeMap<i32, usize> = BTreeMap::new();
+    for i in 0.. {
+        let run = format!("waits-{i}");
+        let partition = sortie_wire::partition_for(run.as_bytes(), partitions);
+        let n = per.entry(partition).or_default();
+        if *n < PER_PARTITION {
+            *n += 1;
+            runs.push(run);
+        }
+        if per.len() == partitions as usize && per.values().all(|n| *n == PER_PARTITION) {
+            break;
+        }
+    }
+    let commands: Vec<_> = runs
+        .iter()
+        .map(|run| start_run(run, "gated", r#"{"amount": 3}"#))
+        .collect();
+    stack.send_many(&commands).await;
+    wait_for_open_interrupts(&reducer, runs.len(), 0).await;
+
+    reducer.kill();
+    let mut restarted = stack.reducer("0");
+    wait_for_open_interrupts(&restarted, runs.len(), 0).await;
+    let counted = restarted.gauges_counted_by();
+    assert!(
+        counted.len() == partitions as usize && counted.iter().all(|how| how == "snapshot"),
+        "every partition's gauges came from its stored tally: {counted:?}"
+    );
+
+    // Decisions after the restart move the index by changes; a second crash finds them.
+    let states = stack.states().await;
+    let approved: Vec<_> = runs
+        .iter()
+        .step_by(7)
+        .map(|run| {
+            let interrupt = states[run]
+                .open_interrupts()
+                .next()
+                .unwrap_or_else(|| panic!("{run} waits for approval"));
+            sortie_tests::stack::approve(run, &format!("approve-{run}"), interrupt)
+        })
+        .collect();
+    stack.send_many(&approved).await;
+    let waiting = runs.len() - approved.len();
+    wait_for_open_interrupts(&restarted, waiting, approved.len()).await;
+    restarted.kill();
+    let again = stack.reducer("0");
+    wait_for_open_interrupts(&again, waiting, approved.len()).await;
+    let counted = again.gauges_counted_by();
+    assert!(
+        counted.len() == partitions as usize && counted.iter().all(|how| how == "snapshot"),
+        "after the second crash too: {counted:?}"
+    );
+}
+
 /// Waits for `process`, told by a fault point to hang inside a Kafka call, to end itself
 /// as a wedged client: status 75 (`sortie_kafka::watchdog::WEDGED_EXIT_CODE`), after the
 /// fault's line and the watchdog's, which names the call (`call` is found in the log).

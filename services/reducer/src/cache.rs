@@ -1,6 +1,6 @@
 //! The cache write after a commit: the batch's run states, their timers, the changelog
-//! offsets they reflect and the gauges' tallies at those offsets, in ONE atomic sled
-//! batch.
+//! offsets they reflect and the gauges' tallies (with their open-interrupt index) at those
+//! offsets, in ONE atomic sled batch.
 //!
 //! It happens only after Kafka has the transaction, so sled is never ahead of Kafka; a
 //! crash before it leaves sled behind, and the next restore reads the changelog from the
@@ -13,13 +13,6 @@ use crate::driver::Error;
 use crate::engine::{Engine, HOT_RUNS};
 use crate::store;
 use crate::txn::Committed;
-
-/// A partition's gauge tally is stored with every commit that moves its marker while it
-/// holds at most this many open interrupts (~100 bytes each, so a few KB a commit), and a
-/// restart after a crash starts from it instead of counting every cached run (a scan of
-/// the store: ~5 s at 1M runs). Past that it is stored only at a revocation or a clean
-/// stop; a crash then costs that partition the scan.
-const TALLY_OPEN_PER_COMMIT: usize = 64;
 
 impl Engine {
     /// Writes a committed batch to sled and publishes its metrics; the batch is consumed.
@@ -71,15 +64,17 @@ impl Engine {
             self.gauges
                 .update_from(partition, run_id, before.map(|b| &b.gauge), Some(state));
         }
+        // Every commit stores the tally of each partition whose marker it moves, with the
+        // changes to the partition's open-interrupt index, so a restart after a crash
+        // starts from them instead of counting every cached run (a scan of the store:
+        // ~5 s at 1M runs), however many runs wait for approval.
         for (partition, next) in &committed.changelog {
             sled.set_changelog_offset(*partition, *next);
-            if self.gauges.open_in(*partition) <= TALLY_OPEN_PER_COMMIT {
-                if let Some(tally) = self.gauges.snapshot(*partition, *next) {
-                    sled.put_tally(*partition, tally);
-                }
-            }
+            self.gauges
+                .save_into(*partition, *next, &mut sled, &self.store)?;
         }
         self.store.apply(sled)?;
+        self.gauges.saved(committed.changelog.keys().copied());
         tracing::debug!(
             inputs = batch.inputs,
             outputs = committed.records,

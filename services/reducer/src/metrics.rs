@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 use sortie_core::state::{InterruptStatus, StepStatus};
 use sortie_core::{Event, EventBody, Input, RunState, RunStatus};
 
+use crate::store::{self, Store};
+
 /// Inputs applied, by kind (`command`, `step_result`, `timer`).
 pub const INPUTS_APPLIED: &str = "sortie_reducer_inputs_applied_total";
 /// Inputs the fold ignored, by reason (duplicates, stale attempts, ...).
@@ -419,6 +421,13 @@ struct PartitionTally {
     open: HashMap<(String, String), i64>,
     /// (opened at, run id, interrupt id): the oldest first.
     by_age: BTreeSet<(i64, String, String)>,
+    /// Whether sled's open-interrupt index of the partition holds `open` but for
+    /// `unsaved`. `false` for a tally counted by a restore or a scan, or loaded from a
+    /// snapshot that carried its open set: the next save writes the index whole.
+    indexed: bool,
+    /// Changes to `open` since the index was last written, while `indexed`: the latest
+    /// per interrupt (`None`: closed).
+    unsaved: HashMap<(String, String), Option<i64>>,
 }
 
 impl PartitionTally {
@@ -431,6 +440,10 @@ impl PartitionTally {
                 entry.insert(c.updated_at);
                 self.by_age
                     .insert((c.updated_at, run_id.to_owned(), id.clone()));
+                if self.indexed {
+                    self.unsaved
+                        .insert((run_id.to_owned(), id.clone()), Some(c.updated_at));
+                }
             }
         }
     }
@@ -444,7 +457,10 @@ impl PartitionTally {
             }
             let key = (run_id.to_owned(), id.clone());
             if let Some(at) = self.open.remove(&key) {
-                self.by_age.remove(&(at, key.0, key.1));
+                self.by_age.remove(&(at, key.0.clone(), key.1.clone()));
+                if self.indexed {
+                    self.unsaved.insert(key, None);
+                }
             }
         }
     }
@@ -506,16 +522,23 @@ impl Shares {
     }
 }
 
-/// A partition's tally as stored next to the changelog offset it reflects, so a warm
-/// restart does not parse every cached run to count them again.
+/// A partition's tally as stored next to the changelog offset it reflects, so a restart
+/// does not parse every cached run to count them again. Its open interrupts are in sled's
+/// open-interrupt index, written in the same batches (`indexed`), so the snapshot stays a
+/// few hundred bytes however many runs wait for approval, and is stored with every commit.
 #[derive(Debug, Serialize, Deserialize)]
 struct TallySnapshot {
     /// The partition's changelog offset (sled's marker) the tally reflects.
     offset: u64,
     runs: Vec<(RunStatus, i64)>,
     awaiting_operator: i64,
-    /// (run id, interrupt id, first seen open at).
+    /// (run id, interrupt id, first seen open at): a snapshot of an earlier build, which
+    /// carried its open set here (empty when `indexed`).
+    #[serde(default)]
     open: Vec<(String, String, i64)>,
+    /// The open set is the partition's open-interrupt index in sled.
+    #[serde(default)]
+    indexed: bool,
 }
 
 /// The gauges of the partitions this instance owns.
@@ -525,42 +548,98 @@ pub(crate) struct RunGauges {
 }
 
 impl RunGauges {
-    /// The tally of `partition` as bytes to store with its changelog `offset`, if held.
-    pub fn snapshot(&self, partition: i32, offset: u64) -> Option<Vec<u8>> {
-        let tally = self.partitions.get(&partition)?;
+    /// Adds `partition`'s tally, as of its changelog `offset`, to `batch`: the counts, and
+    /// what changed in its open-interrupt set since it was last saved — or the whole set,
+    /// with the index's stale entries removed, when the index cannot be trusted to match.
+    /// `false`: no tally is held. Once the batch is applied, [`RunGauges::saved`] must be
+    /// told; until then the same changes are written again by the next save.
+    pub fn save_into(
+        &self,
+        partition: i32,
+        offset: u64,
+        batch: &mut store::Batch,
+        store: &Store,
+    ) -> Result<bool, store::Error> {
+        let Some(tally) = self.partitions.get(&partition) else {
+            return Ok(false);
+        };
+        // Everything that can fail comes before the first write to `batch`: the index and
+        // the counts go in together or not at all.
         let snapshot = TallySnapshot {
             offset,
             runs: tally.runs.iter().map(|(s, n)| (*s, *n)).collect(),
             awaiting_operator: tally.awaiting_operator,
-            open: tally
-                .open
-                .iter()
-                .map(|((run, id), at)| (run.clone(), id.clone(), *at))
-                .collect(),
+            open: Vec::new(),
+            indexed: true,
         };
-        serde_json::to_vec(&snapshot).ok()
+        let bytes = serde_json::to_vec(&snapshot).map_err(|e| {
+            store::Error::Corrupt(format!("the tally of partition {partition}: {e}"))
+        })?;
+        if tally.indexed {
+            for ((run, id), at) in &tally.unsaved {
+                match at {
+                    Some(at) => batch.open_interrupt(partition, run, id, *at),
+                    None => batch.close_interrupt(partition, run, id),
+                };
+            }
+        } else {
+            let stored = store.open_interrupts(partition)?;
+            for (run, id, _) in stored {
+                if !tally.open.contains_key(&(run.clone(), id.clone())) {
+                    batch.close_interrupt(partition, &run, &id);
+                }
+            }
+            for ((run, id), at) in &tally.open {
+                batch.open_interrupt(partition, run, id, *at);
+            }
+        }
+        batch.put_tally(partition, bytes);
+        Ok(true)
     }
 
-    /// The interrupts open in `partition` (what its snapshot's size grows with).
-    pub fn open_in(&self, partition: i32) -> usize {
-        self.partitions.get(&partition).map_or(0, |t| t.open.len())
+    /// The batches of [`RunGauges::save_into`] for `partitions` were applied: their
+    /// indexes now match.
+    pub fn saved(&mut self, partitions: impl IntoIterator<Item = i32>) {
+        for partition in partitions {
+            if let Some(tally) = self.partitions.get_mut(&partition) {
+                tally.indexed = true;
+                tally.unsaved.clear();
+            }
+        }
     }
 
     /// Takes `partition`'s tally from a stored snapshot if it reflects exactly the
-    /// changelog `offset` the cache is at; `false` (nothing loaded) otherwise.
-    pub fn load(&mut self, partition: i32, bytes: &[u8], offset: u64) -> bool {
+    /// changelog `offset` the cache is at (its open interrupts from `index`, sled's
+    /// open-interrupt index, for a snapshot that says they are there); `false` (nothing
+    /// loaded) otherwise, or when the index cannot be read.
+    pub fn load(
+        &mut self,
+        partition: i32,
+        bytes: &[u8],
+        offset: u64,
+        index: impl FnOnce() -> Option<Vec<(String, String, i64)>>,
+    ) -> bool {
         let Ok(snapshot) = serde_json::from_slice::<TallySnapshot>(bytes) else {
             return false;
         };
         if snapshot.offset != offset {
             return false;
         }
+        let open = if snapshot.indexed {
+            match index() {
+                Some(open) => open,
+                None => return false,
+            }
+        } else {
+            snapshot.open
+        };
         let mut tally = PartitionTally {
             runs: snapshot.runs.into_iter().collect(),
             awaiting_operator: snapshot.awaiting_operator,
+            indexed: snapshot.indexed,
             ..PartitionTally::default()
         };
-        for (run, id, at) in snapshot.open {
+        for (run, id, at) in open {
             tally.by_age.insert((at, run.clone(), id.clone()));
             tally.open.insert((run, id), at);
         }
@@ -765,6 +844,128 @@ mod tests {
         assert_eq!(tally.open.len(), 1);
         assert_eq!(tally.open.get(&("a".into(), "i1".into())), Some(&2_000));
         assert_eq!(tally.by_age.len(), 1);
+    }
+
+    /// A tally's non-zero counts, and its open interrupts, the oldest first.
+    type Counted = (Vec<(RunStatus, i64)>, Vec<(i64, String, String)>);
+
+    /// What a restart loads: the counts, and every open interrupt with the time it was
+    /// first seen open, from the stored tally and the open-interrupt index in sled.
+    fn loaded(store: &Store, partition: i32, offset: u64) -> Option<Counted> {
+        let bytes = store.tally(partition).expect("tally")?;
+        let mut gauges = RunGauges::default();
+        let index = || store.open_interrupts(partition).ok();
+        if !gauges.load(partition, &bytes, offset, index) {
+            return None;
+        }
+        Some(counted(&gauges, partition))
+    }
+
+    fn counted(gauges: &RunGauges, partition: i32) -> Counted {
+        let tally = &gauges.partitions[&partition];
+        let runs = tally
+            .runs
+            .iter()
+            .map(|(s, n)| (*s, *n))
+            .filter(|(_, n)| *n != 0)
+            .collect();
+        (runs, tally.by_age.iter().cloned().collect())
+    }
+
+    fn save(gauges: &mut RunGauges, store: &Store, partition: i32, offset: u64) {
+        let mut batch = store::Batch::default();
+        assert!(gauges
+            .save_into(partition, offset, &mut batch, store)
+            .expect("save"));
+        store.apply(batch).expect("apply");
+        gauges.saved([partition]);
+    }
+
+    /// A partition's open interrupts go to sled's index as changes with each save (the
+    /// whole set only when the index cannot be trusted), and a restart loads exactly the
+    /// tally it had: 200 runs waiting for approval, then 150 of them decided, then a tally
+    /// counted again whose save removes the index's stale entries.
+    /// Red-proofed: with the changes not written (only the counts), the loads after the
+    /// second save found 200 open interrupts instead of 50.
+    #[test]
+    fn open_interrupts_are_indexed_in_sled_with_every_save_and_loaded_back() {
+        let store = Store::temporary().expect("store");
+        let mut gauges = RunGauges::default();
+        let expected = |gauges: &RunGauges| counted(gauges, 3);
+        gauges.reset(3);
+        let runs: Vec<String> = (0..200).map(|i| format!("run-{i}")).collect();
+        for (i, run) in runs.iter().enumerate() {
+            let waiting = state(RunStatus::WaitingApproval, &["i1"], 1_000 + i as i64);
+            gauges.change(3, run, None, Some(&Contribution::of(&waiting)));
+        }
+        save(&mut gauges, &store, 3, 10);
+        assert_eq!(store.open_interrupts(3).expect("index").len(), 200);
+        assert_eq!(loaded(&store, 3, 10), Some(expected(&gauges)));
+        assert_eq!(
+            loaded(&store, 3, 11),
+            None,
+            "a tally of another offset is not loaded"
+        );
+
+        for (i, run) in runs.iter().enumerate().take(150) {
+            let before = Contribution::of(&state(
+                RunStatus::WaitingApproval,
+                &["i1"],
+                1_000 + i as i64,
+            ));
+            let done = state(RunStatus::Succeeded, &[], 5_000);
+            gauges.change(3, run, Some(&before), Some(&Contribution::of(&done)));
+        }
+        let mut batch = store::Batch::default();
+        assert!(gauges.save_into(3, 20, &mut batch, &store).expect("save"));
+        assert!(
+            batch.len() < 160,
+            "changes, not the whole set: {} writes",
+            batch.len()
+        );
+        store.apply(batch).expect("apply");
+        gauges.saved([3]);
+        let (counts, open) = loaded(&store, 3, 20).expect("loaded");
+        assert_eq!((counts.clone(), open.clone()), expected(&gauges));
+        assert_eq!(open.len(), 50);
+        assert_eq!(open[0], (1_150, "run-150".to_owned(), "i1".to_owned()));
+
+        // Counted again (a scan after a crash mid-restore) with one run fewer waiting: the
+        // save writes the whole set and removes what the index held beyond it.
+        let mut recounted = RunGauges::default();
+        recounted.reset(3);
+        for (i, run) in runs.iter().enumerate().skip(151) {
+            let waiting = state(RunStatus::WaitingApproval, &["i1"], 1_000 + i as i64);
+            recounted.change(3, run, None, Some(&Contribution::of(&waiting)));
+        }
+        save(&mut recounted, &store, 3, 30);
+        assert_eq!(loaded(&store, 3, 30), Some(expected(&recounted)));
+        assert_eq!(store.open_interrupts(3).expect("index").len(), 49);
+    }
+
+    /// A snapshot stored by the build before the index carried its open set: it loads,
+    /// and the next save moves the set into the index.
+    #[test]
+    fn a_snapshot_with_its_open_set_loads_and_is_indexed_at_the_next_save() {
+        let store = Store::temporary().expect("store");
+        let legacy = serde_json::json!({
+            "offset": 7, "runs": [["WAITING_APPROVAL", 1]], "awaiting_operator": 0,
+            "open": [["run-a", "i1", 1_234]]
+        });
+        let mut batch = store::Batch::default();
+        batch.put_tally(1, serde_json::to_vec(&legacy).expect("json"));
+        store.apply(batch).expect("apply");
+        let mut gauges = RunGauges::default();
+        let bytes = store.tally(1).expect("tally").expect("stored");
+        assert!(gauges.load(1, &bytes, 7, || None), "the index is not read");
+        assert_eq!(gauges.partitions[&1].open.len(), 1);
+        save(&mut gauges, &store, 1, 7);
+        assert_eq!(
+            store.open_interrupts(1).expect("index"),
+            [("run-a".to_owned(), "i1".to_owned(), 1_234)]
+        );
+        let (_, open) = loaded(&store, 1, 7).expect("loaded");
+        assert_eq!(open, [(1_234, "run-a".to_owned(), "i1".to_owned())]);
     }
 
     #[test]

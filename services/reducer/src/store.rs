@@ -45,6 +45,7 @@ const RUN_PREFIX: &[u8] = b"r/";
 const TIMER_PREFIX: &[u8] = b"t/";
 const OFFSET_PREFIX: &[u8] = b"o/";
 const TALLY_PREFIX: &[u8] = b"g/";
+const INTERRUPT_PREFIX: &[u8] = b"i/";
 
 /// `t/` + due (8) + `/` + partition (4) + `/`: where the run id starts in a timer key.
 const TIMER_RUN_ID_AT: usize = 2 + 8 + 1 + 4 + 1;
@@ -194,10 +195,45 @@ impl Batch {
         self
     }
 
-    /// Store a partition's gauge tally (see `metrics::RunGauges::snapshot`).
+    /// Store a partition's gauge tally (see `metrics::RunGauges::save_into`).
     pub fn put_tally(&mut self, partition: i32, tally: Vec<u8>) -> &mut Self {
         self.len += 1;
         self.writes.insert(tally_key(partition).to_vec(), tally);
+        self
+    }
+
+    /// Index an interrupt of a run in `partition` as open since `at` (ms): the gauges'
+    /// open-interrupt set, kept in sled with every tally so a restart loads it instead of
+    /// counting every cached run.
+    pub fn open_interrupt(
+        &mut self,
+        partition: i32,
+        run_id: &str,
+        interrupt_id: &str,
+        at: i64,
+    ) -> &mut Self {
+        self.len += 1;
+        if self.check_run_id(run_id) {
+            self.writes.insert(
+                interrupt_index_key(partition, run_id, interrupt_id),
+                at.to_be_bytes().to_vec(),
+            );
+        }
+        self
+    }
+
+    /// Remove an interrupt from the open-interrupt index.
+    pub fn close_interrupt(
+        &mut self,
+        partition: i32,
+        run_id: &str,
+        interrupt_id: &str,
+    ) -> &mut Self {
+        self.len += 1;
+        if self.check_run_id(run_id) {
+            self.writes
+                .remove(interrupt_index_key(partition, run_id, interrupt_id));
+        }
         self
     }
 
@@ -425,6 +461,21 @@ impl Store {
         Ok(self.db()?.get(tally_key(partition))?.map(|v| v.to_vec()))
     }
 
+    /// The open-interrupt index of `partition`: (run id, interrupt id, open since ms).
+    pub fn open_interrupts(&self, partition: i32) -> Result<Vec<(String, String, i64)>> {
+        let prefix = interrupt_partition_prefix(partition);
+        let mut open = Vec::new();
+        for entry in self.db()?.scan_prefix(prefix) {
+            let (key, value) = entry?;
+            let (_, run_id, interrupt_id, at) =
+                decode_interrupt(&key, &value).ok_or_else(|| {
+                    Error::Corrupt(format!("open-interrupt entry {key:?} is malformed"))
+                })?;
+            open.push((run_id, interrupt_id, at));
+        }
+        Ok(open)
+    }
+
     /// Up to `limit` timers with `due_at <= now` of the given partitions, in due order.
     pub fn due_timers(
         &self,
@@ -452,14 +503,17 @@ impl Store {
         Ok(due)
     }
 
-    /// Forget a revoked partition: remove its changelog offset and its timers in one
-    /// batch, so a later assignment restores it from the changelog. Run states stay (they
+    /// Forget a revoked partition: remove its changelog offset, gauge tally, open-interrupt
+    /// index and timers in one batch, so a later assignment restores it from the changelog. Run states stay (they
     /// are not keyed by partition); the restore overwrites them.
     pub fn forget_partition(&self, partition: i32) -> Result<()> {
         let mut writes = sled::Batch::default();
         writes.remove(&offset_key(partition)[..]);
         writes.remove(&tally_key(partition)[..]);
         let db = self.db()?;
+        for entry in db.scan_prefix(interrupt_partition_prefix(partition)) {
+            writes.remove(entry?.0);
+        }
         for entry in db.scan_prefix(TIMER_PREFIX) {
             let (key, _) = entry?;
             let timer = decode_timer_key(&key).ok_or_else(|| corrupt_timer(&key))?;
@@ -590,6 +644,10 @@ fn malformed(key: &[u8], value: &[u8]) -> Option<String> {
     } else if key.starts_with(TALLY_PREFIX) {
         (key.len() != TALLY_PREFIX.len() + 4)
             .then(|| format!("gauge tally entry {key:?} is malformed"))
+    } else if key.starts_with(INTERRUPT_PREFIX) {
+        decode_interrupt(key, value)
+            .is_none()
+            .then(|| format!("open-interrupt entry {key:?} is malformed"))
     } else if key.starts_with(OFFSET_PREFIX) {
         (key.len() != OFFSET_PREFIX.len() + 4 || decode_offset(value).is_none())
             .then(|| format!("changelog offset entry {key:?} is malformed"))
@@ -716,6 +774,35 @@ fn tally_key(partition: i32) -> [u8; 6] {
     key[..2].copy_from_slice(TALLY_PREFIX);
     key[2..].copy_from_slice(&partition.to_be_bytes());
     key
+}
+
+fn interrupt_partition_prefix(partition: i32) -> [u8; 6] {
+    let mut key = [0; 6];
+    key[..2].copy_from_slice(INTERRUPT_PREFIX);
+    key[2..].copy_from_slice(&partition.to_be_bytes());
+    key
+}
+
+/// `i/` + partition (4) + run id + `\0` + interrupt id.
+fn interrupt_index_key(partition: i32, run_id: &str, interrupt_id: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(6 + run_id.len() + 1 + interrupt_id.len());
+    key.extend_from_slice(&interrupt_partition_prefix(partition));
+    key.extend_from_slice(run_id.as_bytes());
+    key.push(0);
+    key.extend_from_slice(interrupt_id.as_bytes());
+    key
+}
+
+/// (partition, run id, interrupt id, open since) of an open-interrupt entry.
+fn decode_interrupt(key: &[u8], value: &[u8]) -> Option<(i32, String, String, i64)> {
+    let rest = key.strip_prefix(INTERRUPT_PREFIX)?;
+    let partition = i32::from_be_bytes(rest.get(..4)?.try_into().ok()?);
+    let rest = rest.get(4..)?;
+    let split = rest.iter().position(|b| *b == 0)?;
+    let run_id = std::str::from_utf8(&rest[..split]).ok()?;
+    let interrupt_id = std::str::from_utf8(&rest[split + 1..]).ok()?;
+    let at = i64::from_be_bytes(value.try_into().ok()?);
+    Some((partition, run_id.to_owned(), interrupt_id.to_owned(), at))
 }
 
 fn offset_key(partition: i32) -> [u8; 6] {
@@ -1129,12 +1216,45 @@ mod tests {
         assert_eq!(store.get_run("run-2").unwrap(), Some(b"s".to_vec()));
     }
 
+    /// The open-interrupt index survives a reopen (its entries are checked, not wiped),
+    /// and forgetting a partition removes its entries only.
+    #[test]
+    fn the_open_interrupt_index_is_kept_and_forgotten_per_partition() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = Store::open(dir.path()).unwrap();
+            let mut batch = Batch::new();
+            batch
+                .open_interrupt(1, "run/a", "int_1", 1_000)
+                .open_interrupt(1, "run/b", "int_2", -5)
+                .open_interrupt(2, "run/c", "int_3", 7)
+                .close_interrupt(1, "run/b", "int_2")
+                .open_interrupt(1, "run/b", "int_4", 9);
+            store.apply(batch).unwrap();
+            store.flush().unwrap();
+        }
+        let store = Store::open(dir.path()).unwrap();
+        let open = |p| store.open_interrupts(p).unwrap();
+        assert_eq!(
+            open(1),
+            [
+                ("run/a".to_owned(), "int_1".to_owned(), 1_000),
+                ("run/b".to_owned(), "int_4".to_owned(), 9)
+            ]
+        );
+        store.forget_partition(1).unwrap();
+        assert!(open(1).is_empty());
+        assert_eq!(open(2), [("run/c".to_owned(), "int_3".to_owned(), 7)]);
+    }
+
     #[test]
     fn a_db_with_another_marker_or_unknown_keys_is_wiped_on_open() {
         for (key, value) in [
             (MARKER_KEY, &b"sortie-reducer-store/0"[..]),
             (&b"x/unknown"[..], &b""[..]),
             (&b"t/short"[..], &b""[..]),
+            (&b"i/\0\0\0\x01run\0interrupt"[..], &b"short"[..]),
+            (&b"i/\0\0\0\x01no-separator"[..], &[0u8; 8][..]),
         ] {
             let dir = tempfile::tempdir().unwrap();
             {

@@ -246,7 +246,9 @@ impl Engine {
             match from {
                 Some(offset) => {
                     if let Ok(Some(bytes)) = self.store.tally(*partition) {
-                        if self.gauges.load(*partition, &bytes, *offset) {
+                        let store = &self.store;
+                        let index = || store.open_interrupts(*partition).ok();
+                        if self.gauges.load(*partition, &bytes, *offset, index) {
                             counted.insert(*partition, "snapshot");
                         }
                     }
@@ -367,18 +369,29 @@ impl Engine {
     /// Stores the gauge tally of every active partition with the changelog offset it
     /// reflects (between commits the tally and the cache agree), so the next assignment
     /// of these partitions to this member need not count their runs again.
-    pub fn save_tallies(&self) {
+    pub fn save_tallies(&mut self) {
         let mut batch = crate::store::Batch::default();
+        let mut saving = Vec::new();
         for partition in self.tasks.active() {
             if let Ok(Some(offset)) = self.store.changelog_offset(partition) {
-                if let Some(bytes) = self.gauges.snapshot(partition, offset) {
-                    batch.put_tally(partition, bytes);
+                match self
+                    .gauges
+                    .save_into(partition, offset, &mut batch, &self.store)
+                {
+                    Ok(true) => saving.push(partition),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(partition, error = %e, "Reading the open-interrupt index failed; the next assignment counts the runs again.");
+                    }
                 }
             }
         }
         if !batch.is_empty() {
-            if let Err(e) = self.store.apply(batch) {
-                tracing::warn!(error = %e, "Storing the gauge tallies failed; the next assignment counts the runs again.");
+            match self.store.apply(batch) {
+                Ok(()) => self.gauges.saved(saving),
+                Err(e) => {
+                    tracing::warn!(error = %e, "Storing the gauge tallies failed; the next assignment counts the runs again.");
+                }
             }
         }
     }
