@@ -55,9 +55,10 @@ const DEADLINE: Duration = Duration::from_secs(120);
 const DECODE_CHUNK: usize = 256;
 const DECODE_AHEAD: usize = 16;
 
-/// The restore consumer's fetch sizes (see where they are set).
+/// The restore consumer's fetch sizes and prefetch bound (see where they are set).
 const FETCH_MAX_BYTES: &str = "2097152";
-const PARTITION_FETCH_MAX_BYTES: &str = "32768";
+const PARTITION_FETCH_MAX_BYTES: &str = "131072";
+const QUEUED_MAX_KBYTES: &str = "16384";
 /// How long a partition whose prefetch queue is full waits before it is fetched again
 /// (librdkafka's default, 1 s, stalled a restore that had caught up with its queue).
 const FETCH_QUEUE_BACKOFF_MS: &str = "10";
@@ -199,16 +200,18 @@ pub fn partitions(
     let mut config = client(kafka, topics, "read_committed");
     config
         // librdkafka decompresses every batch of a fetch response as it arrives, and
-        // holds the result until the messages are consumed; its queue limits gate only
-        // the next fetch. A changelog compresses well (the states of a run repeat its
-        // payloads; the bench's 1M synthetic states, 1.08 GB, take 14 MB on disk), so
-        // one 64 MiB response was the whole changelog, ~1.6 GiB in memory. Small
-        // responses bound that: 32 KiB a partition (512 KiB before) took the peak of a
-        // 1M-run cold restore from ~910 to ~540 MiB at the same rate, and the load's
-        // changelog restored as fast; the reader is bound by sled's writes, far below
-        // what they deliver. README "Performance".
+        // holds the result until the messages are consumed; its queue limit gates only
+        // the next fetch. So a response's size times the changelog's compression ratio
+        // is what one fetch can cost in memory: 2 MiB responses keep that bounded even
+        // for a changelog of near-identical states (77× in the bench's old synthetic
+        // copies: one 64 MiB response was ~1.6 GiB). Within that, 128 KiB a partition
+        // (32 KiB before) and a 16 MiB prefetch queue (64 MiB, librdkafka's default)
+        // restored 1M distinct states at ~70k/s instead of ~54k, with the peak at
+        // ~390 MiB instead of 530–820; the copies restored as fast as before with a
+        // peak of ~630 MiB instead of ~500. README "Performance".
         .set("fetch.max.bytes", FETCH_MAX_BYTES)
         .set("max.partition.fetch.bytes", PARTITION_FETCH_MAX_BYTES)
+        .set("queued.max.messages.kbytes", QUEUED_MAX_KBYTES)
         .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
         // A partition whose tail is only transaction markers (a warm restart: the last
         // commit's) delivers no message; its end event wakes the read at once instead of
