@@ -159,14 +159,8 @@ impl Batch {
         timer_key: &str,
         due_at: i64,
     ) -> &mut Self {
-        self.len += 1;
-        if self.check_run_id(run_id) {
-            self.writes.insert(
-                timer_index_key(partition, run_id, timer_key, due_at),
-                Vec::new(),
-            );
-        }
-        self
+        let key = || timer_index_key(partition, run_id, timer_key, due_at);
+        self.index_write(run_id, key, Some(Vec::new()))
     }
 
     /// Remove a timer from the index (the same arguments it was armed with).
@@ -177,12 +171,8 @@ impl Batch {
         timer_key: &str,
         due_at: i64,
     ) -> &mut Self {
-        self.len += 1;
-        if self.check_run_id(run_id) {
-            self.writes
-                .remove(timer_index_key(partition, run_id, timer_key, due_at));
-        }
-        self
+        let key = || timer_index_key(partition, run_id, timer_key, due_at);
+        self.index_write(run_id, key, None)
     }
 
     /// Record the next `sortie.run-state` offset of `partition` this batch's state reflects.
@@ -212,14 +202,8 @@ impl Batch {
         interrupt_id: &str,
         at: i64,
     ) -> &mut Self {
-        self.len += 1;
-        if self.check_run_id(run_id) {
-            self.writes.insert(
-                interrupt_index_key(partition, run_id, interrupt_id),
-                at.to_be_bytes().to_vec(),
-            );
-        }
-        self
+        let key = || interrupt_index_key(partition, run_id, interrupt_id);
+        self.index_write(run_id, key, Some(at.to_be_bytes().to_vec()))
     }
 
     /// Remove an interrupt from the open-interrupt index.
@@ -229,10 +213,24 @@ impl Batch {
         run_id: &str,
         interrupt_id: &str,
     ) -> &mut Self {
+        let key = || interrupt_index_key(partition, run_id, interrupt_id);
+        self.index_write(run_id, key, None)
+    }
+
+    /// Writes (`Some`) or removes (`None`) an index entry of `run_id`; nothing, and the
+    /// batch refused, when the run id cannot be part of a key.
+    fn index_write(
+        &mut self,
+        run_id: &str,
+        key: impl FnOnce() -> Vec<u8>,
+        value: Option<Vec<u8>>,
+    ) -> &mut Self {
         self.len += 1;
         if self.check_run_id(run_id) {
-            self.writes
-                .remove(interrupt_index_key(partition, run_id, interrupt_id));
+            match value {
+                Some(value) => self.writes.insert(key(), value),
+                None => self.writes.remove(key()),
+            }
         }
         self
     }
