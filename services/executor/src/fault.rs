@@ -23,6 +23,10 @@ sortie_kafka::fault_points! {
         /// first offset commit (a wedged librdkafka call, for the watchdog's test). Not a
         /// death: the watchdog is what ends the process.
         HangInCommit = "executor.hang_in_commit",
+        /// `executor.leave_group`: once its partitions are assigned, the consumer leaves
+        /// its group (unsubscribes) and polls on, serving nothing: a member that never
+        /// rejoins, for the membership watchdog's test. Not a death either.
+        LeaveGroup = "executor.leave_group",
     }
 }
 
@@ -43,6 +47,17 @@ pub(crate) fn hang_if(configured: Option<FaultPoint>, point: FaultPoint) {
     sortie_kafka::fault::hang(configured, 1, point, |_| {
         tracing::error!(fault = %point, "Fault injection: the executor's consumer thread hangs here on purpose.");
     });
+}
+
+/// Whether the consumer should leave its group now: `executor.leave_group` is the
+/// configured fault and this is the first time it is reached.
+pub(crate) fn leaves_group(configured: Option<FaultPoint>) -> bool {
+    let point = FaultPoint::LeaveGroup;
+    let fires = sortie_kafka::fault::fires_once(configured, 1, point);
+    if fires {
+        tracing::error!(fault = %point, "Fault injection: the executor's consumer leaves its group on purpose and polls on.");
+    }
+    fires
 }
 
 #[cfg(test)]

@@ -114,6 +114,27 @@ impl Watchdog {
         result
     }
 
+    /// Watches a condition rather than a call: `what` is armed from the first report
+    /// with `on` set (keeping that start while it stays on) and disarmed by the first with
+    /// `on` clear; past `timeout` and the grace the process ends as for a wedged call. For
+    /// a state reported now and then (a consumer outside its group, from librdkafka's
+    /// statistics), on a watchdog of its own: it shares no slot with [`Watchdog::bound`].
+    pub fn hold(&self, what: &'static str, timeout: Duration, on: bool) {
+        let Ok(mut slot) = self.inner.armed.lock() else {
+            return;
+        };
+        let held = slot.is_some_and(|armed| armed.what == what);
+        if on && !held {
+            *slot = Some(Armed {
+                what,
+                timeout,
+                since: Instant::now(),
+            });
+        } else if !on && held {
+            *slot = None;
+        }
+    }
+
     fn replace(&self, armed: Option<Armed>) -> Option<Armed> {
         match self.inner.armed.lock() {
             Ok(mut slot) => std::mem::replace(&mut *slot, armed),
@@ -178,6 +199,36 @@ mod tests {
             assert_eq!(armed.what, "stuck");
             assert!(late > Duration::from_millis(20));
         });
+    }
+
+    #[test]
+    fn a_held_condition_is_overdue_from_when_it_was_first_seen_until_it_clears() {
+        let watchdog = Watchdog::unwatched(Duration::from_millis(20), "test");
+        watchdog.hold("rejoining", Duration::from_millis(30), false);
+        assert!(watchdog.inner.overdue().is_none(), "never on");
+        watchdog.hold("rejoining", Duration::from_millis(30), true);
+        let since = || {
+            watchdog
+                .inner
+                .armed
+                .lock()
+                .expect("lock")
+                .expect("armed")
+                .since
+        };
+        let first = since();
+        std::thread::sleep(Duration::from_millis(10));
+        watchdog.hold("rejoining", Duration::from_millis(30), true);
+        assert_eq!(
+            since(),
+            first,
+            "still on: it keeps the time it was first seen"
+        );
+        std::thread::sleep(Duration::from_millis(60));
+        let (armed, _) = watchdog.inner.overdue().expect("on past timeout and grace");
+        assert_eq!(armed.what, "rejoining");
+        watchdog.hold("rejoining", Duration::from_millis(30), false);
+        assert!(watchdog.inner.overdue().is_none(), "cleared");
     }
 
     #[test]

@@ -36,6 +36,11 @@ pub(super) struct Shared {
     /// Ends the process when a commit or a pass of this queue's consumer thread blocks
     /// far past its bound (`sortie_kafka::watchdog`).
     pub(super) watchdog: Watchdog,
+    /// Ends the process when the consumer stays outside a settled group (its coordinator
+    /// answering) past `rejoin_timeout`: a member that polls on but never rejoins serves
+    /// nothing, and says nothing.
+    pub(super) membership: Watchdog,
+    pub(super) rejoin_timeout: Duration,
     pub(super) commit_timeout: Duration,
     pub(super) fault: Option<FaultPoint>,
 }
@@ -204,9 +209,21 @@ pub(super) struct QueueContext {
     pub(super) shared: Arc<Shared>,
 }
 
+/// What the membership watchdog names when it ends the process.
+const REJOINING: &str = "rejoining the consumer group";
+
 impl ClientContext for QueueContext {
     fn stats(&self, statistics: rdkafka::Statistics) {
         sortie_kafka::metrics::consumer_lag(&statistics);
+        if let Some(group) = &statistics.cgrp {
+            // The coordinator answers (`up`) but this member is not in a settled group: a
+            // rebalance under way, or one it never gets out of. Not while the coordinator
+            // is unreachable: a broker outage is waited out, not restarted through.
+            let outside = group.state == "up" && group.join_state != "steady";
+            self.shared
+                .membership
+                .hold(REJOINING, self.shared.rejoin_timeout, outside);
+        }
     }
 }
 
@@ -271,6 +288,8 @@ impl QueueConsumer {
             changed: Condvar::new(),
             drain_timeout: config.drain_timeout,
             watchdog: Watchdog::start(config.stall_grace, "executor"),
+            membership: Watchdog::start(config.stall_grace, "executor"),
+            rejoin_timeout: config.rejoin_timeout(),
             commit_timeout: config.commit_timeout(),
             fault: config.fault,
         });
@@ -353,6 +372,10 @@ impl QueueConsumer {
             } else {
                 Duration::from_millis(100)
             };
+            // Only once it holds partitions: a member that left after joining.
+            if !self.shared.lock().partitions.is_empty() && fault::leaves_group(self.shared.fault) {
+                self.consumer.unsubscribe();
+            }
             // The poll runs the rebalance callbacks (a revocation drains and commits).
             let polled = self
                 .shared

@@ -170,6 +170,20 @@ impl ExecutorConfig {
         self.session_timeout + socket
     }
 
+    /// How long a queue's consumer may stay outside a settled group while its
+    /// coordinator answers: another member's rebalance may hold it up to that member's
+    /// `max.poll.interval.ms` (300 s unless the properties set it), and a member that
+    /// left is dropped after `session.timeout.ms`.
+    pub fn rejoin_timeout(&self) -> Duration {
+        let poll = self
+            .kafka
+            .properties
+            .get("max.poll.interval.ms")
+            .and_then(|ms| ms.parse().ok())
+            .map_or(Duration::from_secs(300), Duration::from_millis);
+        poll + self.session_timeout
+    }
+
     /// How long one pass of a queue's consumer loop may take: a poll serves the rebalance
     /// callbacks, and a revocation drains for up to `drain_timeout` around two commits.
     pub fn pass_timeout(&self) -> Duration {
