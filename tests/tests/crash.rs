@@ -404,28 +404,13 @@ async fn a_reducer_wedged_in_a_kafka_call_ends_itself_and_its_restart_loses_noth
 /// ("the wedged executor ended itself with status 75 … None").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_wedged_in_an_offset_commit_ends_itself_and_its_restart_loses_nothing() {
-    let stack = Stack::start("crash-wedged-executor", &[]).await;
-    let ledger = stack.ledger_process("ledger", "keyed").await;
-    stack.publish(&chain_graph(&ledger.url)).await;
-    let properties = short_socket_timeout(&stack);
-    let mut executor = stack.executor_process(
-        "executor",
-        &["default"],
-        &[
-            "--fault",
-            "executor.hang_in_commit",
-            "--stall-grace-ms",
-            "1000",
-            "--kafka-properties",
-            &properties,
-        ],
-    );
-    let _reducer = stack.reducer("0");
-    let runs = runs(8);
-    start_runs(&stack, &runs).await;
-    assert_ends_itself_wedged(&mut executor, "executor", "call=\"commit\"").await;
-    let _restarted = stack.executor_process("executor", &["default"], &[]);
-    assert_exactly_once(&stack, &ledger, &runs, false).await;
+    executor_ends_itself_and_its_restart_loses_nothing(
+        "crash-wedged-executor",
+        "executor.hang_in_commit",
+        "socket.timeout.ms=10000\n",
+        "call=\"commit\"",
+    )
+    .await;
 }
 
 /// An executor whose consumer leaves its group and polls on — serving nothing and saying
@@ -437,33 +422,44 @@ async fn an_executor_wedged_in_an_offset_commit_ends_itself_and_its_restart_lose
 /// failed at its 90 s deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_that_never_rejoins_its_group_ends_itself_and_its_restart_loses_nothing() {
-    let stack = Stack::start("crash-rejoin", &[]).await;
-    let ledger = stack.ledger_process("ledger", "keyed").await;
-    stack.publish(&chain_graph(&ledger.url)).await;
-    let properties = stack.dir.join("rejoin.properties");
-    std::fs::write(&properties, "max.poll.interval.ms=10000\n").expect("properties file");
-    let properties = properties.display().to_string();
-    let mut executor = stack.executor_process(
-        "executor",
-        &["default"],
-        &[
-            "--fault",
-            "executor.leave_group",
-            "--stall-grace-ms",
-            "1000",
-            "--kafka-properties",
-            &properties,
-        ],
-    );
-    let _reducer = stack.reducer("0");
-    let runs = runs(8);
-    start_runs(&stack, &runs).await;
-    assert_ends_itself_wedged(
-        &mut executor,
-        "executor",
+    executor_ends_itself_and_its_restart_loses_nothing(
+        "crash-rejoin",
+        "executor.leave_group",
+        "max.poll.interval.ms=10000\n",
         "call=\"rejoining the consumer group\"",
     )
     .await;
+}
+
+/// An executor told to stop serving at `fault` (with librdkafka `properties` and a 1 s
+/// grace) ends itself with status 75, naming `call`; started again, as its supervisor
+/// would, it takes the uncommitted intents back and every run finishes with each effect
+/// once (the receiver may be called twice: keyed).
+async fn executor_ends_itself_and_its_restart_loses_nothing(
+    name: &str,
+    fault: &str,
+    properties: &str,
+    call: &str,
+) {
+    let stack = Stack::start(name, &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&chain_graph(&ledger.url)).await;
+    let file = stack.dir.join("executor.properties");
+    std::fs::write(&file, properties).expect("properties file");
+    let file = file.display().to_string();
+    let args = [
+        "--fault",
+        fault,
+        "--stall-grace-ms",
+        "1000",
+        "--kafka-properties",
+        &file,
+    ];
+    let mut executor = stack.executor_process("executor", &["default"], &args);
+    let _reducer = stack.reducer("0");
+    let runs = runs(8);
+    start_runs(&stack, &runs).await;
+    assert_ends_itself_wedged(&mut executor, "executor", call).await;
     let _restarted = stack.executor_process("executor", &["default"], &[]);
     assert_exactly_once(&stack, &ledger, &runs, false).await;
 }

@@ -161,13 +161,7 @@ impl ExecutorConfig {
     /// defer (no coordinator) after `session.timeout.ms`, and one it sent after
     /// `socket.timeout.ms` (60 s unless the properties set it).
     pub fn commit_timeout(&self) -> Duration {
-        let socket = self
-            .kafka
-            .properties
-            .get("socket.timeout.ms")
-            .and_then(|ms| ms.parse().ok())
-            .map_or(Duration::from_secs(60), Duration::from_millis);
-        self.session_timeout + socket
+        self.session_timeout + self.property_ms("socket.timeout.ms", 60_000)
     }
 
     /// How long a queue's consumer may stay outside a settled group while its
@@ -175,13 +169,18 @@ impl ExecutorConfig {
     /// `max.poll.interval.ms` (300 s unless the properties set it), and a member that
     /// left is dropped after `session.timeout.ms`.
     pub fn rejoin_timeout(&self) -> Duration {
-        let poll = self
+        self.property_ms("max.poll.interval.ms", 300_000) + self.session_timeout
+    }
+
+    /// A librdkafka setting in milliseconds, as the properties file sets it, else
+    /// librdkafka's `default_ms`.
+    fn property_ms(&self, key: &str, default_ms: u64) -> Duration {
+        let ms = self
             .kafka
             .properties
-            .get("max.poll.interval.ms")
-            .and_then(|ms| ms.parse().ok())
-            .map_or(Duration::from_secs(300), Duration::from_millis);
-        poll + self.session_timeout
+            .get(key)
+            .and_then(|ms| ms.parse().ok());
+        Duration::from_millis(ms.unwrap_or(default_ms))
     }
 
     /// How long one pass of a queue's consumer loop may take: a poll serves the rebalance
