@@ -431,6 +431,47 @@ async fn an_executor_that_never_rejoins_its_group_ends_itself_and_its_restart_lo
     .await;
 }
 
+/// A reducer whose consumer leaves its group and polls on (reducing nothing, saying
+/// nothing) ends itself the same way once it has stayed outside a settled group past
+/// `max.poll.interval.ms` + session timeout (10 + 10 s here) and the grace; its restart
+/// finishes every run, each receiver operation called once.
+/// Red-proofed: with the reducer's statistics not feeding its membership watchdog, it
+/// never exited and this failed at its 90 s deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reducer_that_never_rejoins_its_group_ends_itself_and_its_restart_loses_nothing() {
+    let stack = Stack::start("crash-reducer-rejoin", &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&chain_graph(&ledger.url)).await;
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let file = stack.dir.join("reducer.properties");
+    // The reducer's other consumers (graph table, restore) take librdkafka's session
+    // timeout (45 s), which may not exceed their poll interval.
+    let properties = "session.timeout.ms=10000\nmax.poll.interval.ms=10000\n";
+    std::fs::write(&file, properties).expect("properties file");
+    let file = file.display().to_string();
+    let mut reducer = stack.reducer_with(
+        "0",
+        &[
+            "--fault",
+            "reducer.leave_group",
+            "--stall-grace-ms",
+            "1000",
+            "--kafka-properties",
+            &file,
+        ],
+    );
+    let runs = runs(8);
+    start_runs(&stack, &runs).await;
+    assert_ends_itself_wedged(
+        &mut reducer,
+        "reducer",
+        "call=\"rejoining the consumer group\"",
+    )
+    .await;
+    let _restarted = stack.reducer("0");
+    assert_exactly_once(&stack, &ledger, &runs, true).await;
+}
+
 /// An executor told to stop serving at `fault` (with librdkafka `properties` and a 1 s
 /// grace) ends itself with status 75, naming `call`; started again, as its supervisor
 /// would, it takes the uncommitted intents back and every run finishes with each effect

@@ -127,6 +127,21 @@ impl KafkaConfig {
         ])
     }
 
+    /// A librdkafka setting in milliseconds as the properties file sets it, else
+    /// librdkafka's `default_ms`.
+    pub fn property_ms(&self, key: &str, default_ms: u64) -> std::time::Duration {
+        let ms = self.properties.get(key).and_then(|ms| ms.parse().ok());
+        std::time::Duration::from_millis(ms.unwrap_or(default_ms))
+    }
+
+    /// How long a group member may stay outside a settled group while its coordinator
+    /// answers (see `watchdog::Watchdog::watch_membership`): another member's rebalance
+    /// may hold it up to that member's `max.poll.interval.ms` (300 s unless the properties
+    /// set it), and a member that left is dropped after `session_timeout`.
+    pub fn rejoin_timeout(&self, session_timeout: std::time::Duration) -> std::time::Duration {
+        self.property_ms("max.poll.interval.ms", 300_000) + session_timeout
+    }
+
     /// Configuration for a member of consumer group `group` that commits its own offsets
     /// (no auto-commit, no auto offset store), reads `read_committed` (which also makes
     /// OffsetFetch require stable offsets, KIP-447) from the earliest offset, never creates

@@ -37,6 +37,10 @@ use std::time::{Duration, Instant};
 /// `EX_TEMPFAIL`: try again). Supervisors restart on it.
 pub const WEDGED_EXIT_CODE: i32 = 75;
 
+/// What a membership watchdog ([`Watchdog::watch_membership`]) names when it ends the
+/// process.
+pub const REJOINING: &str = "rejoining the consumer group";
+
 /// Arms a deadline around blocking calls; a thread ends the process when one passes.
 ///
 /// One watchdog per thread that makes such calls: it holds one armed call at a time. A
@@ -132,6 +136,19 @@ impl Watchdog {
             });
         } else if !on && held {
             *slot = None;
+        }
+    }
+
+    /// Feeds a membership watchdog from one statistics report of a group member: held
+    /// while the coordinator answers (`up`) but the member is not in a settled group
+    /// (`join_state` not `steady`) — a rebalance under way, or one it never gets out of:
+    /// a member that polls on outside its group serves nothing and says nothing. Not
+    /// while the coordinator is unreachable: a broker outage is waited out, not
+    /// restarted through. `timeout`: [`crate::KafkaConfig::rejoin_timeout`].
+    pub fn watch_membership(&self, statistics: &rdkafka::Statistics, timeout: Duration) {
+        if let Some(group) = &statistics.cgrp {
+            let outside = group.state == "up" && group.join_state != "steady";
+            self.hold(REJOINING, timeout, outside);
         }
     }
 

@@ -180,6 +180,7 @@ pub fn run_with_health(
         auto_register: config.auto_register,
     }));
     let watchdog = Watchdog::start(config.stall_grace, "reducer");
+    let membership = Watchdog::start(config.stall_grace, "reducer");
     let mut failures = 0u32;
     while !shutdown.load(Ordering::Relaxed) {
         match Reducer::new(
@@ -189,6 +190,7 @@ pub fn run_with_health(
             store.clone(),
             health.clone(),
             watchdog.clone(),
+            membership.clone(),
         )
         .and_then(|mut r| r.run(&shutdown))
         {
@@ -221,6 +223,7 @@ struct Reducer {
     batch_linger: Duration,
     max_batch: usize,
     gauges_published: Option<Instant>,
+    fault: Option<FaultPoint>,
 }
 
 impl Reducer {
@@ -231,6 +234,7 @@ impl Reducer {
         store: Arc<Store>,
         health: Health,
         watchdog: Watchdog,
+        membership: Watchdog,
     ) -> Result<Self, Error> {
         // Every client of this instance is named `<transactional id>-<role>`.
         let config = &ReducerConfig {
@@ -274,9 +278,15 @@ impl Reducer {
         let (producer, graphs) = (producer?, graphs?);
 
         let wiring = Arc::new(OnceLock::new());
+        // A new incarnation joins afresh: whatever the last one's consumer was doing, its
+        // membership is no longer watched.
+        let rejoin_timeout = config.kafka.rejoin_timeout(config.session_timeout);
+        membership.hold(crate::watchdog::REJOINING, rejoin_timeout, false);
         let context = ReducerContext {
             commands: topics.commands(),
             engine: wiring.clone(),
+            membership,
+            rejoin_timeout,
         };
         // Range gives partition N of commands and of step-results to the same member: one
         // writer per run (cooperative-sticky does not guarantee that). read_committed also
@@ -357,6 +367,7 @@ impl Reducer {
             batch_linger: config.batch_linger,
             max_batch: config.max_batch.max(1),
             gauges_published: None,
+            fault: config.fault,
         })
     }
 
@@ -383,6 +394,14 @@ impl Reducer {
                     Duration::from_millis(10)
                 }
             };
+            // Only once it holds partitions: a member that left after joining. (The fault
+            // is checked first: the loop's every pass goes through here.)
+            if self.fault == Some(FaultPoint::LeaveGroup)
+                && !self.engine()?.tasks.owned().is_empty()
+                && crate::fault::fires_once(self.fault, 1, FaultPoint::LeaveGroup)
+            {
+                self.consumer.unsubscribe();
+            }
             // Rebalance callbacks run inside this poll, on this thread.
             let polled = self.consumer.poll(wait);
             let mut engine = self.engine()?;

@@ -27,6 +27,11 @@ sortie_kafka::fault_points! {
         /// aborted instead of committed (as a refused delivery would abort it). The
         /// reducer goes on: both batches are dropped and their inputs read again.
         AbortInFlight = "reducer.abort_in_flight",
+        /// `reducer.leave_group`: once its partitions are assigned, the consumer leaves its
+        /// group (unsubscribes) and polls on, reducing nothing: a member that never
+        /// rejoins, for the membership watchdog's test. Not a death: the watchdog ends
+        /// the process.
+        LeaveGroup = "reducer.leave_group",
     }
 }
 
@@ -74,7 +79,7 @@ mod tests {
         assert_eq!(
             "x".parse::<FaultPoint>().map_err(|e| e.to_string()),
             Err(
-                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.hang_in_send_offsets, reducer.abort_in_flight"
+                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.hang_in_send_offsets, reducer.abort_in_flight, reducer.leave_group"
                     .to_owned()
             )
         );

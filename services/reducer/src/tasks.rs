@@ -93,11 +93,17 @@ impl Tasks {
 pub(crate) struct ReducerContext {
     pub commands: String,
     pub engine: Arc<OnceLock<Arc<Mutex<Engine>>>>,
+    /// Ends the process when the consumer stays outside a settled group past
+    /// `rejoin_timeout` (`Watchdog::watch_membership`).
+    pub membership: crate::watchdog::Watchdog,
+    pub rejoin_timeout: std::time::Duration,
 }
 
 impl ClientContext for ReducerContext {
     fn stats(&self, statistics: rdkafka::Statistics) {
         sortie_kafka::metrics::consumer_lag(&statistics);
+        self.membership
+            .watch_membership(&statistics, self.rejoin_timeout);
     }
 }
 

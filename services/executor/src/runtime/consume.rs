@@ -209,21 +209,12 @@ pub(super) struct QueueContext {
     pub(super) shared: Arc<Shared>,
 }
 
-/// What the membership watchdog names when it ends the process.
-const REJOINING: &str = "rejoining the consumer group";
-
 impl ClientContext for QueueContext {
     fn stats(&self, statistics: rdkafka::Statistics) {
         sortie_kafka::metrics::consumer_lag(&statistics);
-        if let Some(group) = &statistics.cgrp {
-            // The coordinator answers (`up`) but this member is not in a settled group: a
-            // rebalance under way, or one it never gets out of. Not while the coordinator
-            // is unreachable: a broker outage is waited out, not restarted through.
-            let outside = group.state == "up" && group.join_state != "steady";
-            self.shared
-                .membership
-                .hold(REJOINING, self.shared.rejoin_timeout, outside);
-        }
+        self.shared
+            .membership
+            .watch_membership(&statistics, self.shared.rejoin_timeout);
     }
 }
 
@@ -289,7 +280,7 @@ impl QueueConsumer {
             drain_timeout: config.drain_timeout,
             watchdog: Watchdog::start(config.stall_grace, "executor"),
             membership: Watchdog::start(config.stall_grace, "executor"),
-            rejoin_timeout: config.rejoin_timeout(),
+            rejoin_timeout: config.kafka.rejoin_timeout(config.session_timeout),
             commit_timeout: config.commit_timeout(),
             fault: config.fault,
         });
@@ -372,8 +363,12 @@ impl QueueConsumer {
             } else {
                 Duration::from_millis(100)
             };
-            // Only once it holds partitions: a member that left after joining.
-            if !self.shared.lock().partitions.is_empty() && fault::leaves_group(self.shared.fault) {
+            // Only once it holds partitions: a member that left after joining. (The fault
+            // is checked first: the loop's every pass goes through here.)
+            if self.shared.fault == Some(FaultPoint::LeaveGroup)
+                && !self.shared.lock().partitions.is_empty()
+                && fault::leaves_group(self.shared.fault)
+            {
                 self.consumer.unsubscribe();
             }
             // The poll runs the rebalance callbacks (a revocation drains and commits).

@@ -161,26 +161,7 @@ impl ExecutorConfig {
     /// defer (no coordinator) after `session.timeout.ms`, and one it sent after
     /// `socket.timeout.ms` (60 s unless the properties set it).
     pub fn commit_timeout(&self) -> Duration {
-        self.session_timeout + self.property_ms("socket.timeout.ms", 60_000)
-    }
-
-    /// How long a queue's consumer may stay outside a settled group while its
-    /// coordinator answers: another member's rebalance may hold it up to that member's
-    /// `max.poll.interval.ms` (300 s unless the properties set it), and a member that
-    /// left is dropped after `session.timeout.ms`.
-    pub fn rejoin_timeout(&self) -> Duration {
-        self.property_ms("max.poll.interval.ms", 300_000) + self.session_timeout
-    }
-
-    /// A librdkafka setting in milliseconds, as the properties file sets it, else
-    /// librdkafka's `default_ms`.
-    fn property_ms(&self, key: &str, default_ms: u64) -> Duration {
-        let ms = self
-            .kafka
-            .properties
-            .get(key)
-            .and_then(|ms| ms.parse().ok());
-        Duration::from_millis(ms.unwrap_or(default_ms))
+        self.session_timeout + self.kafka.property_ms("socket.timeout.ms", 60_000)
     }
 
     /// How long one pass of a queue's consumer loop may take: a poll serves the rebalance
