@@ -443,12 +443,10 @@ async fn a_reducer_that_never_rejoins_its_group_ends_itself_and_its_restart_lose
     let ledger = stack.ledger_process("ledger", "keyed").await;
     stack.publish(&chain_graph(&ledger.url)).await;
     let _executor = stack.executor_process("executor", &["default"], &[]);
-    let file = stack.dir.join("reducer.properties");
     // The reducer's other consumers (graph table, restore) take librdkafka's session
     // timeout (45 s), which may not exceed their poll interval.
     let properties = "session.timeout.ms=10000\nmax.poll.interval.ms=10000\n";
-    std::fs::write(&file, properties).expect("properties file");
-    let file = file.display().to_string();
+    let file = properties_file(&stack, "reducer.properties", properties);
     let mut reducer = stack.reducer_with(
         "0",
         &[
@@ -485,9 +483,7 @@ async fn executor_ends_itself_and_its_restart_loses_nothing(
     let stack = Stack::start(name, &[]).await;
     let ledger = stack.ledger_process("ledger", "keyed").await;
     stack.publish(&chain_graph(&ledger.url)).await;
-    let file = stack.dir.join("executor.properties");
-    std::fs::write(&file, properties).expect("properties file");
-    let file = file.display().to_string();
+    let file = properties_file(&stack, "executor.properties", properties);
     let args = [
         "--fault",
         fault,
@@ -575,9 +571,15 @@ async fn an_aborted_batch_in_flight_takes_the_batch_folded_on_it_along() {
 /// A `--kafka-properties` file with `socket.timeout.ms=10000` (librdkafka's default is
 /// 60 s): the executor's commit bound (session + socket timeout) then fits a test's wait.
 fn short_socket_timeout(stack: &Stack) -> String {
-    let properties = stack.dir.join("executor.properties");
-    std::fs::write(&properties, "socket.timeout.ms=10000\n").expect("properties file");
-    properties.display().to_string()
+    properties_file(stack, "executor.properties", "socket.timeout.ms=10000\n")
+}
+
+/// Writes `contents` to the `--kafka-properties` file `name` in the stack's directory;
+/// returns its path.
+fn properties_file(stack: &Stack, name: &str, contents: &str) -> String {
+    let file = stack.dir.join(name);
+    std::fs::write(&file, contents).expect("properties file");
+    file.display().to_string()
 }
 
 /// SPEC §10 "broker restarted mid-run": a broker of this test's own (the shared one

@@ -502,8 +502,9 @@ impl Store {
     }
 
     /// Forget a revoked partition: remove its changelog offset, gauge tally, open-interrupt
-    /// index and timers in one batch, so a later assignment restores it from the changelog. Run states stay (they
-    /// are not keyed by partition); the restore overwrites them.
+    /// index and timers in one batch, so a later assignment restores it from the
+    /// changelog. Run states stay (they are not keyed by partition); the restore
+    /// overwrites them.
     pub fn forget_partition(&self, partition: i32) -> Result<()> {
         let mut writes = sled::Batch::default();
         writes.remove(&offset_key(partition)[..]);
