@@ -39,7 +39,7 @@ impl Engine {
                     sled.arm_timer(partition, &run_id, key, *due);
                 }
             }
-            sled.put_run(&run_id, bytes);
+            sled.put_packed(&run_id, self.store.pack(&bytes));
         }
         for timer in &batch.fired {
             let still = batch

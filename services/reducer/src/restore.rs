@@ -244,7 +244,7 @@ pub fn partitions(
                     .into_iter()
                     .map(|raw| {
                         let share = counted.contains(&raw.partition);
-                        decode(raw, codec, runtime, share)
+                        decode(raw, codec, runtime, store, share)
                     })
                     .collect();
                 if decoder_out.send(decoded).is_err() {
@@ -384,7 +384,8 @@ struct Decoded {
 
 /// What the applying thread needs of a decoded state.
 struct Restoring {
-    /// The changelog's JSON, packed for sled here, off the applying thread.
+    /// The changelog's JSON, packed for sled here (against the store's dictionary),
+    /// off the applying thread.
     state: Packed,
     timers: BTreeMap<String, i64>,
     /// The run's share of the gauges, for a counted partition. The state itself is
@@ -396,7 +397,7 @@ struct Restoring {
 /// Decodes a record fully — Avro, then the state's JSON into a [`RunState`] — so a state
 /// this build cannot read stops its partition here, at the restore, not at the run's
 /// next input.
-fn decode(raw: Raw, codec: &Codec, runtime: &Handle, share: bool) -> Decoded {
+fn decode(raw: Raw, codec: &Codec, runtime: &Handle, store: &Store, share: bool) -> Decoded {
     let value = raw.payload.map(|payload| {
         runtime
             .block_on(codec.decode_patiently::<w::RunState>(Some(&payload), None))
@@ -405,7 +406,7 @@ fn decode(raw: Raw, codec: &Codec, runtime: &Handle, share: bool) -> Decoded {
                 let mut state = convert::state_from_wire(&r).map_err(|e| e.0)?;
                 let share = share.then(|| Contribution::of(&state));
                 Ok(Restoring {
-                    state: Packed::new(r.state.as_bytes()),
+                    state: store.pack(r.state.as_bytes()),
                     timers: std::mem::take(&mut state.timers),
                     share,
                 })

@@ -12,6 +12,9 @@
 //! o/<partition: i32 BE>                               -> next changelog offset, u64 BE
 //! g/<partition: i32 BE>                               -> the partition's gauge tally (JSON,
 //!                                                        with the changelog offset it reflects)
+//! z/<id: u32 BE>                                      -> a zstd dictionary the run
+//!                                                        states are packed against
+//!                                                        (`crate::pack`)
 //! m/format                                            -> FORMAT marker
 //! ```
 //!
@@ -20,7 +23,6 @@
 //! makes [`Store::open`] wipe the directory and start empty, so the caller restores the
 //! assigned partitions from the compacted changelog.
 
-use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -90,6 +92,9 @@ pub enum Error {
     Corrupt(String),
 }
 
+pub use crate::pack::Packed;
+use crate::pack::{Dictionaries, DICTIONARY_PREFIX};
+
 /// Result alias of this module.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -132,7 +137,8 @@ impl Batch {
         self.len == 0
     }
 
-    /// Store a run's state bytes (packed here: see [`Packed`]).
+    /// Store a run's state bytes, packed here in a plain frame ([`Store::pack`] packs
+    /// against the store's dictionary: the reducer's writes go through it).
     pub fn put_run(&mut self, run_id: &str, state: impl AsRef<[u8]>) -> &mut Self {
         self.put_packed(run_id, Packed::new(state.as_ref()))
     }
@@ -254,6 +260,8 @@ pub struct Store {
     path: Option<PathBuf>,
     cache_capacity: u64,
     durable: bool,
+    /// What run states are packed against.
+    pub(crate) dictionaries: Dictionaries,
 }
 
 /// The open database, for the length of one call.
@@ -286,7 +294,10 @@ impl Store {
         let open = || open_db(path, cache_capacity, lock_wait);
         let reason = match catch_unwind(open) {
             Ok(Ok(db)) => match verify(&db) {
-                Ok(()) => return Ok(Store::new(db, Some(path), cache_capacity)),
+                Ok(()) => match Store::new(db, Some(path), cache_capacity) {
+                    Ok(store) => return Ok(store),
+                    Err(error) => format!("its dictionaries cannot be loaded ({error})"),
+                },
                 Err(reason) => reason,
             },
             Ok(Err(error)) if is_lock_error(&error) => {
@@ -314,23 +325,54 @@ impl Store {
         };
         db.insert(MARKER_KEY, FORMAT)?;
         db.flush()?;
-        Ok(Store::new(db, Some(path), cache_capacity))
+        Store::new(db, Some(path), cache_capacity)
     }
 
     /// A store in a temporary directory that disappears when dropped (tests).
     pub fn temporary() -> Result<Store> {
         let db = sled::Config::new().temporary(true).open()?;
         db.insert(MARKER_KEY, FORMAT)?;
-        Ok(Store::new(db, None, CACHE_CAPACITY))
+        Store::new(db, None, CACHE_CAPACITY)
     }
 
-    fn new(db: sled::Db, path: Option<&Path>, cache_capacity: u64) -> Store {
-        Store {
+    fn new(db: sled::Db, path: Option<&Path>, cache_capacity: u64) -> Result<Store> {
+        let dictionaries = Dictionaries::load(&db, crate::pack::TRAIN_AFTER)?;
+        Ok(Store {
             db: RwLock::new(Some(db)),
             path: path.map(Path::to_owned),
             cache_capacity,
             durable: false,
+            dictionaries,
+        })
+    }
+
+    /// Trains the store's dictionary after `bytes` of sampled states instead of
+    /// [`crate::pack::TRAIN_AFTER`] (tests).
+    pub fn with_dictionary_after(mut self, bytes: usize) -> Store {
+        self.dictionaries.train_after = bytes;
+        self
+    }
+
+    /// Packs a run state as the store holds it: against the store's dictionary, once it
+    /// has one (see [`crate::pack`]).
+    pub fn pack(&self, state: &[u8]) -> Packed {
+        match self.db() {
+            Ok(db) => self.dictionaries.pack(state, &db),
+            // Nothing will be written to a closed store; a plain frame is still valid.
+            Err(_) => Packed::new(state),
         }
+    }
+
+    /// The dictionary new run states are packed against, if the store has one.
+    pub fn dictionary(&self) -> Option<u32> {
+        self.dictionaries.current()
+    }
+
+    /// Writes one entry as is (tests that plant what this format never writes).
+    #[cfg(test)]
+    pub(crate) fn raw_insert(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        self.db()?.insert(key, value)?;
+        Ok(())
     }
 
     fn db(&self) -> Result<Db<'_>> {
@@ -414,7 +456,7 @@ impl Store {
     pub fn get_run(&self, run_id: &str) -> Result<Option<Vec<u8>>> {
         self.db()?
             .get(run_key(run_id))?
-            .map(|v| unpack(run_id, &v))
+            .map(|v| self.dictionaries.unpack(run_id, &v))
             .transpose()
     }
 
@@ -433,7 +475,7 @@ impl Store {
             let entry = entries.as_mut()?.next()?;
             Some(entry.map_err(Error::from).and_then(|(key, value)| {
                 let run_id = String::from_utf8_lossy(&key[RUN_PREFIX.len()..]).into_owned();
-                let state = unpack(&run_id, &value)?;
+                let state = self.dictionaries.unpack(&run_id, &value)?;
                 Ok((run_id, state))
             }))
         })
@@ -545,6 +587,10 @@ impl Store {
         db.remove(MARKER_KEY)?;
         db.flush()?;
         db.clear()?;
+        // The dictionaries stay: states packed against them may be handed out already.
+        for (key, bytes) in self.dictionaries.entries() {
+            db.insert(key, bytes)?;
+        }
         db.insert(MARKER_KEY, FORMAT)?;
         db.flush()?;
         Ok(())
@@ -647,6 +693,10 @@ fn malformed(key: &[u8], value: &[u8]) -> Option<String> {
         decode_interrupt(key, value)
             .is_none()
             .then(|| format!("open-interrupt entry {key:?} is malformed"))
+    } else if key.starts_with(DICTIONARY_PREFIX) {
+        crate::pack::dictionary_id(key, value)
+            .is_none()
+            .then(|| format!("dictionary entry {key:?} is malformed"))
     } else if key.starts_with(OFFSET_PREFIX) {
         (key.len() != OFFSET_PREFIX.len() + 4 || decode_offset(value).is_none())
             .then(|| format!("changelog offset entry {key:?} is malformed"))
@@ -693,72 +743,6 @@ fn remove_if_exists(path: &Path) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         other => other,
     }
-}
-
-/// A run state as sled stores it: one zstd frame (level 1) of its bytes, the frame
-/// header carrying the state's length.
-///
-/// sled's cost grows with the bytes it holds: every insert copies the leaf it lands in
-/// (up to 16 states) and its I/O threads write each state about four times (deltas,
-/// page consolidations, splits: 4.3 GB written for a 1M-run cold restore of ~1 KB
-/// states). Packed, a state's JSON takes 40–50 % (a 2.5 KB golden state: 1.0 KB), a
-/// 1M-run cache 1.5 GB of disk instead of 2.8, and a cold restore ran ~15 % faster
-/// (README "Performance"). The state is packed once, by whoever makes it: the restore's
-/// decoder thread, or the commit that wrote it.
-#[derive(Debug, Clone)]
-pub struct Packed(Vec<u8>);
-
-/// The largest state a packed entry may claim to unpack to: a corrupt header must not
-/// make the reducer allocate gigabytes. Far above any state (the changelog's records are
-/// bounded by the broker's `max.message.bytes`).
-const MAX_STATE_BYTES: u64 = 256 * 1024 * 1024;
-
-thread_local! {
-    // One context per thread: making one per state cost more than sled saved. zstd fails
-    // to make one only when out of memory.
-    static PACKER: RefCell<zstd::bulk::Compressor<'static>> =
-        RefCell::new(zstd::bulk::Compressor::new(1).expect("a zstd compression context"));
-    static UNPACKER: RefCell<zstd::bulk::Decompressor<'static>> =
-        RefCell::new(zstd::bulk::Decompressor::new().expect("a zstd decompression context"));
-}
-
-impl Packed {
-    /// Packs a state's bytes.
-    pub fn new(state: &[u8]) -> Packed {
-        let packed = PACKER.with(|packer| packer.borrow_mut().compress(state));
-        // zstd fails only when out of memory or on a state over 4 GiB: both beyond any
-        // state this reducer has already held in memory.
-        Packed(packed.expect("zstd packs a state"))
-    }
-
-    /// The packed size: what sled holds for the state.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Never: even an empty state has a frame header.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-fn unpack(run_id: &str, packed: &[u8]) -> Result<Vec<u8>> {
-    let corrupt = |why: String| Error::Corrupt(format!("cached state of run {run_id}: {why}"));
-    let len = match zstd::zstd_safe::get_frame_content_size(packed) {
-        Ok(Some(len)) if len <= MAX_STATE_BYTES => len as usize,
-        Ok(Some(len)) => return Err(corrupt(format!("it claims {len} bytes"))),
-        Ok(None) | Err(_) => return Err(corrupt("no zstd frame with its size".to_owned())),
-    };
-    UNPACKER
-        .with(|unpacker| unpacker.borrow_mut().decompress(packed, len))
-        .map_err(|e| corrupt(e.to_string()))
-        .and_then(|state| {
-            if state.len() == len {
-                Ok(state)
-            } else {
-                Err(corrupt(format!("{} bytes, not {len}", state.len())))
-            }
-        })
 }
 
 fn run_key(run_id: &str) -> Vec<u8> {
