@@ -216,7 +216,7 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
     );
     assert!(
         log.contains("Reopened the local store after the restore.")
-            && log.contains("scanned_mib=0"),
+            && log.contains("scanned_runs=0"),
         "the store was reopened after the cold restore's writes, with nothing scanned"
     );
     restarted

@@ -135,7 +135,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     if let Some(point) = config.fault {
-        tracing::warn!(%point, "Fault injection is ON: this executor will die at that point.");
+        tracing::warn!(%point, "Fault injection is ON: this executor will die (or hang, or leave its group, as the point says) there.");
     }
     let metrics =
         crate::telemetry::install_metrics(&[sortie_executor::metrics::HISTOGRAM_BUCKETS])?;

@@ -119,7 +119,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     if let Some(point) = config.fault {
-        tracing::warn!(%point, pass = config.fault_after, "Fault injection is ON: this reducer will die (or hang, or abort a batch, as the point says) there.");
+        tracing::warn!(%point, pass = config.fault_after, "Fault injection is ON: this reducer will die (or hang, abort a batch or leave its group, as the point says) there.");
     }
     let shutdown = Arc::new(AtomicBool::new(false));
     let flag = shutdown.clone();

@@ -213,6 +213,7 @@ impl Dictionaries {
                     .compress_using_cdict(&mut packed, state, &dictionary.compress)
                     // As for a plain frame: zstd fails only when out of memory.
                     .expect("zstd packs a state");
+                packed.shrink_to_fit();
                 Packed(packed)
             });
         }

@@ -325,14 +325,12 @@ impl Engine {
                 sortie_wire::partition_for(run.as_bytes(), n)
             });
         }
-        // What sled holds now is counted per entry more than per byte: run states packed
-        // against the store's dictionary are ~120 B, and the entries' own cost dominates.
-        let touched = restored.written + RETAINED_PER_ENTRY * (records as u64 + scanned);
+        let touched = restored.unreleased + crate::store::retained(scanned, 0);
         if touched > self.store.cache_capacity() {
-            // sled keeps the nodes a restore wrote, and every node a scan read back from
-            // disk, far past its cache's capacity (~550 MiB after a cold restore of 1M
-            // runs, ~300 after its scan); the store opened again holds what a fresh start
-            // would (~150 MiB).
+            // sled keeps the nodes a restore wrote (since it last reopened the store), and
+            // every node a scan read back from disk, far past its cache's capacity (~300
+            // MiB after a scan of 1M runs); the store opened again holds what a fresh
+            // start would (~150 MiB after a cold restore of 1M runs).
             let reopening = Instant::now();
             if let Err(e) = self.store.reopen() {
                 self.fatal.get_or_insert(Error::Store(e));
@@ -340,6 +338,7 @@ impl Engine {
             }
             tracing::info!(
                 written_mib = restored.written / (1024 * 1024),
+                reopened_during = restored.reopened,
                 scanned_runs = scanned,
                 millis = reopening.elapsed().as_millis() as u64,
                 "Reopened the local store after the restore."
@@ -427,11 +426,6 @@ impl Engine {
         }
     }
 }
-
-/// What sled keeps in memory per entry a restore wrote or a scan read, beyond its bytes
-/// (its nodes, keys and their bookkeeping): ~400 B at 1M runs after a cold restore, so
-/// 256 B errs towards reopening. The reopen after a restore counts with it.
-const RETAINED_PER_ENTRY: u64 = 256;
 
 /// How long an assignment waits for the changelog partitions' watermarks, all together.
 const WATERMARKS_WAIT: Duration = Duration::from_secs(30);
