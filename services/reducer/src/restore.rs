@@ -69,6 +69,9 @@ const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 /// 680–1,135 MiB without it, 600–650 with it (README "Performance").
 const REOPEN_AFTER_CAPACITIES: u64 = 2;
 
+/// After a reopen during a restore, the next waits this many times as long as it took.
+const REOPEN_COST_SHARE: u32 = 10;
+
 /// How often a long restore says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
@@ -241,6 +244,7 @@ pub fn partitions(
         observe,
         progress: &mut progress,
         restored: &mut restored,
+        next_reopen: Instant::now(),
     };
     // Decoding (Avro, then the state's JSON) runs on a second thread, a chunk at a time,
     // while this one reads and writes sled: records come back in the order they were
@@ -438,6 +442,8 @@ struct Applier<'a> {
     observe: &'a mut dyn FnMut(Change<'_>),
     progress: &'a mut BTreeMap<i32, Progress>,
     restored: &'a mut Restored,
+    /// Not before this may the restore reopen the store again.
+    next_reopen: Instant,
 }
 
 impl Applier<'_> {
@@ -547,21 +553,26 @@ impl Applier<'_> {
             store.apply(batch)?;
             p.pending = 0;
             p.armed.clear();
-            if self.restored.unreleased > REOPEN_AFTER_CAPACITIES * store.cache_capacity() {
-                // sled keeps what a restore writes far past its page cache, and more the
-                // smaller the states: opened again, it holds what a fresh start would.
-                // Every chunk written is in the store with its marker, so this loses
-                // nothing; the other partitions' pending chunks are still in memory.
-                let reopening = Instant::now();
-                store.reopen()?;
-                self.restored.reopened += 1;
-                tracing::debug!(
-                    unreleased_mib = self.restored.unreleased / (1024 * 1024),
-                    millis = reopening.elapsed().as_millis() as u64,
-                    "Reopened the local store during the restore."
-                );
-                self.restored.unreleased = 0;
-            }
+        }
+        if self.restored.unreleased > REOPEN_AFTER_CAPACITIES * store.cache_capacity()
+            && Instant::now() >= self.next_reopen
+        {
+            // sled keeps what a restore writes far past its page cache, and more the
+            // smaller the states: opened again, it holds what a fresh start would.
+            // Every chunk written is in the store with its marker, so this loses
+            // nothing; the partitions' pending chunks are still in memory.
+            let reopening = Instant::now();
+            store.reopen()?;
+            self.restored.reopened += 1;
+            tracing::info!(
+                unreleased_mib = self.restored.unreleased / (1024 * 1024),
+                millis = reopening.elapsed().as_millis() as u64,
+                "Reopened the local store during the restore."
+            );
+            self.restored.unreleased = 0;
+            // However small the page cache is set, reopening costs at most ~1/11 of the
+            // restore's time.
+            self.next_reopen = Instant::now() + reopening.elapsed() * REOPEN_COST_SHARE;
         }
         Ok(())
     }
