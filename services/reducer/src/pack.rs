@@ -369,6 +369,17 @@ mod tests {
         .into_bytes()
     }
 
+    /// A temporary store that has trained its dictionary (after 16 KiB of samples).
+    fn trained_store() -> Store {
+        let store = Store::temporary().unwrap().with_dictionary_after(16 * 1024);
+        let mut i = 0;
+        while store.dictionary().is_none() {
+            store.pack(&state(i));
+            i += 1;
+        }
+        store
+    }
+
     fn put(store: &Store, i: usize) -> Packed {
         let packed = store.pack(&state(i));
         let mut batch = Batch::new();
@@ -451,13 +462,8 @@ mod tests {
     /// reducer then wipes and restores the store), not a panic or garbage.
     #[test]
     fn a_state_packed_against_a_dictionary_the_store_lacks_is_corrupt() {
-        let trained = Store::temporary().unwrap().with_dictionary_after(16 * 1024);
-        let mut i = 0;
-        while trained.dictionary().is_none() {
-            trained.pack(&state(i));
-            i += 1;
-        }
-        let foreign = trained.pack(&state(i));
+        let trained = trained_store();
+        let foreign = trained.pack(&state(0));
         assert!(foreign.dictionary().is_some());
 
         let store = Store::temporary().unwrap();
@@ -474,12 +480,7 @@ mod tests {
     /// untrusted: it is wiped on open.
     #[test]
     fn a_malformed_dictionary_entry_wipes_the_store_on_open() {
-        let trained = Store::temporary().unwrap().with_dictionary_after(16 * 1024);
-        let mut i = 0;
-        while trained.dictionary().is_none() {
-            trained.pack(&state(i));
-            i += 1;
-        }
+        let trained = trained_store();
         let (key, bytes) = trained.dictionaries.entries().remove(0);
         let mut other_key = key;
         other_key[5] ^= 1;
