@@ -151,7 +151,8 @@ async fn a_reducer_killed_mid_run_restarts_and_dispatches_nothing_twice() {
 /// gauges showed more runs than there are and this timed out. And with `Store::reopen`
 /// leaving the store closed, the approved run never finished. And with the restore
 /// dropping a partition's pending chunk when it reopened the store mid-way (states never
-/// written to sled), this timed out at its deadline.
+/// written to sled), this timed out at its deadline. And with a frame's dictionary looked
+/// up by the wrong id, the other runs never finished.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
     let stack = Stack::start("reducer-cold", &[GATED]).await;
@@ -177,7 +178,17 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
     // A page cache smaller than the five states: the store is reopened while the restore
     // writes and after it (each time sled is estimated to keep more than it holds), and
     // the approval is folded by the reopened store.
-    let restarted = stack.reducer_with("0", &["--store-cache-bytes", "4096"]);
+    // And a dictionary trained as soon as zstd can (8 states): the rest of the restored
+    // states, and what the reducer writes after, are packed against it.
+    let restarted = stack.reducer_with(
+        "0",
+        &[
+            "--store-cache-bytes",
+            "4096",
+            "--store-dictionary-after",
+            "1",
+        ],
+    );
     // The gauges were counted from the records the restore read (each run has several:
     // started, dispatched, waiting), each run once, by its last one.
     restarted
@@ -226,6 +237,10 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
         log.contains("Reopened the local store during the restore."),
         "the store was reopened while the cold restore wrote"
     );
+    assert!(
+        log.contains("Trained the store's zstd dictionary"),
+        "the restored states trained the store's dictionary"
+    );
     restarted
         .wait_for_run_gauges(
             &[
@@ -236,6 +251,26 @@ async fn a_deleted_cache_is_rebuilt_from_the_changelog() {
             LONG,
         )
         .await;
+    // The other runs' states are read back from sled, most of them packed against the
+    // dictionary (restored after its eighth sample): every one is approved and finishes.
+    let others: Vec<String> = all.iter().filter(|id| **id != run).cloned().collect();
+    for id in &others {
+        let interrupt = waiting[id]
+            .interrupts
+            .values()
+            .next()
+            .expect("an interrupt")
+            .clone();
+        let approve = sortie_tests::stack::approve(id, &format!("approve-{id}"), &interrupt);
+        stack.send(&approve).await;
+    }
+    let states = stack
+        .wait_for_states("every approved run to finish", &others, LONG, succeeded)
+        .await;
+    let events = stack.events().await;
+    for id in &others {
+        check_history(id, &events[id], &states[id]);
+    }
 }
 
 /// A restart after a clean stop is warm in every partition, the ones that never held a

@@ -30,6 +30,15 @@ pub struct Args {
         value_parser = clap::value_parser!(u64).range(sortie_reducer::store::MIN_CACHE_CAPACITY..)
     )]
     store_cache_bytes: u64,
+    /// Bytes of run states the cache samples before it trains the zstd dictionary it packs
+    /// states against (once, while it has none).
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__STORE_DICTIONARY_AFTER",
+        default_value_t = sortie_reducer::pack::TRAIN_AFTER as u64,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    store_dictionary_after: u64,
     /// Stable identity of this instance (the transactional id derives from it).
     #[arg(long, env = "SORTIE__REDUCER__INSTANCE_ID", default_value = "0")]
     instance_id: String,
@@ -102,6 +111,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     );
     config.instance_id = args.instance_id;
     config.store_cache_bytes = args.store_cache_bytes;
+    config.store_dictionary_after = args.store_dictionary_after as usize;
     config.static_membership = args.static_membership;
     config.commit_interval = Duration::from_millis(args.commit_interval_ms);
     config.batch_linger = Duration::from_millis(args.batch_linger_ms);

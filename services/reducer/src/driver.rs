@@ -83,6 +83,9 @@ pub struct ReducerConfig {
     /// sled's page cache in bytes. sled holds more than this after a scan of the whole
     /// store; the reducer then opens the store again (see `Store::reopen`).
     pub store_cache_bytes: u64,
+    /// Bytes of run states sampled before the store trains its zstd dictionary, if it has
+    /// none (see `crate::pack`).
+    pub store_dictionary_after: usize,
     pub commit_interval: Duration,
     /// A batch stays open at least this long even when no input is waiting (0: adaptive,
     /// commit as soon as no input waits).
@@ -122,6 +125,7 @@ impl ReducerConfig {
             static_membership: false,
             data_dir,
             store_cache_bytes: crate::store::CACHE_CAPACITY,
+            store_dictionary_after: crate::pack::TRAIN_AFTER,
             commit_interval: Duration::from_millis(100),
             batch_linger: Duration::ZERO,
             max_batch: 500,
@@ -171,10 +175,10 @@ pub fn run_with_health(
     shutdown: Arc<AtomicBool>,
     health: Health,
 ) -> Result<(), Error> {
-    let store = Arc::new(Store::open_with_cache(
-        &config.data_dir.join("sled"),
-        config.store_cache_bytes,
-    )?);
+    let store = Arc::new(
+        Store::open_with_cache(&config.data_dir.join("sled"), config.store_cache_bytes)?
+            .with_dictionary_after(config.store_dictionary_after),
+    );
     let codec = Arc::new(Codec::new(&CodecConfig {
         registry_url: config.registry_url.clone(),
         auto_register: config.auto_register,

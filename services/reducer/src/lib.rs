@@ -22,7 +22,7 @@ pub mod health;
 mod input;
 mod keys;
 pub mod metrics;
-mod pack;
+pub mod pack;
 pub mod restore;
 mod sealing;
 pub mod store;

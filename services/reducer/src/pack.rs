@@ -10,8 +10,8 @@
 //! it holds and rewrites, writes a fraction.
 //!
 //! - **Trained once per store, from what it packs.** Until a store has a dictionary, the
-//!   first [`TRAIN_AFTER`] bytes of states packed (each up to [`MAX_SAMPLE`]) are kept as
-//!   samples; then a [`DICTIONARY_BYTES`] dictionary is trained from them (~0.1 s, on the
+//!   first [`TRAIN_AFTER`] bytes of states packed (each up to [`MAX_SAMPLE`], at least
+//!   [`MIN_SAMPLES`] of them) are kept as samples; then a [`DICTIONARY_BYTES`] dictionary is trained from them (~0.1 s, on the
 //!   thread that packed the last sample), written to sled under `z/<id>` and flushed, and
 //!   every later state is packed against it. States packed before stay plain frames.
 //! - **Every frame names its dictionary.** zstd writes the dictionary's id in the frame
@@ -45,6 +45,10 @@ pub const DICTIONARY_BYTES: usize = 16 * 1024;
 /// Samples gathered before the dictionary is trained: zstd asks for ~100× its size; a
 /// thousand 1 KB states gave the ratio in the module doc.
 pub const TRAIN_AFTER: usize = 1024 * 1024;
+
+/// Samples at least, whatever their bytes: zstd trains on three quarters of them and
+/// refuses fewer than five.
+pub const MIN_SAMPLES: usize = 8;
 
 /// The most of one state kept as a sample (its start): memory stays bounded, and a store
 /// of large states still trains on many of them.
@@ -232,7 +236,7 @@ impl Dictionaries {
             let sample = &state[..state.len().min(MAX_SAMPLE)];
             samples.data.extend_from_slice(sample);
             samples.sizes.push(sample.len());
-            if samples.data.len() < self.train_after {
+            if samples.data.len() < self.train_after || samples.sizes.len() < MIN_SAMPLES {
                 return;
             }
             // This thread trains; nobody samples any more.

@@ -357,7 +357,7 @@ impl Store {
     }
 
     /// Trains the store's dictionary after `bytes` of sampled states instead of
-    /// [`crate::pack::TRAIN_AFTER`] (tests).
+    /// [`crate::pack::TRAIN_AFTER`] (`--store-dictionary-after`).
     pub fn with_dictionary_after(mut self, bytes: usize) -> Store {
         self.dictionaries.train_after = bytes;
         self
