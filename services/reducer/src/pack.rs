@@ -11,9 +11,10 @@
 //!
 //! - **Trained once per store, from what it packs.** Until a store has a dictionary, the
 //!   first [`TRAIN_AFTER`] bytes of states packed (each up to [`MAX_SAMPLE`], at least
-//!   [`MIN_SAMPLES`] of them) are kept as samples; then a [`DICTIONARY_BYTES`] dictionary is trained from them (~0.1 s, on the
-//!   thread that packed the last sample), written to sled under `z/<id>` and flushed, and
-//!   every later state is packed against it. States packed before stay plain frames.
+//!   [`MIN_SAMPLES`] of them) are kept as samples; then a [`DICTIONARY_BYTES`] dictionary
+//!   is trained from them (~50 ms, on the thread that packed the last sample), written to
+//!   sled under `z/<id>` and flushed, and every later state is packed against it. States
+//!   packed before stay plain frames.
 //! - **Every frame names its dictionary.** zstd writes the dictionary's id in the frame
 //!   header; a plain frame names none. So a store holds frames of both kinds, and unpacking
 //!   looks the id up; a frame naming a dictionary the store does not hold is
@@ -77,10 +78,26 @@ impl Packed {
     /// Packs a state's bytes in a plain frame (no dictionary); [`Dictionaries::pack`]
     /// is how the store packs.
     pub fn new(state: &[u8]) -> Packed {
-        let packed = PACKER.with(|packer| packer.borrow_mut().compress(state));
-        // zstd fails only when out of memory or on a state over 4 GiB: both beyond any
-        // state this reducer has already held in memory.
-        Packed(packed.expect("zstd packs a state"))
+        Packed::with(state, None)
+    }
+
+    /// Packs a state's bytes in one frame, against `dictionary` if given.
+    fn with(state: &[u8], dictionary: Option<&Dictionary>) -> Packed {
+        PACKER.with(|packer| {
+            let mut packer = packer.borrow_mut();
+            let mut packed = Vec::with_capacity(zstd_safe::compress_bound(state.len()));
+            match dictionary {
+                Some(dictionary) => {
+                    packer.compress_using_cdict(&mut packed, state, &dictionary.compress)
+                }
+                None => packer.compress(&mut packed, state, LEVEL),
+            }
+            // zstd fails only when out of memory or on a state over 4 GiB: both beyond
+            // any state this reducer has already held in memory.
+            .expect("zstd packs a state");
+            packed.shrink_to_fit();
+            Packed(packed)
+        })
     }
 
     /// The packed size: what sled holds for the state.
@@ -100,14 +117,10 @@ impl Packed {
 }
 
 thread_local! {
-    // One context per thread: making one per state cost more than sled saved. zstd fails
-    // to make one only when out of memory.
-    static PACKER: RefCell<zstd::bulk::Compressor<'static>> =
-        RefCell::new(zstd::bulk::Compressor::new(LEVEL).expect("a zstd compression context"));
-    static UNPACKER: RefCell<zstd::bulk::Decompressor<'static>> =
-        RefCell::new(zstd::bulk::Decompressor::new().expect("a zstd decompression context"));
-    static DICT_PACKER: RefCell<CCtx<'static>> = RefCell::new(CCtx::create());
-    static DICT_UNPACKER: RefCell<DCtx<'static>> = RefCell::new(DCtx::create());
+    // One context each way per thread, for plain frames and dictionary ones alike: making
+    // one per state cost more than sled saved.
+    static PACKER: RefCell<CCtx<'static>> = RefCell::new(CCtx::create());
+    static UNPACKER: RefCell<DCtx<'static>> = RefCell::new(DCtx::create());
 }
 
 /// One dictionary, prepared both ways.
@@ -210,16 +223,7 @@ impl Dictionaries {
             held.current.clone()
         };
         if let Some(dictionary) = current {
-            return DICT_PACKER.with(|packer| {
-                let mut packed = Vec::with_capacity(zstd_safe::compress_bound(state.len()));
-                packer
-                    .borrow_mut()
-                    .compress_using_cdict(&mut packed, state, &dictionary.compress)
-                    // As for a plain frame: zstd fails only when out of memory.
-                    .expect("zstd packs a state");
-                packed.shrink_to_fit();
-                Packed(packed)
-            });
+            return Packed::with(state, Some(&dictionary));
         }
         if self.sampling.load(Ordering::Relaxed) {
             self.sample(state, db);
@@ -291,33 +295,30 @@ impl Dictionaries {
             Ok(Some(len)) => return Err(corrupt(format!("it claims {len} bytes"))),
             Ok(None) | Err(_) => return Err(corrupt("no zstd frame with its size".to_owned())),
         };
-        let state = match zstd_safe::get_dict_id_from_frame(packed) {
-            None => UNPACKER
-                .with(|unpacker| unpacker.borrow_mut().decompress(packed, len))
-                .map_err(|e| corrupt(e.to_string()))?,
+        let dictionary = match zstd_safe::get_dict_id_from_frame(packed) {
+            None => None,
             Some(id) => {
-                let dictionary = {
-                    let held = self.held.read().unwrap_or_else(PoisonError::into_inner);
-                    held.by_id.get(&id.get()).cloned()
-                }
-                .ok_or_else(|| {
+                let held = self.held.read().unwrap_or_else(PoisonError::into_inner);
+                let dictionary = held.by_id.get(&id.get()).cloned().ok_or_else(|| {
                     corrupt(format!(
                         "it was packed against zstd dictionary {id}, which the store does not hold"
                     ))
                 })?;
-                let mut state = Vec::with_capacity(len);
-                DICT_UNPACKER
-                    .with(|unpacker| {
-                        unpacker.borrow_mut().decompress_using_ddict(
-                            &mut state,
-                            packed,
-                            &dictionary.decompress,
-                        )
-                    })
-                    .map_err(|code| corrupt(zstd_safe::get_error_name(code).to_owned()))?;
-                state
+                Some(dictionary)
             }
         };
+        let mut state = Vec::with_capacity(len);
+        UNPACKER
+            .with(|unpacker| {
+                let mut unpacker = unpacker.borrow_mut();
+                match &dictionary {
+                    Some(dictionary) => {
+                        unpacker.decompress_using_ddict(&mut state, packed, &dictionary.decompress)
+                    }
+                    None => unpacker.decompress(&mut state, packed),
+                }
+            })
+            .map_err(|code| corrupt(zstd_safe::get_error_name(code).to_owned()))?;
         if state.len() == len {
             Ok(state)
         } else {

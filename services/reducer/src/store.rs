@@ -1174,7 +1174,7 @@ mod tests {
             ("cut", packed[..packed.len() - 2].to_vec(), ""),
             ("huge", huge, "it claims 1099511627776 bytes"),
         ] {
-            store.db().unwrap().insert(run_key(run_id), value).unwrap();
+            store.raw_insert(&run_key(run_id), &value).unwrap();
             match store.get_run(run_id) {
                 Err(Error::Corrupt(why)) => {
                     assert!(why.contains(run_id) && why.contains(says), "{why}")
@@ -1255,7 +1255,7 @@ mod tests {
                 let mut batch = Batch::new();
                 batch.put_run("run-1", b"s");
                 store.apply(batch).unwrap();
-                store.db().unwrap().insert(key, value).unwrap();
+                store.raw_insert(key, value).unwrap();
                 store.flush().unwrap();
             }
             let store = Store::open(dir.path()).unwrap();
