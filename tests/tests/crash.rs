@@ -250,6 +250,42 @@ async fn a_reducer_killed_after_commit_before_its_cache_write_restores_from_the_
     assert_gauges_from_tallies(&restarted, crash.runs.len()).await;
 }
 
+/// A restore writes a chunk's states to sled before the chunk's timers and changelog
+/// marker. One that dies in between (`reducer.restore_before_marker`, here in the warm
+/// restore after a crash past a commit) leaves sled holding states newer than the marker
+/// its gauge tally was stored with: counting on from that tally would take a run's share
+/// from the newer state and miss its change. So the restore drops a partition's stored
+/// tally before it writes, and the next restart counts those partitions' runs from the
+/// cache (`scan`); every run ends counted once, where it ended, and nothing repeats.
+/// Red-proofed: with the tally kept, the restart took every partition's gauges from its
+/// `snapshot` and this failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_killed_between_its_states_and_its_marker_counts_the_runs_again() {
+    let crash = reducer_dies_at("crash-mid-restore", "reducer.after_commit", 4, 16).await;
+    let stack = &crash.stack;
+    let mut restoring = stack.reducer_with("0", &["--fault", "reducer.restore_before_marker"]);
+    let status = restoring.wait_exit(LONG).await;
+    assert!(
+        status.is_some() && restoring.died_at_fault(),
+        "the restore died between its states and its marker ({status:?}):\n{}",
+        restoring.log_text()
+    );
+    let restarted = stack.reducer("0");
+    assert_exactly_once(stack, &crash.ledger, &crash.runs, true).await;
+    let counted = restarted.gauges_counted_by();
+    assert!(
+        counted.iter().any(|how| how == "scan"),
+        "the partitions whose restore died were counted from the cache, not from their \
+         stored tally: {counted:?}"
+    );
+    restarted
+        .wait_for_run_gauges(
+            &[("succeeded", crash.runs.len() as f64), ("running", 0.0)],
+            LONG,
+        )
+        .await;
+}
+
 /// Waits until `reducer`'s gauges show `waiting` runs waiting for approval (each with one
 /// open interrupt) and `succeeded` runs succeeded.
 async fn wait_for_open_interrupts(reducer: &Process, waiting: usize, succeeded: usize) {

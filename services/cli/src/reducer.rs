@@ -87,7 +87,8 @@ pub struct Args {
     )]
     stall_grace_ms: u64,
     /// Crash tests only: die on purpose at this point (reducer.before_commit,
-    /// reducer.after_commit), or hang (reducer.hang_in_send_offsets).
+    /// reducer.after_commit, reducer.restore_before_marker), or hang
+    /// (reducer.hang_in_send_offsets).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
     /// With --fault: die on the Nth pass through the point (1: the first).

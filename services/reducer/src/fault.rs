@@ -18,6 +18,10 @@ sortie_kafka::fault_points! {
         /// `reducer.after_commit`: the transaction is committed; sled was not written, so the
         /// cache is one batch behind the changelog.
         AfterCommit = "reducer.after_commit",
+        /// `reducer.restore_before_marker`: a restore wrote a chunk's states to sled and
+        /// dies before the chunk's timers and changelog marker: sled holds states past its
+        /// marker.
+        RestoreBeforeMarker = "reducer.restore_before_marker",
         /// `reducer.hang_in_send_offsets`: the thread blocks for good where it sends the
         /// batch's offsets to the transaction, as librdkafka's call does when the group
         /// coordinator's broker dies (librdkafka#5456); the watchdog ends the process.
@@ -79,7 +83,7 @@ mod tests {
         assert_eq!(
             "x".parse::<FaultPoint>().map_err(|e| e.to_string()),
             Err(
-                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.hang_in_send_offsets, reducer.abort_in_flight, reducer.leave_group"
+                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.restore_before_marker, reducer.hang_in_send_offsets, reducer.abort_in_flight, reducer.leave_group"
                     .to_owned()
             )
         );

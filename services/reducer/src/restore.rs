@@ -38,10 +38,12 @@ use tokio::runtime::Handle;
 
 use crate::convert;
 use crate::driver::Error;
+use crate::fault::FaultPoint;
 use crate::metrics::{Contribution, Shares};
 use crate::store::{Batch, Packed, Store};
 
-/// Records written to sled per atomic batch during a restore.
+/// Records per chunk of a restore: their states are written to sled as they are applied,
+/// then the chunk's timers and changelog marker in one atomic batch.
 const CHUNK: usize = 4_000;
 
 /// How long one assignment's restore may take before it is given up and retried with
@@ -63,15 +65,6 @@ const QUEUED_MAX_KBYTES: &str = "16384";
 /// (librdkafka's default, 1 s, stalled a restore that had caught up with its queue).
 const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 
-/// A restore opens the store again once sled is estimated to keep this many times its
-/// page cache of what the restore wrote: ~every 115k states at the default 64 MiB, ~0.1 s
-/// each. With states packed against the dictionary, a cold restore of 1M runs peaked at
-/// 680–1,135 MiB without it, 600–650 with it (README "Performance").
-const REOPEN_AFTER_CAPACITIES: u64 = 2;
-
-/// After a reopen during a restore, the next waits this many times as long as it took.
-const REOPEN_COST_SHARE: u32 = 10;
-
 /// How often a long restore says how far it is.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
@@ -84,11 +77,9 @@ pub struct Restored {
     pub stopped: BTreeMap<i32, String>,
     /// Bytes of run state written to the store.
     pub written: u64,
-    /// What sled is estimated to keep in memory of this restore's writes since the store
-    /// was last opened ([`crate::store::retained`]).
+    /// What sled is estimated to keep in memory of this restore's writes
+    /// ([`crate::store::retained`]).
     pub unreleased: u64,
-    /// Times the store was opened again during the restore to hand that memory back.
-    pub reopened: usize,
 }
 
 struct Progress {
@@ -98,10 +89,11 @@ struct Progress {
     pending: usize,
     batch: Batch,
     /// Timers armed by the current chunk, per run: a later record of the same run in the
-    /// chunk disarms them (the cache does not hold that state yet, so reading it for the
-    /// old timers would leave these armed and stale). Chunk-local, so memory stays
-    /// bounded on a cold restore of a million runs; across chunks the cache has the state
-    /// (warm restores read it). A stale timer left behind only fires and is ignored.
+    /// chunk disarms them. They are in the chunk's batch, not in sled yet (a cold
+    /// partition does not read the cache at all; a warm one reads the run's state, which
+    /// is written at once, for its timers). Chunk-local, so memory stays bounded on a cold
+    /// restore of a million runs; across chunks sled has state and timers (warm restores
+    /// read them). A stale timer left behind only fires and is ignored.
     armed: HashMap<String, BTreeMap<String, i64>>,
     /// Counted partitions: each run's share of the gauges as this restore last read it.
     shares: Option<Shares>,
@@ -129,6 +121,9 @@ pub struct Sources<'a> {
     pub codec: &'a Codec,
     pub runtime: &'a Handle,
     pub store: &'a Store,
+    /// The reducer's fault point (crash tests) and on which pass it fires.
+    pub fault: Option<FaultPoint>,
+    pub fault_after: u32,
 }
 
 /// Restores `plan` (partition → the next changelog offset sled reflects, `None`: nothing).
@@ -148,6 +143,8 @@ pub fn partitions(
         codec,
         runtime,
         store,
+        fault,
+        fault_after,
     } = sources;
     let mut restored = Restored::default();
     if plan.is_empty() {
@@ -193,6 +190,13 @@ pub fn partitions(
                 store.apply(batch)?;
             }
             continue;
+        }
+        if from.is_some() {
+            // States past the marker reach sled before the marker moves: after a crash in
+            // between, the tally stored with the marker would no longer reflect the cache,
+            // so the next assignment counts the runs instead. The caller stores the tally
+            // again once the restore is done.
+            store.forget_tally(partition)?;
         }
         assignment.add_partition_offset(&topic, partition, Offset::Offset(next))?;
         progress.insert(
@@ -244,7 +248,7 @@ pub fn partitions(
         observe,
         progress: &mut progress,
         restored: &mut restored,
-        next_reopen: Instant::now(),
+        fault: (fault, fault_after),
     };
     // Decoding (Avro, then the state's JSON) runs on a second thread, a chunk at a time,
     // while this one reads and writes sled: records come back in the order they were
@@ -335,6 +339,9 @@ pub fn partitions(
             .copied()
             .unwrap_or(p.next)
             .max(p.next);
+        if p.pending > 0 {
+            before_marker(store, (fault, fault_after))?;
+        }
         let mut batch = p.batch;
         batch.set_changelog_offset(partition, next.max(0) as u64);
         store.apply(batch)?;
@@ -345,6 +352,17 @@ pub fn partitions(
         release_freed_memory();
     });
     Ok(restored)
+}
+
+/// The `reducer.restore_before_marker` fault point: a chunk's states are in sled, its
+/// timers and marker are not. sled is flushed first, as its background flush (every
+/// 500 ms) may have been at any moment: a crash here finds those states on disk.
+fn before_marker(store: &Store, (fault, after): (Option<FaultPoint>, u32)) -> Result<(), Error> {
+    if sortie_kafka::fault::armed(fault, after, FaultPoint::RestoreBeforeMarker) {
+        store.flush()?;
+    }
+    crate::fault::check(fault, after, FaultPoint::RestoreBeforeMarker);
+    Ok(())
 }
 
 /// Hands the memory freed by a restore back to the OS. librdkafka allocates with the C
@@ -442,8 +460,8 @@ struct Applier<'a> {
     observe: &'a mut dyn FnMut(Change<'_>),
     progress: &'a mut BTreeMap<i32, Progress>,
     restored: &'a mut Restored,
-    /// Not before this may the restore reopen the store again.
-    next_reopen: Instant,
+    /// The configured fault point and its pass.
+    fault: (Option<FaultPoint>, u32),
 }
 
 impl Applier<'_> {
@@ -501,7 +519,7 @@ impl Applier<'_> {
         }
         match value {
             None => {
-                p.batch.remove_run(&key);
+                store.write_run(&key, None)?;
                 if counted {
                     (self.observe)((partition, &key, before.as_ref(), None));
                 }
@@ -519,7 +537,7 @@ impl Applier<'_> {
                 }
                 self.restored.written += state.len() as u64;
                 self.restored.unreleased += crate::store::retained(1, state.len() as u64);
-                p.batch.put_packed(&key, state);
+                store.write_run(&key, Some(state))?;
                 if let Some(share) = &share {
                     (self.observe)((partition, &key, before.as_ref(), Some(share)));
                 }
@@ -548,31 +566,13 @@ impl Applier<'_> {
         }
         p.pending += 1;
         if p.pending >= CHUNK {
+            // The chunk's states are in sled already; its timers and marker follow.
+            before_marker(store, self.fault)?;
             let mut batch = std::mem::take(&mut p.batch);
             batch.set_changelog_offset(partition, p.next as u64);
             store.apply(batch)?;
             p.pending = 0;
             p.armed.clear();
-        }
-        if self.restored.unreleased > REOPEN_AFTER_CAPACITIES * store.cache_capacity()
-            && Instant::now() >= self.next_reopen
-        {
-            // sled keeps what a restore writes far past its page cache, and more the
-            // smaller the states: opened again, it holds what a fresh start would.
-            // Every chunk written is in the store with its marker, so this loses
-            // nothing; the partitions' pending chunks are still in memory.
-            let reopening = Instant::now();
-            store.reopen()?;
-            self.restored.reopened += 1;
-            tracing::info!(
-                unreleased_mib = self.restored.unreleased / (1024 * 1024),
-                millis = reopening.elapsed().as_millis() as u64,
-                "Reopened the local store during the restore."
-            );
-            self.restored.unreleased = 0;
-            // However small the page cache is set, reopening costs at most ~1/11 of the
-            // restore's time.
-            self.next_reopen = Instant::now() + reopening.elapsed() * REOPEN_COST_SHARE;
         }
         Ok(())
     }

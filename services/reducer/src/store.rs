@@ -96,11 +96,13 @@ pub use crate::pack::Packed;
 use crate::pack::{Dictionaries, DICTIONARY_PREFIX};
 
 /// What sled is estimated to keep in memory of `entries` written or read, `bytes` in all:
-/// their bytes and 1 KiB an entry (its nodes, keys and bookkeeping). Measured, not
-/// derived: with states packed to ~120 B, a cold restore's RSS grew ~0.8–1.5 KiB an entry
-/// written until the store was opened again (README "Performance"). A restore, and the
-/// count of every cached run after one, open the store again ([`Store::reopen`]) once
-/// this passes the page cache.
+/// their bytes and 1 KiB an entry (its nodes, keys and bookkeeping). An upper bound,
+/// measured: with states packed to ~120 B, written in sled batches, a cold restore's RSS
+/// grew ~0.8–1.5 KiB an entry; written one by one (as the restore now does), the store
+/// kept ~100 MiB of 1M states (~120 MiB packed) until it was opened again; a scan of 1M
+/// runs left the reducer at ~300 MiB (README "Performance"). After a restore, and the count of every
+/// cached run that may follow it, the store is opened again ([`Store::reopen`]) once
+/// this passes its page cache.
 pub fn retained(entries: u64, bytes: u64) -> u64 {
     bytes + 1024 * entries
 }
@@ -453,6 +455,31 @@ impl Store {
         if self.durable {
             db.flush()?;
         }
+        Ok(())
+    }
+
+    /// Writes a run's state (`None`: removes it) at once, outside any batch: the restore's
+    /// path. A sled batch pins sled's log until it is applied, and the restore's chunks of
+    /// 4,000 states ran at ~90k states/s and grew the reducer by ~150 MiB/s; written one
+    /// by one, ~140–170k states/s with the reducer's memory flat (README "Performance").
+    /// Atomic with nothing: the restore writes a chunk's timers and changelog marker after
+    /// its states, and sled recovers a prefix of its log, so a marker that survives a
+    /// crash covers every state before it; states past the marker are overwritten when
+    /// the changelog is read from the marker again.
+    pub fn write_run(&self, run_id: &str, state: Option<Packed>) -> Result<()> {
+        let db = self.db()?;
+        match state {
+            Some(state) => db.insert(run_key(run_id), state.0)?,
+            None => db.remove(run_key(run_id))?,
+        };
+        Ok(())
+    }
+
+    /// Removes `partition`'s stored gauge tally, so the next assignment counts its runs
+    /// from the cache (a restore about to write states past the tally's marker, which the
+    /// tally would otherwise be trusted to reflect after a crash).
+    pub fn forget_tally(&self, partition: i32) -> Result<()> {
+        self.db()?.remove(tally_key(partition))?;
         Ok(())
     }
 
