@@ -27,6 +27,7 @@ use sortie_kafka::produce::PolledProducer;
 use sortie_kafka::KafkaConfig;
 use tokio::runtime::Handle;
 
+use crate::procfs::CpuWindow;
 use crate::stats::{round, summary};
 
 /// What the ceiling loop is given.
@@ -44,6 +45,9 @@ pub struct Setup {
     pub tuned: bool,
     /// Distinguishes the topics and group of several loops in one bench.
     pub name: String,
+    /// Processes (name, pid) whose CPU the timed loop is measured with: the broker, and
+    /// this process, which runs the loop.
+    pub watch: Vec<(String, u32)>,
 }
 
 /// Figures of the bare loop.
@@ -59,6 +63,9 @@ pub struct Ceiling {
     /// Where a transaction's time goes: begin + produce calls, send_offsets, awaiting
     /// deliveries, commit_transaction.
     pub phases_ms: [Vec<f64>; 4],
+    /// CPU of the watched processes from the first record consumed to the last commit
+    /// (`procfs::CpuWindow::finish`).
+    pub processes: Option<Value>,
 }
 
 impl Ceiling {
@@ -76,6 +83,7 @@ impl Ceiling {
             "transactions": self.commit_ms.len(),
             "commit_ms": summary(&self.commit_ms),
             "records_per_txn": summary(&self.records_per_txn),
+            "processes": self.processes,
             "phase_ms": {
                 "begin_and_produce": summary(&self.phases_ms[0]),
                 "send_offsets": summary(&self.phases_ms[1]),
@@ -127,6 +135,7 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut consumed = 0usize;
     let mut first: Option<Instant> = None;
+    let mut window: Option<CpuWindow> = None;
     let mut last_commit = Instant::now();
     let mut commit_ms = Vec::new();
     let mut records_per_txn = Vec::new();
@@ -150,7 +159,10 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
                 None => break,
                 Some(Err(e)) => tracing::warn!(error = %e, "ceiling consumer error"),
                 Some(Ok(message)) => {
-                    first.get_or_insert_with(Instant::now);
+                    if first.is_none() {
+                        first = Some(Instant::now());
+                        window = Some(CpuWindow::start(&setup.watch));
+                    }
                     batch.push(message.detach());
                 }
             }
@@ -216,6 +228,7 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
         records_per_txn.push(batch.len() as f64);
         consumed += batch.len();
     }
+    let processes = window.map(|w| w.finish());
     consumer.unsubscribe();
     Ok(Ceiling {
         fan_out: setup.fan_out.max(1),
@@ -225,6 +238,7 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
         commit_ms,
         records_per_txn,
         phases_ms,
+        processes,
     })
 }
 

@@ -539,6 +539,11 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
                 fan_out,
                 tuned,
                 name: name.to_owned(),
+                watch: broker_pid
+                    .map(|pid| ("broker".to_owned(), pid))
+                    .into_iter()
+                    .chain([("ceiling_loop".to_owned(), std::process::id())])
+                    .collect(),
             },
             &bench.runtime,
         )?);
@@ -748,11 +753,44 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
                 ceiling.json()["commit_ms"]["p50"].as_f64().unwrap_or(0.0),
             ),
         },
+        "cpu_us": cpu_us(&load.json, steps_per_s, &ceiling),
         "warm_restart": warm,
         "cold_restore": cold,
         "rss_scale": if scale.is_empty() { Value::Null } else { json!(scale) },
         "targets": targets,
     }))
+}
+
+/// CPU microseconds per unit of work, from the processes' cores over each phase: per step
+/// of the full load, per input of the fair ceiling, and what two (`procfs::cpus`) cores
+/// allow per step at a ratio of 0.5 to that ceiling. The ratio's bound on this machine:
+/// a step cannot take more CPU than that, summed over every process.
+fn cpu_us(load: &Value, steps_per_s: f64, ceiling: &ceiling::Ceiling) -> Value {
+    let per = |processes: &Value, rate: f64| -> Value {
+        let mut out = serde_json::Map::new();
+        let mut all = 0.0;
+        if let Some(map) = processes.as_object() {
+            for (name, figures) in map {
+                if let Some(cores) = figures.get("cpu_cores").and_then(Value::as_f64) {
+                    let us = if rate > 0.0 { cores / rate * 1e6 } else { 0.0 };
+                    all += us;
+                    out.insert(name.clone(), json!(round(us)));
+                }
+            }
+        }
+        out.insert("all".into(), json!(round(all)));
+        Value::Object(out)
+    };
+    let ceiling_per_s = ceiling.records_per_s();
+    json!({
+        "sortie_per_step": per(&load["processes"], steps_per_s),
+        "ceiling_per_input": ceiling.processes.as_ref().map(|p| per(p, ceiling_per_s)),
+        "allowed_per_step_at_ratio_0_5": if ceiling_per_s > 0.0 {
+            json!(round(procfs::cpus() as f64 / (0.5 * ceiling_per_s) * 1e6))
+        } else {
+            Value::Null
+        },
+    })
 }
 
 /// What one load phase measured.
