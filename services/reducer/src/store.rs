@@ -100,9 +100,9 @@ use crate::pack::{Dictionaries, DICTIONARY_PREFIX};
 /// measured: with states packed to ~120 B, written in sled batches, a cold restore's RSS
 /// grew ~0.8–1.5 KiB an entry; written one by one (as the restore now does), the store
 /// kept ~100 MiB of 1M states (~120 MiB packed) until it was opened again; a scan of 1M
-/// runs left the reducer at ~300 MiB (README "Performance"). After a restore, and the count of every
-/// cached run that may follow it, the store is opened again ([`Store::reopen`]) once
-/// this passes its page cache.
+/// runs left the reducer at ~300 MiB (README "Performance"). After a restore, and the
+/// count of every cached run that may follow it, the store is opened again
+/// ([`Store::reopen`]) once this passes its page cache.
 pub fn retained(entries: u64, bytes: u64) -> u64 {
     bytes + 1024 * entries
 }
