@@ -18,8 +18,40 @@ fn json(field: &str, text: &str) -> Result<Value, Invalid> {
     serde_json::from_str(text).map_err(|e| Invalid(format!("{field} is not JSON: {e}")))
 }
 
+/// A payload: JSON of the shape every payload has ([`sortie_core::limits::check_shape`]).
+fn payload(field: &str, text: &str) -> Result<Value, Invalid> {
+    let value = json(field, text)?;
+    sortie_core::limits::check_shape(field, &value)
+        .map_err(|e| Invalid(format!("{e} (limit {})", e.limit.name())))?;
+    Ok(value)
+}
+
+fn payload_opt(field: &str, text: &Option<String>) -> Result<Option<Value>, Invalid> {
+    text.as_deref().map(|t| payload(field, t)).transpose()
+}
+
 fn json_opt(field: &str, text: &Option<String>) -> Result<Option<Value>, Invalid> {
     text.as_deref().map(|t| json(field, t)).transpose()
+}
+
+/// Free text a client wrote, at most [`sortie_core::limits::MAX_TEXT_BYTES`].
+fn client_text(field: &str, text: &Option<String>) -> Result<(), Invalid> {
+    match text {
+        Some(text) => {
+            sortie_core::limits::check_text(field, text, sortie_core::limits::MAX_TEXT_BYTES)
+                .map_err(Invalid)
+        }
+        None => Ok(()),
+    }
+}
+
+/// An executor's wording, cut to [`sortie_core::limits::MAX_TEXT_BYTES`] (deterministic:
+/// a replay cuts the same bytes the same way).
+fn clipped(text: String, max: usize) -> String {
+    match text.len() <= max {
+        true => text,
+        false => sortie_core::limits::clip(&text, max).to_owned(),
+    }
 }
 
 fn text(value: &Value) -> String {
@@ -49,16 +81,24 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
     id("run_id", &command.run_id)?;
     id("command_id", &command.command_id)?;
     id("tenant", &command.tenant)?;
+    id("principal", &command.issuer.principal)?;
+    for role in command.issuer.roles.iter().chain(&command.issuer.groups) {
+        id("a role or group", role)?;
+    }
     let body = match command.body {
         w::CommandBody::StartRun(start) => CommandBody::StartRun {
-            graph_id: start.graph_id,
+            graph_id: {
+                id("graph_id", &start.graph_id)?;
+                sortie_core::limits::check_labels(start.labels.iter()).map_err(Invalid)?;
+                start.graph_id
+            },
             graph_version: start
                 .graph_version
                 .map(|v| {
                     u32::try_from(v).map_err(|_| Invalid(format!("graph_version {v} is negative")))
                 })
                 .transpose()?,
-            input: json("input", &start.input)?,
+            input: payload("input", &start.input)?,
             labels: start.labels,
             budget: budget_of(&start.budget)?,
             fork: json_opt("fork", &start.fork)?
@@ -67,8 +107,18 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
                 .map_err(|e| Invalid(format!("fork: {e}")))?,
         },
         w::CommandBody::ResumeRun(resume) => {
-            let payload = json_opt("payload", &resume.payload)?;
-            let edited_args = json_opt("edited_args", &resume.edited_args)?;
+            // Empty ones are the fold's to answer (no such interrupt, not the proposal).
+            for (field, value) in [
+                ("interrupt_id", &resume.interrupt_id),
+                ("proposal_hash", &resume.proposal_hash),
+            ] {
+                if !value.is_empty() {
+                    id(field, value)?;
+                }
+            }
+            client_text("comment", &resume.comment)?;
+            let payload = payload_opt("payload", &resume.payload)?;
+            let edited_args = payload_opt("edited_args", &resume.edited_args)?;
             // A producer written against 0.1 sent edited arguments as the payload.
             let (payload, edited_args) = match (resume.payload_is_input, edited_args) {
                 (false, None) => (None, payload),
@@ -84,18 +134,28 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
                 edited_args,
             }
         }
-        w::CommandBody::CancelRun(cancel) => CommandBody::CancelRun {
-            reason: cancel.reason,
-        },
-        w::CommandBody::ForgetRun(forget) => CommandBody::ForgetRun {
-            reason: forget.reason,
-        },
-        w::CommandBody::ReconcileOperation(reconcile) => CommandBody::ReconcileOperation {
-            operation_id: reconcile.operation_id,
-            succeeded: reconcile.outcome == w::ReconcileOutcome::Succeeded,
-            output: json_opt("output", &reconcile.output)?,
-            error: reconcile.error,
-        },
+        w::CommandBody::CancelRun(cancel) => {
+            client_text("reason", &cancel.reason)?;
+            CommandBody::CancelRun {
+                reason: cancel.reason,
+            }
+        }
+        w::CommandBody::ForgetRun(forget) => {
+            client_text("reason", &forget.reason)?;
+            CommandBody::ForgetRun {
+                reason: forget.reason,
+            }
+        }
+        w::CommandBody::ReconcileOperation(reconcile) => {
+            id("operation_id", &reconcile.operation_id)?;
+            client_text("error", &reconcile.error)?;
+            CommandBody::ReconcileOperation {
+                operation_id: reconcile.operation_id,
+                succeeded: reconcile.outcome == w::ReconcileOutcome::Succeeded,
+                output: payload_opt("output", &reconcile.output)?,
+                error: reconcile.error,
+            }
+        }
     };
     Ok(Command {
         command_id: command.command_id,
@@ -109,9 +169,14 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
     })
 }
 
+/// The longest wait a failed step may ask for before its retry (a week).
+const MAX_RETRY_AFTER_MS: i64 = 7 * 24 * 3600 * 1000;
+
 pub fn report_from_wire(result: w::StepResult, at: i64) -> Result<StepReport, Invalid> {
     id("run_id", &result.run_id)?;
     id("operation_id", &result.operation_id)?;
+    id("tenant", &result.tenant)?;
+    id("step_id", &result.step_id)?;
     let attempt = u32::try_from(result.attempt)
         .map_err(|_| Invalid(format!("attempt {} is negative", result.attempt)))?;
     let error = result.error.clone().unwrap_or(w::StepError {
@@ -119,10 +184,23 @@ pub fn report_from_wire(result: w::StepResult, at: i64) -> Result<StepReport, In
         message: "no error given".into(),
         retry_after_ms: None,
     });
+    id("error code", &error.code)?;
+    if error
+        .retry_after_ms
+        .is_some_and(|ms| !(0..=MAX_RETRY_AFTER_MS).contains(&ms))
+    {
+        return Err(Invalid(format!(
+            "retry_after_ms must be 0 to {MAX_RETRY_AFTER_MS}"
+        )));
+    }
+    let error = w::StepError {
+        message: clipped(error.message, sortie_core::limits::MAX_TEXT_BYTES),
+        ..error
+    };
     let outcome = match result.status {
         w::StepStatus::Started => StepOutcome::Started,
         w::StepStatus::Succeeded => StepOutcome::Succeeded {
-            output: json_opt("output", &result.output)?.unwrap_or(Value::Null),
+            output: payload_opt("output", &result.output)?.unwrap_or(Value::Null),
         },
         w::StepStatus::Failed => StepOutcome::Failed {
             retryable: result.retryable,

@@ -71,37 +71,67 @@ pub fn apply_sealed(
     }
 }
 
-/// Why `applied` would write more than a run may, if it would.
+/// Why `applied` would write more than a run may, if it would: a record past its size
+/// limit, or a document nested deeper than every reader reads back.
 fn breach(applied: &Applied) -> Option<String> {
+    let too_deep = |what: String, depth: usize| {
+        (depth > limits::MAX_STORED_DEPTH).then(|| {
+            format!(
+                "{what} would nest {depth} levels deep, over the {}-level limit",
+                limits::MAX_STORED_DEPTH
+            )
+        })
+    };
     for effect in &applied.effects {
         match effect {
             Effect::Emit(event) => {
-                let size = limits::json_len(event);
-                if size > limits::MAX_RECORD_BYTES {
+                let measured = limits::measure(event);
+                if measured.bytes > limits::MAX_RECORD_BYTES {
                     return Some(format!(
-                        "a {} event of {size} bytes would exceed the {}-byte record limit",
+                        "a {} event of {} bytes would exceed the {}-byte record limit",
                         event.body.name(),
+                        measured.bytes,
                         limits::MAX_RECORD_BYTES
                     ));
+                }
+                if let Some(reason) =
+                    too_deep(format!("a {} event", event.body.name()), measured.depth)
+                {
+                    return Some(reason);
                 }
             }
             Effect::Dispatch(intent) => {
-                let size = limits::json_len(intent);
-                if size > limits::MAX_RECORD_BYTES {
+                let measured = limits::measure(intent);
+                if measured.bytes > limits::MAX_RECORD_BYTES {
                     return Some(format!(
-                        "the intent of step {} ({size} bytes) would exceed the {}-byte record limit",
+                        "the intent of step {} ({} bytes) would exceed the {}-byte record limit",
                         intent.step_id,
+                        measured.bytes,
                         limits::MAX_RECORD_BYTES
                     ));
                 }
+                if let Some(reason) = too_deep(
+                    format!("the intent of step {}", intent.step_id),
+                    measured.depth,
+                ) {
+                    return Some(reason);
+                }
             }
             Effect::WriteState => {
-                let size = applied.state.as_ref().map_or(0, limits::json_len);
-                if size > limits::MAX_STATE_BYTES {
+                let measured = applied
+                    .state
+                    .as_ref()
+                    .map(limits::measure)
+                    .unwrap_or_default();
+                if measured.bytes > limits::MAX_STATE_BYTES {
                     return Some(format!(
-                        "the run state would grow to {size} bytes, over the {}-byte limit",
+                        "the run state would grow to {} bytes, over the {}-byte limit",
+                        measured.bytes,
                         limits::MAX_STATE_BYTES
                     ));
+                }
+                if let Some(reason) = too_deep("the run state".to_owned(), measured.depth) {
+                    return Some(reason);
                 }
             }
             Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } | Effect::Forget { .. } => {}
