@@ -16,6 +16,23 @@ fn lost_output(intent: &StepIntent, code: &str, message: String) -> HandlerError
     }
 }
 
+/// The output, if it has the shape every payload has (`sortie_core::limits`): checked
+/// here, before it is produced, so the reducer never has to dead-let a result this
+/// executor wrote. One that does not fails the step for good, `limit_exceeded`, as the
+/// fold fails a step whose output is over the record limit.
+fn shaped(output: Value) -> Result<Value, HandlerError> {
+    match sortie_core::limits::check_shape("output", &output) {
+        Ok(()) => Ok(output),
+        Err(e) => Err(HandlerError::permanent(
+            "limit_exceeded",
+            format!(
+                "the step's output cannot be kept: {e} (limit {})",
+                e.limit.name()
+            ),
+        )),
+    }
+}
+
 impl Worker {
     pub(super) fn result(
         &self,
@@ -45,7 +62,7 @@ impl Worker {
         outcome: Result<Value, HandlerError>,
         started_at: i64,
     ) {
-        let outcome = match outcome {
+        let outcome = match outcome.and_then(shaped) {
             Ok(output) => match self.store_large(intent, output).await {
                 Ok(output) => self.seal_output(intent, output).await,
                 failed => failed,
@@ -66,7 +83,12 @@ impl Worker {
                 result.retryable = error.is_retryable();
                 result.error = Some(w::StepError {
                     code: error.code().to_owned(),
-                    message: error.message().to_owned(),
+                    // A receiver's answer can be long; the run keeps what a person reads.
+                    message: sortie_core::limits::clip(
+                        error.message(),
+                        sortie_core::limits::MAX_TEXT_BYTES,
+                    )
+                    .to_owned(),
                     retry_after_ms: error.retry_after().map(|d| d.as_millis() as i64),
                 });
             }
