@@ -604,6 +604,125 @@ async fn an_aborted_batch_in_flight_takes_the_batch_folded_on_it_along() {
     );
 }
 
+/// "Errors never commit": an input that fails halfway through the fold — after the fold
+/// took its run's state out of the open batch, as an unreachable key store, registry or
+/// graph table fails it (`reducer.fail_mid_fold`) — leaves that batch broken. The reducer
+/// drops it (never commits it), seeks back to its first offsets only and goes on with
+/// the same clients; the batch in flight, which was whole, still commits. Every run
+/// finishes with each effect and each intent once, histories gap-free with no `seq` used
+/// twice, and read_committed readers see each event once.
+///
+/// Checked red: with `Engine::start_sending` taking a broken batch like any other (the
+/// old path: the error returned, and the consumer's revocation committed the open
+/// batch), the failing StartRun's offset was committed without its run: that run never
+/// started and the test timed out waiting for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_mid_fold_commits_nothing_and_loses_nothing() {
+    let stack = Stack::start("crash-mid-fold", &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&chain_graph(&ledger.url)).await;
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    // Batches of several inputs: the failing one is met with others before it.
+    let mut reducer = stack.reducer_with(
+        "0",
+        &[
+            "--fault",
+            "reducer.fail_mid_fold",
+            "--fault-after",
+            "7",
+            "--batch-linger-ms",
+            "200",
+        ],
+    );
+    let runs = runs(24);
+    start_runs(&stack, &runs).await;
+    assert_exactly_once(&stack, &ledger, &runs, true).await;
+    assert!(reducer.is_running(), "the reducer goes on after the error");
+    let log = reducer.own_log_text();
+    assert!(
+        log.contains("takes this fault on purpose")
+            && log.contains("could not be applied whole; the open batch is dropped"),
+        "the error met the fold and its batch was dropped:\n{log}"
+    );
+    let committed = stack.event_keys(Isolation::ReadCommitted).await;
+    let unique: BTreeSet<_> = committed.iter().collect();
+    assert_eq!(
+        unique.len(),
+        committed.len(),
+        "read_committed: nothing twice"
+    );
+}
+
+/// "One unreadable thing never stops a partition for everyone", the reducer's cache: a
+/// cached run state that does not read back (`reducer.unreadable_cache`) is not taken
+/// for "no such run" and does not end the process. Its entry goes, its partition is
+/// restored from the changelog (the clients are rebuilt for the assignment), and every
+/// run goes on from there: the approvals sent after the restart all take effect, once.
+///
+/// Checked red: with the unreadable entry returned as the store's corruption (the old
+/// path), the reducer invalidated the whole cache and exited, and no run finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_cache_entry_restores_its_partition_and_the_runs_go_on() {
+    let stack = Stack::start("crash-unreadable-cache", &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&gated_graph(&ledger.url)).await;
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let runs = runs(8);
+    let mut first = stack.reducer("0");
+    for (i, run) in runs.iter().enumerate() {
+        stack
+            .send(&start_run(run, "gated", &format!(r#"{{"amount": {i}}}"#)))
+            .await;
+    }
+    let waiting = stack
+        .wait_for_states("every run to wait for approval", &runs, LONG, |s| {
+            s.status == RunStatus::WaitingApproval
+        })
+        .await;
+    first.stop();
+    // A new incarnation on the same cache: nothing is hot, so the first approval reads
+    // its run from sled, and that read fails.
+    let mut reducer = stack.reducer_with("0", &["--fault", "reducer.unreadable_cache"]);
+    for run in &runs {
+        let interrupt = waiting[run]
+            .open_interrupts()
+            .next()
+            .expect("an open interrupt")
+            .clone();
+        stack
+            .send(&sortie_tests::stack::approve(
+                run,
+                &format!("approve-{run}"),
+                &interrupt,
+            ))
+            .await;
+    }
+    let states = stack
+        .wait_for_states("every approved run to succeed", &runs, LONG, succeeded)
+        .await;
+    let events = stack.events().await;
+    let snapshot = ledger.snapshot().await;
+    for run in &runs {
+        check_history(run, &events[run], &states[run]);
+        let refund = states[run]
+            .steps
+            .values()
+            .find(|step| step.node == "refund")
+            .expect("a refund step");
+        assert_eq!(
+            snapshot.effects(&refund.operation_id),
+            1,
+            "{run}: one refund"
+        );
+    }
+    assert!(reducer.is_running(), "the reducer goes on");
+    let log = reducer.own_log_text();
+    assert!(
+        log.contains("cannot be read; its partition is restored from the changelog"),
+        "the unreadable entry's partition was restored again:\n{log}"
+    );
+}
+
 /// A `--kafka-properties` file with `socket.timeout.ms=10000` (librdkafka's default is
 /// 60 s): the executor's commit bound (session + socket timeout) then fits a test's wait.
 fn short_socket_timeout(stack: &Stack) -> String {

@@ -23,6 +23,32 @@ pub(crate) struct Output {
     /// `None`: a tombstone (a forgotten run's step results).
     pub value: Option<Vec<u8>>,
     pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// What made this record: if Kafka refuses it, that input (or run) is the one to set
+    /// aside, not the whole partition's traffic (see `txn::Refusal`).
+    pub source: Source,
+}
+
+/// Where an input record was read: a consumed offset of `commands` or `step-results`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct InputRef {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl std::fmt::Display for InputRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}]@{}", self.topic, self.partition, self.offset)
+    }
+}
+
+/// What a record the reducer produces came from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Source {
+    /// Applying (or dead-lettering, or forwarding) this input.
+    Input(InputRef),
+    /// A run's own progress with no input behind it: its state record, a fired timer.
+    Run(String),
 }
 
 /// The consumed range of one input partition in this batch.
@@ -79,6 +105,10 @@ pub(crate) struct PendingBatch {
     pub on_in_flight: bool,
     /// Metrics of this batch, published only if it commits.
     pub counts: BatchCounts,
+    /// Why an input or timer of this batch was not applied whole (an error met halfway:
+    /// the key store, the registry, the cache). A broken batch is never committed: it is
+    /// dropped and its inputs are read again (see `Engine::start_sending`).
+    pub broken: Option<String>,
 }
 
 impl PendingBatch {

@@ -34,7 +34,6 @@
 //! - transient failures retry in place with the same clients; only a fenced or fatal
 //!   producer rebuilds them (a rejoin of the group).
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -48,7 +47,7 @@ use sortie_kafka::KafkaConfig;
 use sortie_wire::{Codec, CodecConfig, Topics};
 use tokio::runtime::Handle;
 
-use crate::batch::PendingBatch;
+use crate::batch::{PendingBatch, Source};
 use crate::engine::Engine;
 use crate::fault::FaultPoint;
 use crate::graphs::GraphTable;
@@ -157,6 +156,12 @@ pub enum Error {
     Registry(String),
     #[error("this instance was fenced by a newer one with the same transactional id")]
     Fenced,
+    /// A cached run state that does not read back (see `Engine::recover`).
+    #[error("the cached state of run {run_id} cannot be read: {reason}")]
+    UnreadableCache { run_id: String, reason: String },
+    /// The clients are rebuilt, so that a partition is assigned (and restored) again.
+    #[error("{0}")]
+    Rebuild(String),
     #[error("{0}")]
     Setup(String),
 }
@@ -227,8 +232,14 @@ struct Reducer {
     batch_linger: Duration,
     max_batch: usize,
     gauges_published: Option<Instant>,
+    /// When timers, the keyring and the graph table were last looked at.
+    housekept: Instant,
     fault: Option<FaultPoint>,
 }
+
+/// The longest the loop goes without firing due timers, reloading the keyring and
+/// polling the graph table, however busy it is.
+const HOUSEKEEPING_EVERY: Duration = Duration::from_millis(200);
 
 impl Reducer {
     fn new(
@@ -360,6 +371,12 @@ impl Reducer {
             hot: Default::default(),
             sending: None,
             fatal: None,
+            source: None,
+            refused: Default::default(),
+            quarantined: Default::default(),
+            rewind: Default::default(),
+            positions: Default::default(),
+            aborts: (0, String::new()),
         }));
         let _ = wiring.set(engine.clone());
         consumer.subscribe(&[&topics.commands(), &topics.step_results()])?;
@@ -371,6 +388,7 @@ impl Reducer {
             batch_linger: config.batch_linger,
             max_batch: config.max_batch.max(1),
             gauges_published: None,
+            housekept: Instant::now(),
             fault: config.fault,
         })
     }
@@ -420,7 +438,9 @@ impl Reducer {
                 }
                 Some(Ok(message)) => {
                     let message = message.detach();
-                    engine.handle(&message)?;
+                    if let Err(e) = engine.handle(&message) {
+                        engine.recover(e, &self.consumer)?;
+                    }
                     false
                 }
             };
@@ -436,10 +456,21 @@ impl Reducer {
                 };
                 rewinding(&mut engine, &self.consumer, |e| e.progress(wait))?;
             }
-            if engine.batch.is_empty() || idle {
+            // Housekeeping: whenever the loop is idle, and at least every
+            // HOUSEKEEPING_EVERY under input that never stops — then the batch in flight
+            // is finished first, as timers fire only when none is.
+            let overdue = self.housekept.elapsed() >= HOUSEKEEPING_EVERY;
+            let mut housekept = false;
+            if engine.batch.is_empty() || idle || overdue {
                 engine.graphs.poll();
                 engine.keys.refresh();
-                engine.fire_timers(sortie_kafka::clock::now_ms())?;
+                if overdue && engine.sending.is_some() {
+                    rewinding(&mut engine, &self.consumer, Engine::settle)?;
+                }
+                if let Err(e) = engine.fire_timers(sortie_kafka::clock::now_ms()) {
+                    engine.recover(e, &self.consumer)?;
+                }
+                housekept = true;
             }
             let full = engine.batch.inputs >= self.max_batch
                 || engine
@@ -475,6 +506,9 @@ impl Reducer {
                 }
             }
             drop(engine);
+            if housekept {
+                self.housekept = Instant::now();
+            }
             self.observe();
         }
         let mut engine = self.engine()?;
@@ -498,7 +532,7 @@ impl Reducer {
             return;
         }
         if let Ok(mut engine) = self.engine.lock() {
-            let readiness = engine.tasks.readiness();
+            let readiness = engine.readiness();
             engine.health.set(readiness);
             let owned = engine.tasks.active();
             engine.gauges.publish(&owned, sortie_kafka::clock::now_ms());
@@ -507,47 +541,62 @@ impl Reducer {
     }
 }
 
-/// Runs `step` (a commit, or progress of the transaction in flight). If it aborted, the
-/// batch in flight and the open batch are both gone (the open one was folded on the
-/// other's states): the consumer seeks back to the first offset either read, and goes on
-/// with the same clients. A fatal failure returns.
+/// Runs `step` (a commit, or progress of the transaction in flight). If it aborted, what
+/// it dropped — the batch in flight and the open batch folded on it, or the open batch
+/// alone — is read again: the consumer seeks back to the first offset each dropped batch
+/// read ([`Engine::dropped`]), never to a batch that committed. A refused record sets its
+/// source aside ([`Engine::refused`]); aborts in a row back off. The same clients go on;
+/// a fatal failure returns.
 fn rewinding<C: ConsumerContext>(
     engine: &mut Engine,
     consumer: &BaseConsumer<C>,
     step: impl FnOnce(&mut Engine) -> Result<(), Failure>,
 ) -> Result<(), Error> {
-    let rewind = engine.rewind_points();
     match step(engine) {
         Ok(()) => Ok(()),
         Err(Failure::Fatal(e)) => Err(e),
-        Err(Failure::Aborted(e)) => {
+        Err(Failure::Aborted(e, refusal)) => {
             tracing::warn!(error = %e, "The batch was aborted; reading its inputs again.");
-            for ((topic, partition), first) in rewind {
-                if let Err(e) = consumer.seek(
-                    &topic,
-                    partition,
-                    Offset::Offset(first),
-                    Duration::from_secs(5),
-                ) {
-                    // Without the seek the batch's inputs would be skipped: rebuild instead.
-                    tracing::warn!(topic, partition, error = %e, "Seeking back after an aborted batch failed.");
-                    return Err(Error::Kafka(e));
-                }
+            if let Some(refusal) = refusal {
+                engine.refused(*refusal, consumer);
             }
+            seek_back(engine, consumer)?;
+            engine.back_off(&e.to_string());
             Ok(())
         }
     }
 }
 
+/// Seeks the consumer back to where the dropped batches began (see [`Engine::dropped`]).
+fn seek_back<C: ConsumerContext>(
+    engine: &mut Engine,
+    consumer: &BaseConsumer<C>,
+) -> Result<(), Error> {
+    for ((topic, partition), first) in std::mem::take(&mut engine.rewind) {
+        if !engine.tasks.is_active(partition) {
+            // Stopped or gone: nothing of it is read until it is assigned again.
+            continue;
+        }
+        if let Err(e) = consumer.seek(
+            &topic,
+            partition,
+            Offset::Offset(first),
+            Duration::from_secs(5),
+        ) {
+            // Without the seek the batch's inputs would be skipped: rebuild instead.
+            tracing::warn!(topic, partition, error = %e, "Seeking back after a dropped batch failed.");
+            return Err(Error::Kafka(e));
+        }
+    }
+    Ok(())
+}
+
+/// Most aborted transactions in a row before the reducer says it is not ready.
+const ABORTS_BEFORE_UNREADY: u32 = 3;
+
 /// The commit pipeline: at most one batch in flight (its transaction open, its records
 /// sent) while the next one folds. See ARCHITECTURE "The transaction boundary".
 impl Engine {
-    /// Per input partition, the first offset the batch in flight or the open batch read:
-    /// where an abort of either seeks back to.
-    pub(crate) fn rewind_points(&self) -> BTreeMap<(String, i32), i64> {
-        crate::batch::first_offsets(self.sending.iter().map(|s| &s.batch).chain([&self.batch]))
-    }
-
     /// Serves the deliveries of the transaction in flight for up to `wait`, and once
     /// they are all in, commits it and writes the cache.
     pub(crate) fn progress(&mut self, wait: Duration) -> Result<(), Failure> {
@@ -572,7 +621,7 @@ impl Engine {
                     false => Ok(()),
                 }
             }
-            Err(failure) => Err(self.failed(failure)),
+            Err(failure) => Err(self.failed(failure, Some(&sending.batch))),
         }
     }
 
@@ -586,11 +635,41 @@ impl Engine {
         if self.batch.on_in_flight && self.fault_once(FaultPoint::AbortInFlight) {
             let refused = KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut);
             let failure = self.abort_after(refused);
-            return Err(self.failed(failure));
+            return Err(self.failed(failure, Some(&sending.batch)));
         }
+        let first = crate::batch::first_offsets([&sending.batch]);
         match self.finish_sending(sending) {
-            Ok((batch, committed)) => self.write_cache(batch, committed).map_err(Failure::Fatal),
-            Err(failure) => Err(self.failed(failure)),
+            Ok((batch, committed)) => {
+                self.committed(&batch);
+                self.write_cache(batch, committed).map_err(Failure::Fatal)
+            }
+            Err(failure) => {
+                self.rewind_to(first);
+                Err(self.failed(failure, None))
+            }
+        }
+    }
+
+    /// A batch committed: its offsets are the partitions' committed positions now, and
+    /// the transactions no longer fail in a row.
+    fn committed(&mut self, batch: &PendingBatch) {
+        for (at, consumed) in &batch.offsets {
+            self.positions.insert(at.clone(), consumed.next);
+        }
+        let committed = &self.positions;
+        // Refusals of inputs now behind the committed offsets are settled.
+        self.refused.retain(|source, _| match source {
+            Source::Input(at) => committed
+                .get(&(at.topic.clone(), at.partition))
+                .is_none_or(|next| at.offset >= *next),
+            Source::Run(_) => true,
+        });
+        if self.aborts.0 > 0 {
+            tracing::info!(
+                after = self.aborts.0,
+                "A transaction committed after aborted ones."
+            );
+            self.aborts = (0, String::new());
         }
     }
 
@@ -608,17 +687,94 @@ impl Engine {
         Ok(())
     }
 
-    /// The transaction in flight did not commit: the open batch, folded on its states,
-    /// goes with it.
-    fn failed(&mut self, failure: Failure) -> Failure {
+    /// The transaction in flight (`in_flight`) did not commit: the open batch, folded on
+    /// its states, goes with it, and both are read again.
+    fn failed(&mut self, failure: Failure, in_flight: Option<&PendingBatch>) -> Failure {
         meter::transaction_failed();
+        if let Some(in_flight) = in_flight {
+            self.dropped(in_flight);
+        }
         let dropped = std::mem::take(&mut self.batch);
         if !dropped.is_empty() {
             tracing::warn!(
                 inputs = dropped.inputs,
                 "The open batch was folded on an aborted one; it is read again too."
             );
+            self.dropped(&dropped);
         }
         failure
+    }
+
+    /// Drops the open batch because an input or timer of it failed halfway (`error`),
+    /// and says what the loop does next: the same clients go on, reading the dropped
+    /// inputs again after a back-off (the registry, the key store or a graph may be
+    /// back), while the batch in flight, which was whole, still commits. An unreadable
+    /// cache entry also has its partition rebuilt from the changelog. Only a failure of
+    /// the store itself returns.
+    pub(crate) fn recover<C: ConsumerContext>(
+        &mut self,
+        error: Error,
+        consumer: &BaseConsumer<C>,
+    ) -> Result<(), Error> {
+        let batch = std::mem::take(&mut self.batch);
+        tracing::warn!(
+            error = %error,
+            inputs = batch.inputs,
+            timers = batch.fired.len(),
+            "An input could not be applied whole; the open batch is dropped, never committed, and read again."
+        );
+        meter::transaction_failed();
+        self.dropped(&batch);
+        match error {
+            Error::UnreadableCache { run_id, reason } => {
+                // One unreadable entry is not the whole cache: the entry goes, and its
+                // run's partition is restored from the changelog at the next assignment
+                // (the clients are rebuilt for it) while the others start from the cache.
+                let partition = self.partition_of(&run_id);
+                tracing::error!(run_id, partition, reason, "A cached run state cannot be read; its partition is restored from the changelog.");
+                meter::cache_entry_unreadable();
+                self.store.write_run(&run_id, None)?;
+                self.store.forget_partition(partition)?;
+                Err(Error::Rebuild(format!(
+                    "partition {partition} is restored again: the cached state of run {run_id} cannot be read ({reason})"
+                )))
+            }
+            Error::Store(e) => Err(Error::Store(e)),
+            other => {
+                self.back_off(&other.to_string());
+                seek_back(self, consumer)
+            }
+        }
+    }
+
+    /// Counts an aborted transaction or dropped batch and sleeps a little, longer for
+    /// each one in a row, so a failure that repeats is not a spin; past
+    /// [`ABORTS_BEFORE_UNREADY`] in a row, readiness says why.
+    pub(crate) fn back_off(&mut self, reason: &str) {
+        self.aborts.0 += 1;
+        self.aborts.1 = reason.to_owned();
+        let n = self.aborts.0;
+        let pause = Duration::from_millis(50 * 2u64.pow(n.min(7) - 1)).min(Duration::from_secs(5));
+        if n >= ABORTS_BEFORE_UNREADY {
+            tracing::error!(in_a_row = n, reason, ?pause, "Transactions keep failing; the reducer backs off and is not ready until one commits.");
+        }
+        self.health.set(self.readiness());
+        std::thread::sleep(pause);
+    }
+
+    /// Ready: every owned partition active, and transactions committing.
+    pub(crate) fn readiness(&self) -> Result<(), String> {
+        let tasks = self.tasks.readiness();
+        if self.aborts.0 >= ABORTS_BEFORE_UNREADY {
+            let failing = format!(
+                "{} transactions in a row did not commit, the last: {}",
+                self.aborts.0, self.aborts.1
+            );
+            return Err(match tasks {
+                Ok(()) => failing,
+                Err(stopped) => format!("{stopped}; {failing}"),
+            });
+        }
+        tasks
     }
 }

@@ -6,7 +6,7 @@
 //! This module applies inputs to the open batch with the pure fold; `input` decides what
 //! an input record is, `txn` commits a batch, `cache` writes sled after the commit.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use sortie_core::{apply_sealed, Effect, Input, RunState, Seal as _};
 use sortie_wire::{partition_for, Codec, Record, TraceContext};
 use tokio::runtime::Handle;
 
-use crate::batch::{Before, Output, PendingBatch};
+use crate::batch::{Before, InputRef, Output, PendingBatch, Source};
 use crate::convert;
 use crate::driver::{Error, ReducerConfig};
 use crate::graphs::GraphTable;
@@ -62,6 +62,34 @@ pub(crate) struct Engine {
     /// An error met inside a rebalance callback that must end this incarnation of the
     /// clients (a fenced producer); the loop returns it after the poll.
     pub fatal: Option<Error>,
+    /// The input being handled, while it is: the source of every record it makes.
+    pub source: Option<InputRef>,
+    /// Inputs and runs whose records Kafka refused (see `txn::Refusal`), and how often.
+    pub refused: HashMap<Source, Refused>,
+    /// Runs whose changelog record does not read back, and why (see `restore`): their
+    /// inputs are dead-lettered, `quarantined`.
+    pub quarantined: HashMap<String, String>,
+    /// Per input partition, the first offset of every batch dropped since the consumer
+    /// last sought: where it must seek back to (only what was dropped is read again).
+    pub rewind: BTreeMap<(String, i32), i64>,
+    /// Per input partition, the next offset committed for it: a batch of timers alone
+    /// sends these, so its transaction is fenced by the group generation like any other.
+    pub positions: BTreeMap<(String, i32), i64>,
+    /// Transactions aborted in a row, and the last reason: the loop backs off, and past
+    /// a few the reducer says it is not ready.
+    pub aborts: (u32, String),
+}
+
+/// An input whose records Kafka refused for what they are (see `txn::Refusal`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Refused {
+    /// Times a record of this input was refused.
+    pub times: u32,
+    /// Why, in Kafka's words.
+    pub reason: String,
+    /// The input was dead-lettered by reference: if that is refused too, the partition
+    /// stops.
+    pub lettered: bool,
 }
 
 impl Engine {
@@ -74,10 +102,34 @@ impl Engine {
         crate::input::encode_patiently(&self.runtime, &self.codec, topic, record)
     }
 
+    /// What made the record being built for `run_id`: the input being handled, or the
+    /// run itself (a timer).
+    pub fn source_of(&self, run_id: &str) -> Source {
+        match &self.source {
+            Some(input) => Source::Input(input.clone()),
+            None => Source::Run(run_id.to_owned()),
+        }
+    }
+
+    /// Marks the open batch broken when `result` is an error: an input or timer was met
+    /// halfway, so the batch must never commit (see `PendingBatch::broken`).
+    pub fn whole<T>(&mut self, result: Result<T, Error>) -> Result<T, Error> {
+        if let Err(e) = &result {
+            self.batch.broken.get_or_insert_with(|| e.to_string());
+        }
+        result
+    }
+
     /// Fires the timers of active partitions that are due at `now` into the batch. Not
     /// while a batch is in flight: the timer index in sled does not know yet what that
-    /// batch fired, armed or disarmed.
+    /// batch fired, armed or disarmed. An error leaves the batch broken.
     pub fn fire_timers(&mut self, now: i64) -> Result<(), Error> {
+        self.source = None;
+        let fired = self.fire_due_timers(now);
+        self.whole(fired)
+    }
+
+    fn fire_due_timers(&mut self, now: i64) -> Result<(), Error> {
         let active = self.tasks.active();
         if active.is_empty() || self.sending.is_some() {
             return Ok(());
@@ -139,14 +191,26 @@ impl Engine {
         } else if let Some(hot) = self.hot.remove(run_id) {
             Some(hot)
         } else {
-            match self.store.get_run(run_id)? {
+            // Never treat an unreadable cache entry as "no such run": that would start the
+            // run's history over. The batch stops here and the run's partition is restored
+            // from the changelog (`Engine::recover`).
+            let unreadable = |reason: String| Error::UnreadableCache {
+                run_id: run_id.to_owned(),
+                reason,
+            };
+            let cached = match self.store.get_run(run_id) {
+                Err(crate::store::Error::Corrupt(reason)) => return Err(unreadable(reason)),
+                other => other?,
+            };
+            if cached.is_some() && self.fault_once(crate::fault::FaultPoint::UnreadableCache) {
+                return Err(unreadable(
+                    "fault injection: reducer.unreadable_cache".into(),
+                ));
+            }
+            match cached {
                 Some(bytes) => {
-                    let mut state = serde_json::from_slice::<RunState>(&bytes).map_err(|e| {
-                        // Never treat an unreadable cache entry as "no such run": that
-                        // would start the run's history over. Stop loudly instead; a
-                        // restart rebuilds the cache.
-                        crate::store::Error::Corrupt(format!("cached state of run {run_id}: {e}"))
-                    })?;
+                    let mut state = serde_json::from_slice::<RunState>(&bytes)
+                        .map_err(|e| unreadable(e.to_string()))?;
                     // Sled holds what the changelog holds: payloads sealed.
                     self.open_state(&mut state)?;
                     Some(state)
@@ -165,24 +229,37 @@ impl Engine {
     /// records are encoded before any is added, so an input is in the batch whole or not
     /// at all.
     pub fn apply(&mut self, input: &Input, trace: &TraceContext) -> Result<(), Error> {
-        if let Some(reason) = self.apply_or_refuse(input, None, trace)? {
-            // Only a step result's payload can fail to open, and this is never one.
-            tracing::error!(run_id = input.run_id(), reason, "An input was not applied.");
+        if let Some((code, reason)) = self.apply_or_refuse(input, None, trace)? {
+            // A timer of a quarantined run (its state is not in the cache, so it has no
+            // armed timers) or a step result's payload: neither comes this way.
+            tracing::error!(
+                run_id = input.run_id(),
+                code,
+                reason,
+                "An input was not applied."
+            );
         }
         Ok(())
     }
 
     /// [`Engine::apply`], or — with `refusal` — the command's `unauthenticated` answer
     /// outside the run's history instead of the fold (`sortie_core::refuse`).
-    /// `Ok(Some(reason))`: a step result whose payload does not open, not applied: the
-    /// caller dead-letters it.
+    /// `Ok(Some((code, reason)))`: not applied, the caller dead-letters it — a step
+    /// result whose payload does not open (`unsealable`), or any input of a quarantined
+    /// run (`quarantined`: its changelog record does not read back, see `restore`).
     pub fn apply_or_refuse(
         &mut self,
         input: &Input,
         refusal: Option<String>,
         trace: &TraceContext,
-    ) -> Result<Option<String>, Error> {
+    ) -> Result<Option<(&'static str, String)>, Error> {
         let run_id = input.run_id().to_owned();
+        if let Some(reason) = self.quarantined.get(&run_id) {
+            return Ok(Some((
+                "quarantined",
+                format!("run {run_id} is quarantined: {reason}"),
+            )));
+        }
         let span = tracing::info_span!(
             "apply",
             run_id = %run_id,
@@ -231,7 +308,7 @@ impl Engine {
                             self.put_back(&run_id, state, from_batch);
                         }
                         let Input::Command(command) = input else {
-                            return Ok(Some(reason));
+                            return Ok(Some(("unsealable", reason)));
                         };
                         tracing::warn!(run_id, command_id = %command.command_id, reason, "Refusing a command whose payload does not open.");
                         let refused = sortie_core::refuse(
@@ -261,6 +338,13 @@ impl Engine {
                     }
                 }
                 let applied = apply_sealed(state.as_ref(), input, self.graphs.graphs(), &seal);
+                if self.fault_once(crate::fault::FaultPoint::FailMidFold) {
+                    // The run's state is out of the batch and the fold has answered: the
+                    // worst moment for an error to meet (`driver::Engine::recover`).
+                    return Err(Error::Registry(
+                        "fault injection: reducer.fail_mid_fold".to_owned(),
+                    ));
+                }
                 self.shred_if_forgotten(state.as_ref(), input, &applied)?;
                 if seal.active() {
                     self.batch.seals.insert(run_id.clone(), seal.clone());
@@ -282,7 +366,7 @@ impl Engine {
         from_batch: bool,
         seal: &sortie_seal::RunSeal,
         trace: &TraceContext,
-    ) -> Result<Option<String>, Error> {
+    ) -> Result<Option<(&'static str, String)>, Error> {
         let run_id = run_id.to_owned();
         // The state to write is `applied.state`.
         let mut changed = false;
@@ -313,6 +397,7 @@ impl Engine {
             (false, None) => {}
         }
         let partition = self.partition_of(&run_id);
+        let source = self.source_of(&run_id);
         let mut outputs = Vec::new();
         for effect in &applied.effects {
             match effect {
@@ -332,6 +417,7 @@ impl Engine {
                         key: run_id.clone().into_bytes(),
                         value: Some(value),
                         headers: vec![trace.child(&event.seq.to_string()).header()],
+                        source: source.clone(),
                     });
                 }
                 Effect::Dispatch(intent) => {
@@ -350,6 +436,7 @@ impl Engine {
                         headers: vec![trace
                             .child(&format!("{}/{}", intent.operation_id, intent.attempt))
                             .header()],
+                        source: source.clone(),
                     });
                 }
                 Effect::Forget { operations, .. } => {
@@ -362,6 +449,7 @@ impl Engine {
                             key: operation.clone().into_bytes(),
                             value: None,
                             headers: vec![],
+                            source: source.clone(),
                         });
                     }
                 }

@@ -36,6 +36,15 @@ sortie_kafka::fault_points! {
         /// rejoins, for the membership watchdog's test. Not a death: the watchdog ends
         /// the process.
         LeaveGroup = "reducer.leave_group",
+        /// `reducer.fail_mid_fold`: once, on its pass, applying an input fails after the
+        /// fold has taken the run's state out of the open batch — as an unreachable key
+        /// store, registry or graph table fails it. The reducer goes on: the open batch
+        /// is dropped (never committed) and read again, the batch in flight commits.
+        FailMidFold = "reducer.fail_mid_fold",
+        /// `reducer.unreadable_cache`: once, on its pass, a run state read from the cache
+        /// does not read back. The entry goes and its partition is restored from the
+        /// changelog; the reducer goes on.
+        UnreadableCache = "reducer.unreadable_cache",
     }
 }
 
@@ -83,7 +92,7 @@ mod tests {
         assert_eq!(
             "x".parse::<FaultPoint>().map_err(|e| e.to_string()),
             Err(
-                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.restore_before_marker, reducer.hang_in_send_offsets, reducer.abort_in_flight, reducer.leave_group"
+                "unknown fault point \"x\"; known: reducer.before_commit, reducer.after_commit, reducer.restore_before_marker, reducer.hang_in_send_offsets, reducer.abort_in_flight, reducer.leave_group, reducer.fail_mid_fold, reducer.unreadable_cache"
                     .to_owned()
             )
         );

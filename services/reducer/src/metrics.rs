@@ -37,14 +37,21 @@ pub const TRANSACTIONS_FAILED: &str = "sortie_reducer_transactions_failed_total"
 pub const RESTORE_SECONDS: &str = "sortie_reducer_restore_seconds";
 /// Changelog records read by restores.
 pub const RECORDS_RESTORED: &str = "sortie_reducer_restored_records_total";
-/// Run partitions this instance owns.
-/// Partitions whose restore stopped at a changelog record that does not decode.
+/// Partitions stopped because Kafka kept refusing records of their own (see the runbook).
 pub const PARTITIONS_STOPPED: &str = "sortie_reducer_partitions_stopped_total";
+/// Run partitions this instance owns.
 pub const OWNED_PARTITIONS: &str = "sortie_reducer_owned_partitions";
-/// Records sent to the dead-letter topic, by `reason`.
+/// Records Kafka refused for what they are, by `kind` (`record`: size or content;
+/// `destination`: topic or authorization).
+pub const RECORDS_REFUSED: &str = "sortie_reducer_records_refused_total";
+/// Cached run states that did not read back (their partition is restored again).
+pub const CACHE_UNREADABLE: &str = "sortie_reducer_cache_entries_unreadable_total";
+/// Runs quarantined because their changelog record does not read back (gauge).
+pub const RUNS_QUARANTINED: &str = "sortie_reducer_runs_quarantined";
 /// Commands refused before the fold: unsigned where required, or a signature that does
 /// not hold.
 pub const COMMANDS_REFUSED: &str = "sortie_reducer_commands_refused_total";
+/// Records sent to the dead-letter topic, by `reason`.
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
 /// Runs by `status` in the partitions this instance owns (gauge).
 pub const RUNS: &str = "sortie_runs";
@@ -179,7 +186,19 @@ pub fn describe() {
     // Label-less series exist from the start, so a dashboard shows 0, not "no data".
     describe_counter!(
         PARTITIONS_STOPPED,
-        "Partitions stopped because a changelog record of theirs does not decode (not consumed until fixed)."
+        "Partitions stopped because Kafka kept refusing records of their own (not consumed until assigned again)."
+    );
+    describe_counter!(
+        RECORDS_REFUSED,
+        "Records Kafka refused for what they are, by kind (record: size or content; destination: topic or authorization); their input is set aside."
+    );
+    describe_counter!(
+        CACHE_UNREADABLE,
+        "Cached run states that did not read back; their partition is restored from the changelog again."
+    );
+    describe_gauge!(
+        RUNS_QUARANTINED,
+        "Runs whose changelog record does not read back; their inputs are dead-lettered (quarantined)."
     );
     for name in [
         BATCHES,
@@ -187,6 +206,7 @@ pub fn describe() {
         RECORDS_RESTORED,
         FORWARDED,
         PARTITIONS_STOPPED,
+        CACHE_UNREADABLE,
     ] {
         counter!(name).increment(0);
     }
@@ -195,6 +215,7 @@ pub fn describe() {
         INTERRUPT_OLDEST_AGE,
         AWAITING_OPERATOR,
         OWNED_PARTITIONS,
+        RUNS_QUARANTINED,
     ] {
         gauge!(name).set(0.0);
     }
@@ -334,9 +355,25 @@ pub(crate) fn restored(records: usize, warm: bool, took: Duration) {
     metrics::histogram!(RESTORE_SECONDS, "warm" => warm.to_string()).record(took.as_secs_f64());
 }
 
-/// A partition whose changelog does not decode was stopped.
+/// A partition was stopped (records of its own kept being refused).
 pub(crate) fn partition_stopped() {
     counter!(PARTITIONS_STOPPED).increment(1);
+}
+
+/// Kafka refused a record: of its size or content (`record`), or of where it goes.
+pub(crate) fn record_refused(record: bool) {
+    let kind = if record { "record" } else { "destination" };
+    counter!(RECORDS_REFUSED, "kind" => kind).increment(1);
+}
+
+/// A cached run state did not read back.
+pub(crate) fn cache_entry_unreadable() {
+    counter!(CACHE_UNREADABLE).increment(1);
+}
+
+/// How many runs are quarantined now.
+pub(crate) fn runs_quarantined(runs: usize) {
+    gauge!(RUNS_QUARANTINED).set(runs as f64);
 }
 
 pub(crate) fn command_refused() {

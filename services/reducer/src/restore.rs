@@ -23,7 +23,7 @@
 //! counted, and reported so the partition is not consumed and the reducer is not ready —
 //! rather than being skipped while the marker moves past it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -73,8 +73,9 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 pub struct Restored {
     /// Changelog records read, per partition.
     pub records: BTreeMap<i32, usize>,
-    /// Partitions that stopped at a record they could not decode, and why.
-    pub stopped: BTreeMap<i32, String>,
+    /// Runs quarantined by this restore: their latest changelog record does not read
+    /// back.
+    pub quarantined: usize,
     /// Bytes of run state written to the store.
     pub written: u64,
     /// What sled is estimated to keep in memory of this restore's writes
@@ -242,12 +243,18 @@ pub fn partitions(
         .iter()
         .map(|(&k, p)| (k, (p.next, p.high)))
         .collect();
+    let mut quarantined: HashSet<String> = store
+        .quarantined()?
+        .into_iter()
+        .map(|(run, _)| run)
+        .collect();
     let mut applier = Applier {
         topic: &topic,
         store,
         observe,
         progress: &mut progress,
         restored: &mut restored,
+        quarantined: &mut quarantined,
         fault: (fault, fault_after),
     };
     // Decoding (Avro, then the state's JSON) runs on a second thread, a chunk at a time,
@@ -292,7 +299,7 @@ pub fn partitions(
             }
             let partition = message.partition();
             if !applier.progress.contains_key(&partition) {
-                // Stopped at a record that does not decode (or not ours).
+                // Not a partition of this restore.
                 return Ok(Next::StopPartition);
             }
             *applier.restored.records.entry(partition).or_default() += 1;
@@ -460,6 +467,8 @@ struct Applier<'a> {
     observe: &'a mut dyn FnMut(Change<'_>),
     progress: &'a mut BTreeMap<i32, Progress>,
     restored: &'a mut Restored,
+    /// Runs quarantined in the store: a later record of theirs that reads releases them.
+    quarantined: &'a mut HashSet<String>,
     /// The configured fault point and its pass.
     fault: (Option<FaultPoint>, u32),
 }
@@ -481,7 +490,7 @@ impl Applier<'_> {
         } = record;
         let store = self.store;
         let Some(p) = self.progress.get_mut(&partition) else {
-            return Ok(()); // stopped at an earlier record
+            return Ok(()); // not a partition of this restore
         };
         p.next = offset + 1;
         let Some(key) = key else {
@@ -498,11 +507,19 @@ impl Applier<'_> {
             Some(Ok(restoring)) => restoring.share.as_ref(),
             _ => None,
         };
-        let mut before = match (&mut p.shares, &value) {
-            // An undecodable record changes nothing: the partition stops before it.
-            (Some(shares), None | Some(Ok(_))) => shares.replace(&key, share),
-            _ => None,
+        // An undecodable record takes the run out of the gauges, as a tombstone does.
+        let mut before = match &mut p.shares {
+            Some(shares) => shares.replace(&key, share),
+            None => None,
         };
+        if !matches!(value, Some(Err(_))) && self.quarantined.remove(&key) {
+            // Its latest record reads: the run is back.
+            store.set_quarantine(&key, None)?;
+            tracing::info!(
+                run_id = key,
+                "A quarantined run's changelog record reads again; it is released."
+            );
+        }
         if p.warm {
             // The cache holds an older state of this run: its timers go.
             if let Some(old) = store.get_run(&key)? {
@@ -543,6 +560,9 @@ impl Applier<'_> {
                 }
             }
             Some(Err(e)) => {
+                // One unreadable record is one run, not the partition: the run is
+                // quarantined (its inputs are dead-lettered, see `Engine::handle`), the
+                // others are restored and served.
                 let topic = self.topic;
                 let reason = format!(
                     "{topic}[{partition}] offset {offset}: the record of run {key} does not decode: {e}"
@@ -553,15 +573,15 @@ impl Applier<'_> {
                     offset,
                     run_id = key,
                     error = %e,
-                    "A changelog record does not decode: the partition stops here and is not consumed until this is fixed."
+                    "A changelog record does not decode: its run is quarantined, the partition goes on."
                 );
-                // Keep what came before it; the marker stops at the record.
-                let mut batch = std::mem::take(&mut p.batch);
-                batch.set_changelog_offset(partition, offset as u64);
-                store.apply(batch)?;
-                self.restored.stopped.insert(partition, reason);
-                self.progress.remove(&partition);
-                return Ok(());
+                store.write_run(&key, None)?;
+                store.set_quarantine(&key, Some(&reason))?;
+                if counted {
+                    (self.observe)((partition, &key, before.as_ref(), None));
+                }
+                self.quarantined.insert(key);
+                self.restored.quarantined += 1;
             }
         }
         p.pending += 1;

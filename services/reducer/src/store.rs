@@ -12,6 +12,9 @@
 //! o/<partition: i32 BE>                               -> next changelog offset, u64 BE
 //! g/<partition: i32 BE>                               -> the partition's gauge tally (JSON,
 //!                                                        with the changelog offset it reflects)
+//! q/<run_id>                                          -> why the run is quarantined: its
+//!                                                        changelog record does not read
+//!                                                        back (`crate::restore`)
 //! z/<id: u32 BE>                                      -> a zstd dictionary the run
 //!                                                        states are packed against
 //!                                                        (`crate::pack`)
@@ -48,6 +51,7 @@ const TIMER_PREFIX: &[u8] = b"t/";
 const OFFSET_PREFIX: &[u8] = b"o/";
 const TALLY_PREFIX: &[u8] = b"g/";
 const INTERRUPT_PREFIX: &[u8] = b"i/";
+const QUARANTINE_PREFIX: &[u8] = b"q/";
 
 /// `t/` + due (8) + `/` + partition (4) + `/`: where the run id starts in a timer key.
 const TIMER_RUN_ID_AT: usize = 2 + 8 + 1 + 4 + 1;
@@ -473,6 +477,32 @@ impl Store {
             None => db.remove(run_key(run_id))?,
         };
         Ok(())
+    }
+
+    /// Quarantines a run whose changelog record does not read back (`reason`), or
+    /// releases it (`None`): see `crate::restore`. Written at once, like the restore's
+    /// states.
+    pub fn set_quarantine(&self, run_id: &str, reason: Option<&str>) -> Result<()> {
+        let db = self.db()?;
+        let key = [QUARANTINE_PREFIX, run_id.as_bytes()].concat();
+        match reason {
+            Some(reason) => db.insert(key, reason.as_bytes())?,
+            None => db.remove(key)?,
+        };
+        Ok(())
+    }
+
+    /// Every quarantined run and why (a handful at most: a scan of their prefix only).
+    pub fn quarantined(&self) -> Result<Vec<(String, String)>> {
+        let mut runs = Vec::new();
+        for entry in self.db()?.scan_prefix(QUARANTINE_PREFIX) {
+            let (key, reason) = entry?;
+            runs.push((
+                String::from_utf8_lossy(&key[QUARANTINE_PREFIX.len()..]).into_owned(),
+                String::from_utf8_lossy(&reason).into_owned(),
+            ));
+        }
+        Ok(runs)
     }
 
     /// Removes `partition`'s stored gauge tally, so the next assignment counts its runs

@@ -16,8 +16,15 @@
 //!   `require_stable`, KIP-447): that waits out the previous owner's open transaction.
 //!   Then the changelog is restored to its end — its high watermark, asked
 //!   `read_uncommitted`, read `read_committed` (see `restore` for why not the last
-//!   stable offset) — then the partitions are assigned at exactly those offsets. A partition whose changelog does not decode is assigned but
-//!   paused, its task stopped: the others go on, and readiness says why.
+//!   stable offset) — then the partitions are assigned at exactly those offsets. A run
+//!   whose changelog record does not decode is quarantined, not its partition: the
+//!   restore goes on, and the run's inputs are dead-lettered (`input`).
+//! - **Stop.** A partition whose own records Kafka keeps refusing (see `txn::Refusal`)
+//!   is stopped loudly: paused, named by readiness, counted, logged — never a batch
+//!   replayed for ever. It starts again when it is next assigned.
+//!
+//! An open batch that is not whole (`PendingBatch::broken`) is never committed here
+//! either: revocation drops it, and the next owner reads its inputs again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -38,7 +45,8 @@ use crate::txn::Failure;
 pub(crate) enum Task {
     /// Restored; its inputs are consumed.
     Active,
-    /// Restore stopped at a record it cannot decode: assigned, paused, not consumed.
+    /// Stopped (records of its own that Kafka keeps refusing): assigned, paused, not
+    /// consumed until it is assigned again.
     Stopped(String),
 }
 
@@ -130,9 +138,7 @@ impl ConsumerContext for ReducerContext {
                 if let Err(e) = consumer.assign(&assignment) {
                     tracing::error!(error = %e, "Assigning the partitions failed.");
                     engine.fatal.get_or_insert(Error::Kafka(e));
-                    return;
                 }
-                engine.pause_stopped(consumer, &assignment);
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 engine.on_revoke(consumer);
@@ -172,7 +178,7 @@ impl Engine {
                     Ok(()) => {
                         tracing::info!("Committed the open batch before giving the partitions up.")
                     }
-                    Err(Failure::Aborted(e)) => {
+                    Err(Failure::Aborted(e, _)) => {
                         tracing::warn!(error = %e, "The open batch did not commit on revocation; the next owner re-reads it.");
                     }
                     Err(Failure::Fatal(e)) => {
@@ -187,6 +193,9 @@ impl Engine {
         self.tasks.joined = false;
         // Another member may change these runs before they come back.
         self.hot.clear();
+        self.refused.clear();
+        self.rewind.clear();
+        self.positions.clear();
         self.health.set(self.tasks.readiness());
         tracing::info!(partitions = ?owned, "Partitions revoked.");
     }
@@ -304,16 +313,25 @@ impl Engine {
         let warm = plan.values().all(Option::is_some);
         meter::restored(records, warm, took);
         for partition in &partitions {
-            let task = match restored.stopped.get(partition) {
-                Some(reason) => {
-                    meter::partition_stopped();
-                    Task::Stopped(reason.clone())
-                }
-                None => Task::Active,
-            };
-            self.tasks.tasks.insert(*partition, task);
+            self.tasks.tasks.insert(*partition, Task::Active);
         }
         self.tasks.joined = true;
+        match self.store.quarantined() {
+            Ok(runs) => {
+                meter::runs_quarantined(runs.len());
+                self.quarantined = runs.into_iter().collect();
+            }
+            Err(e) => {
+                self.fatal.get_or_insert(Error::Store(e));
+                return tpl.clone();
+            }
+        }
+        for element in committed.elements() {
+            if let Offset::Offset(next) = element.offset() {
+                self.positions
+                    .insert((element.topic().to_owned(), element.partition()), next);
+            }
+        }
         let uncounted: BTreeSet<i32> = self.tasks.active().difference(&count).copied().collect();
         let mut scanned = 0u64;
         if !uncounted.is_empty() {
@@ -349,7 +367,7 @@ impl Engine {
             let gauges = match counted.get(partition) {
                 Some(how) => *how,
                 None if uncounted.contains(partition) => "scan",
-                None => "stopped",
+                None => "none",
             };
             tracing::info!(
                 partition,
@@ -368,7 +386,7 @@ impl Engine {
             warm,
             millis = took.as_millis() as u64,
             offsets_ms,
-            stopped = ?restored.stopped.keys().collect::<Vec<_>>(),
+            quarantined = restored.quarantined,
             "Assignment restored; consuming from the committed offsets."
         );
         self.health.set(self.tasks.readiness());
@@ -405,26 +423,28 @@ impl Engine {
         }
     }
 
-    /// Pauses the stopped partitions of both input topics.
-    pub fn pause_stopped<C: ConsumerContext>(
-        &self,
+    /// Stops `partition` loudly: paused on both input topics, its task stopped (named by
+    /// readiness), counted and logged. Nothing of it is read until it is assigned again.
+    pub fn stop_partition<C: ConsumerContext>(
+        &mut self,
         consumer: &BaseConsumer<C>,
-        assignment: &TopicPartitionList,
+        partition: i32,
+        reason: String,
     ) {
+        tracing::error!(
+            partition,
+            reason,
+            "The partition stops: it is not consumed until it is assigned again (see the runbook)."
+        );
+        meter::partition_stopped();
+        self.tasks.tasks.insert(partition, Task::Stopped(reason));
         let mut paused = TopicPartitionList::new();
-        for element in assignment.elements() {
-            if matches!(
-                self.tasks.tasks.get(&element.partition()),
-                Some(Task::Stopped(_))
-            ) {
-                paused.add_partition(element.topic(), element.partition());
-            }
+        paused.add_partition(&self.config.topics.commands(), partition);
+        paused.add_partition(&self.config.topics.step_results(), partition);
+        if let Err(e) = consumer.pause(&paused) {
+            tracing::warn!(partition, error = %e, "Pausing the stopped partition failed; its records are skipped instead.");
         }
-        if paused.count() > 0 {
-            if let Err(e) = consumer.pause(&paused) {
-                tracing::warn!(error = %e, "Pausing the stopped partitions failed; their records are skipped instead.");
-            }
-        }
+        self.health.set(self.readiness());
     }
 }
 

@@ -27,7 +27,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 use sortie_kafka::produce::PolledProducer;
 
-use crate::batch::{Output, PendingBatch};
+use crate::batch::{Output, PendingBatch, Source};
 use crate::convert;
 use crate::driver::Error;
 use crate::engine::Engine;
@@ -80,9 +80,58 @@ impl Deliveries {
 #[derive(Debug)]
 pub(crate) enum Failure {
     /// Aborted; the same clients can go on once the consumer is back at the batch's start.
-    Aborted(Error),
+    /// With a [`Refusal`] when Kafka refused one record for what it is.
+    Aborted(Error, Option<Box<Refusal>>),
     /// The producer cannot go on (fenced, fatal, or the abort itself failed).
     Fatal(Error),
+}
+
+impl Failure {
+    pub fn aborted(error: Error) -> Failure {
+        Failure::Aborted(error, None)
+    }
+}
+
+/// Kafka refused one record of a transaction for what it is, not for a passing reason:
+/// producing it again will be refused again. The record's source is set aside (see
+/// `input`): an input is dead-lettered by reference, a run's own record stops its
+/// partition — never a batch replayed and refused for ever.
+#[derive(Debug, Clone)]
+pub(crate) struct Refusal {
+    pub source: Source,
+    pub kind: RefusalKind,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RefusalKind {
+    /// The record itself: too large, invalid, against the topic's policy.
+    Record,
+    /// Where it goes: the topic does not exist, or may not be written by this reducer.
+    /// A deployment's fault, not the input's: its partition stops until that is fixed.
+    Destination,
+}
+
+/// Whether `e`, reported for one record, is a refusal of that record (see [`Refusal`]).
+fn refusal_kind(e: &KafkaError) -> Option<RefusalKind> {
+    use RDKafkaErrorCode as C;
+    let KafkaError::MessageProduction(code) = e else {
+        return None;
+    };
+    match code {
+        C::MessageSizeTooLarge
+        | C::InvalidMessageSize
+        | C::MessageBatchTooLarge
+        | C::InvalidMessage
+        | C::InvalidRecord
+        | C::PolicyViolation => Some(RefusalKind::Record),
+        C::UnknownTopicOrPartition
+        | C::UnknownTopic
+        | C::UnknownPartition
+        | C::InvalidTopic
+        | C::TopicAuthorizationFailed => Some(RefusalKind::Destination),
+        _ => None,
+    }
 }
 
 /// What a committed transaction leaves for the cache write.
@@ -147,6 +196,8 @@ pub(crate) struct Sending {
     pub batch: PendingBatch,
     /// Each changed run's state as serialised once for the changelog, for sled.
     states: Vec<(String, Vec<u8>)>,
+    /// What made each record handed to the producer, by its index.
+    sources: Vec<Source>,
     /// Records handed to the producer; those from `first_state` on are run states.
     records: usize,
     first_state: usize,
@@ -184,6 +235,17 @@ impl Engine {
         consumer: &BaseConsumer<C>,
     ) -> Result<(), Failure> {
         debug_assert!(self.sending.is_none(), "one open transaction at a time");
+        if let Some(why) = &self.batch.broken {
+            // An input of it was met halfway: committing would lose that input and write
+            // states behind their events. Nothing of it was produced; it is read again.
+            let failure = Failure::aborted(Error::Setup(format!(
+                "the open batch is not whole ({why}); it is dropped, never committed"
+            )));
+            let batch = std::mem::take(&mut self.batch);
+            self.dropped(&batch);
+            meter::transaction_failed();
+            return Err(failure);
+        }
         let started = Instant::now();
         let result = self.send_open(consumer, started);
         let batch = std::mem::take(&mut self.batch);
@@ -198,9 +260,26 @@ impl Engine {
                 Ok(())
             }
             Err(failure) => {
+                self.dropped(&batch);
                 meter::transaction_failed();
                 Err(failure)
             }
+        }
+    }
+
+    /// Notes that `batch` was dropped uncommitted: the consumer must seek back to the
+    /// first offset it read of each partition (see `driver::rewinding`).
+    pub fn dropped(&mut self, batch: &PendingBatch) {
+        self.rewind_to(crate::batch::first_offsets([batch]));
+    }
+
+    /// Notes first offsets of dropped inputs to seek back to (the earliest wins).
+    pub fn rewind_to(&mut self, first: BTreeMap<(String, i32), i64>) {
+        for (at, offset) in first {
+            self.rewind
+                .entry(at)
+                .and_modify(|f| *f = (*f).min(offset))
+                .or_insert(offset);
         }
     }
 
@@ -210,7 +289,7 @@ impl Engine {
         started: Instant,
     ) -> Result<Sending, Failure> {
         // Nothing sealed with a key of this batch's may be produced before the key is.
-        self.persist_new_keys().map_err(Failure::Aborted)?;
+        self.persist_new_keys().map_err(Failure::aborted)?;
         let batch = &self.batch;
         let run_state_topic = self.config.topics.run_state();
         let mut run_ids: Vec<&String> = batch.after.keys().collect();
@@ -222,18 +301,19 @@ impl Engine {
             let sealed = batch.seals.get(run_id).map(|seal| state.sealed(seal));
             let state = sealed.as_ref().unwrap_or(state);
             let json = serde_json::to_string(state).map_err(|e| {
-                Failure::Aborted(Error::Setup(format!("run state of {run_id}: {e}")))
+                Failure::aborted(Error::Setup(format!("run state of {run_id}: {e}")))
             })?;
             let record = convert::state_to_wire_json(state, json);
             let value = self
                 .encode(&run_state_topic, &record)
-                .map_err(Failure::Aborted)?;
+                .map_err(Failure::aborted)?;
             state_outputs.push(Output {
                 topic: run_state_topic.clone(),
                 partition: Some(self.partition_of(run_id)),
                 key: run_id.clone().into_bytes(),
                 value: Some(value),
                 headers: vec![],
+                source: Source::Run(run_id.clone()),
             });
             // The same JSON goes to sled (sealed, as in the changelog; packed there): one
             // serialisation per state.
@@ -247,6 +327,7 @@ impl Engine {
         producer.context().take(); // nothing of an earlier transaction is pending
         retrying("begin", || producer.begin_transaction()).map_err(|e| self.abort_after(e))?;
         let outputs = batch.outputs.iter().chain(&state_outputs);
+        let sources: Vec<Source> = outputs.clone().map(|o| o.source.clone()).collect();
         for (index, output) in outputs.enumerate() {
             let mut headers = OwnedHeaders::new();
             for (key, value) in &output.headers {
@@ -272,14 +353,14 @@ impl Engine {
                         producer.serve(Duration::from_millis(5));
                         record = back;
                     }
-                    Err((e, _)) => return Err(self.abort_after(e)),
+                    Err((e, _)) => return Err(self.abort_refused(e, &sources[index])),
                 }
             }
         }
         let mut offsets = TopicPartitionList::new();
-        for ((topic, partition), consumed) in &batch.offsets {
+        for ((topic, partition), next) in self.offsets_to_send(batch) {
             offsets
-                .add_partition_offset(topic, *partition, Offset::Offset(consumed.next))
+                .add_partition_offset(&topic, partition, Offset::Offset(next))
                 .map_err(|e| self.abort_after(e))?;
         }
         phases[1] = ms(phase);
@@ -305,6 +386,7 @@ impl Engine {
         Ok(Sending {
             batch: PendingBatch::default(),
             states,
+            sources,
             records: batch.outputs.len() + state_outputs.len(),
             first_state: batch.outputs.len(),
             reported: 0,
@@ -342,7 +424,13 @@ impl Engine {
                             *entry = (*entry).max(next);
                         }
                     }
-                    Err(e) => return Err(self.abort_after(e)),
+                    Err(e) => {
+                        let source = sending.sources.get(index).cloned();
+                        return Err(match source {
+                            Some(source) => self.abort_refused(e, &source),
+                            None => self.abort_after(e),
+                        });
+                    }
                 }
             }
             if sending.delivered() {
@@ -427,6 +515,45 @@ impl Engine {
         fault::hang(self.config.fault, self.config.fault_after, point);
     }
 
+    /// The offsets a batch's transaction sends: what it consumed ("last processed + 1"),
+    /// and for a partition it only fired timers of, the offset already committed there.
+    /// A transaction of timers alone thus still carries the group's metadata, and a
+    /// zombie's is fenced by its stale generation (KIP-447) like any other.
+    fn offsets_to_send(&self, batch: &PendingBatch) -> BTreeMap<(String, i32), i64> {
+        let mut offsets: BTreeMap<(String, i32), i64> = batch
+            .offsets
+            .iter()
+            .map(|(at, consumed)| (at.clone(), consumed.next))
+            .collect();
+        let commands = self.config.topics.commands();
+        for timer in &batch.fired {
+            let at = (commands.clone(), timer.partition);
+            if offsets.contains_key(&at) {
+                continue;
+            }
+            if let Some(next) = self.positions.get(&at) {
+                offsets.insert(at, *next);
+            }
+        }
+        offsets
+    }
+
+    /// Aborts the open transaction after `e`, reported for the record made by `source`:
+    /// if it is a refusal of that record, the failure says so (see [`Refusal`]).
+    pub fn abort_refused(&self, e: KafkaError, source: &Source) -> Failure {
+        let refusal = refusal_kind(&e).map(|kind| Refusal {
+            source: source.clone(),
+            kind,
+            reason: e.to_string(),
+        });
+        match (self.abort_after(e), refusal) {
+            (Failure::Aborted(error, None), Some(refusal)) => {
+                Failure::Aborted(error, Some(Box::new(refusal)))
+            }
+            (failure, _) => failure,
+        }
+    }
+
     /// Aborts the open transaction after `e`. A fatal error, or an abort that fails,
     /// leaves a producer that cannot go on.
     pub fn abort_after(&self, e: KafkaError) -> Failure {
@@ -436,11 +563,11 @@ impl Engine {
         }
         tracing::warn!(error = %e, "Aborting the batch's transaction.");
         match self.abort_open() {
-            Ok(()) => Failure::Aborted(Error::Kafka(e)),
+            Ok(()) => Failure::aborted(Error::Kafka(e)),
             Err(abort) if matches!(&abort, KafkaError::Transaction(inner) if inner.code() == RDKafkaErrorCode::State) =>
             {
                 // No transaction was open (begin failed): nothing to abort.
-                Failure::Aborted(Error::Kafka(e))
+                Failure::aborted(Error::Kafka(e))
             }
             Err(abort) => {
                 tracing::warn!(error = %abort, "Aborting the transaction failed; the producer is rebuilt.");
