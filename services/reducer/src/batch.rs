@@ -153,9 +153,69 @@ pub(crate) fn first_offsets<'a>(
     first
 }
 
+/// The offsets a batch's transaction sends: what it consumed ("last processed + 1"), and
+/// for a partition it only fired timers of, the offset already committed there
+/// (`positions`, by input topic and partition). A transaction of timers alone thus still
+/// carries the group's metadata, and a zombie's is fenced by its stale generation
+/// (KIP-447) like any other.
+pub(crate) fn offsets_to_send(
+    batch: &PendingBatch,
+    positions: &BTreeMap<(String, i32), i64>,
+    commands: &str,
+) -> BTreeMap<(String, i32), i64> {
+    let mut offsets: BTreeMap<(String, i32), i64> = batch
+        .offsets
+        .iter()
+        .map(|(at, consumed)| (at.clone(), consumed.next))
+        .collect();
+    for timer in &batch.fired {
+        let at = (commands.to_owned(), timer.partition);
+        if let (false, Some(next)) = (offsets.contains_key(&at), positions.get(&at)) {
+            offsets.insert(at, *next);
+        }
+    }
+    offsets
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Checked red: without the committed positions, a batch of timers alone sends no
+    /// offsets (and so no group metadata: a zombie's transaction would commit).
+    #[test]
+    fn a_batch_of_timers_alone_sends_its_partitions_committed_offsets() {
+        let timer = |partition| DueTimer {
+            partition,
+            run_id: "r".into(),
+            timer_key: "k".into(),
+            due_at: 1,
+        };
+        let positions: BTreeMap<(String, i32), i64> = [
+            (("commands".to_owned(), 0), 10),
+            (("commands".to_owned(), 1), 20),
+            (("step-results".to_owned(), 1), 30),
+        ]
+        .into_iter()
+        .collect();
+        let mut timers = PendingBatch::default();
+        timers.fired = vec![timer(1)];
+        let sent = offsets_to_send(&timers, &positions, "commands");
+        assert_eq!(
+            sent,
+            [(("commands".to_owned(), 1), 20)].into_iter().collect()
+        );
+
+        // A batch that consumed the partition sends what it consumed, not the position.
+        let mut both = PendingBatch::default();
+        both.consumed("commands", 1, 25);
+        both.fired = vec![timer(1)];
+        let sent = offsets_to_send(&both, &positions, "commands");
+        assert_eq!(
+            sent,
+            [(("commands".to_owned(), 1), 26)].into_iter().collect()
+        );
+    }
 
     /// Checked red: with only the first batch's offsets, partition 1 is not rewound.
     #[test]

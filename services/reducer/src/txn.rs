@@ -358,7 +358,9 @@ impl Engine {
             }
         }
         let mut offsets = TopicPartitionList::new();
-        for ((topic, partition), next) in self.offsets_to_send(batch) {
+        for ((topic, partition), next) in
+            crate::batch::offsets_to_send(batch, &self.positions, &self.config.topics.commands())
+        {
             offsets
                 .add_partition_offset(&topic, partition, Offset::Offset(next))
                 .map_err(|e| self.abort_after(e))?;
@@ -513,29 +515,6 @@ impl Engine {
     /// librdkafka call, for the watchdog's test.
     fn hang_if(&self, point: FaultPoint) {
         fault::hang(self.config.fault, self.config.fault_after, point);
-    }
-
-    /// The offsets a batch's transaction sends: what it consumed ("last processed + 1"),
-    /// and for a partition it only fired timers of, the offset already committed there.
-    /// A transaction of timers alone thus still carries the group's metadata, and a
-    /// zombie's is fenced by its stale generation (KIP-447) like any other.
-    fn offsets_to_send(&self, batch: &PendingBatch) -> BTreeMap<(String, i32), i64> {
-        let mut offsets: BTreeMap<(String, i32), i64> = batch
-            .offsets
-            .iter()
-            .map(|(at, consumed)| (at.clone(), consumed.next))
-            .collect();
-        let commands = self.config.topics.commands();
-        for timer in &batch.fired {
-            let at = (commands.clone(), timer.partition);
-            if offsets.contains_key(&at) {
-                continue;
-            }
-            if let Some(next) = self.positions.get(&at) {
-                offsets.insert(at, *next);
-            }
-        }
-        offsets
     }
 
     /// Aborts the open transaction after `e`, reported for the record made by `source`:
