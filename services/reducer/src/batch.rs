@@ -198,8 +198,10 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        let mut timers = PendingBatch::default();
-        timers.fired = vec![timer(1)];
+        let timers = PendingBatch {
+            fired: vec![timer(1)],
+            ..PendingBatch::default()
+        };
         let sent = offsets_to_send(&timers, &positions, "commands");
         assert_eq!(
             sent,
