@@ -384,6 +384,11 @@ pub struct GraphError {
 #[error("invalid graph: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
 pub struct InvalidGraph(pub Vec<GraphError>);
 
+/// Most nodes in one graph.
+pub const MAX_NODES: usize = 1_000;
+/// Most edges in one graph.
+pub const MAX_EDGES: usize = 10_000;
+
 impl Graph {
     /// Parses a graph from YAML or JSON (JSON is YAML) and validates it.
     pub fn parse(text: &str) -> Result<Graph, InvalidGraph> {
@@ -508,6 +513,52 @@ impl Graph {
         order
     }
 
+    /// The limits every definition is held to, whoever publishes it: the payload shape
+    /// for each node's `args` and `config` (`crate::limits::check_shape`), bounded
+    /// counts of nodes and edges, and texts a person reads kept short.
+    fn check_limits(&self, problem: &mut impl FnMut(Option<&str>, String)) {
+        use crate::limits;
+        if self.nodes.len() > MAX_NODES {
+            problem(
+                None,
+                format!(
+                    "{} nodes; at most {MAX_NODES} are allowed",
+                    self.nodes.len()
+                ),
+            );
+        }
+        if self.edges.len() > MAX_EDGES {
+            problem(
+                None,
+                format!(
+                    "{} edges; at most {MAX_EDGES} are allowed",
+                    self.edges.len()
+                ),
+            );
+        }
+        if let Some(description) = &self.description {
+            if let Err(e) = limits::check_text("description", description, limits::MAX_TEXT_BYTES) {
+                problem(None, e);
+            }
+        }
+        for node in &self.nodes {
+            for (field, value) in [("args", &node.args), ("config", &node.config)] {
+                if let Err(e) = limits::check_shape(field, value) {
+                    problem(Some(&node.id), format!("{e} (limit {})", e.limit.name()));
+                }
+            }
+            if let Some(approval) = &node.interrupt_before {
+                if let Err(e) = limits::check_text(
+                    "interrupt_before.reason",
+                    &approval.reason,
+                    limits::MAX_TEXT_BYTES,
+                ) {
+                    problem(Some(&node.id), e);
+                }
+            }
+        }
+    }
+
     pub fn validate(&self) -> Result<(), InvalidGraph> {
         let mut problems = Vec::new();
         let mut problem = |node: Option<&str>, text: String| {
@@ -538,6 +589,7 @@ impl Graph {
         if self.max_steps == 0 {
             problem(None, "max_steps must be at least 1".into());
         }
+        self.check_limits(&mut problem);
         let mut seen = BTreeSet::new();
         for node in &self.nodes {
             if !valid_id(&node.id) {

@@ -157,3 +157,41 @@ fn only_the_last_rejected_commands_are_remembered() {
         .commands
         .contains_key(&format!("bad-{}", MAX_REJECTED_COMMANDS + 39)));
 }
+
+/// Graph definitions are held to the payload shape too: a node's `args` nested past
+/// `MAX_DEPTH` is refused by name when the graph is parsed (checked red with
+/// `Graph::check_limits` not called: the graph parsed).
+#[test]
+fn a_graph_whose_args_nest_too_deep_is_refused_by_name() {
+    let mut args = String::from("1");
+    for _ in 0..=sortie_core::limits::MAX_DEPTH {
+        args = format!("{{a: {args}}}");
+    }
+    let yaml = format!(
+        "id: deep\nversion: 1\nnodes:\n  - {{id: a, tool: echo, side_effect: pure, args: {args}}}\nedges: []\n"
+    );
+    let refused = Graph::parse(&yaml).expect_err("too deep");
+    let text = refused.to_string();
+    assert!(text.contains("limit depth"), "{text}");
+}
+
+/// YAML aliases that expand exponentially ("billion laughs") inside a node's `args` do
+/// not make the parser build the expansion: the definition is refused, and quickly.
+#[test]
+fn a_yaml_alias_bomb_is_refused_quickly() {
+    let mut args = String::from("      x0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for i in 1..10 {
+        let prev = i - 1;
+        let refs = vec![format!("*x{prev}"); 9].join(", ");
+        args.push_str(&format!("      x{i}: &x{i} [{refs}]\n"));
+    }
+    let yaml = format!(
+        "id: bomb\nversion: 1\nnodes:\n  - id: a\n    tool: echo\n    side_effect: pure\n    args:\n{args}edges: []\n"
+    );
+    let started = std::time::Instant::now();
+    let refused = Graph::parse(&yaml).expect_err("refused");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "{refused}"
+    );
+}
