@@ -487,12 +487,24 @@ impl Graph {
             .collect()
     }
 
+    /// The nodes reached by edges (not [`Graph::detached`]).
+    fn attached(&self) -> usize {
+        let detached = self.detached();
+        self.nodes
+            .iter()
+            .filter(|n| !detached.contains(n.id.as_str()))
+            .count()
+    }
+
     /// Graph nodes in topological order (detached nodes excluded).
     pub fn topological(&self) -> Vec<&Node> {
         let detached = self.detached();
+        let attached = self.attached();
         let mut order = Vec::new();
         let mut placed = BTreeSet::new();
-        while order.len() < self.nodes.len() - detached.len() {
+        // `detached` may name nodes that do not exist (validate() refuses those): count
+        // the nodes that are there.
+        while order.len() < attached {
             let before = order.len();
             for node in &self.nodes {
                 if detached.contains(node.id.as_str()) || placed.contains(node.id.as_str()) {
@@ -665,7 +677,7 @@ impl Graph {
                 }
             }
         }
-        if self.topological().len() + detached.len() < self.nodes.len() {
+        if self.topological().len() < self.attached() {
             problem(
                 None,
                 "edges form a cycle; loops are agent requests (next_steps), not edges".into(),

@@ -228,3 +228,26 @@ mod tests {
         assert_eq!(reference("plain"), None);
     }
 }
+
+#[cfg(test)]
+mod roundtrip {
+    /// Found by the decoder campaign (`sortie-fuzz`, target `canonical_json`): without
+    /// serde_json's `float_roundtrip`, a float past i64 read back from its own canonical
+    /// text was another float, so a payload's canonical text (what event hashes cover)
+    /// changed when read and written again.
+    #[test]
+    fn canonical_text_of_a_large_float_is_a_fixed_point() {
+        for text in [
+            "-9.223372727272726e+140",
+            "-922337272727272727272727272727272727272727272727272727272727272727272727272036854775808",
+            "1e308",
+            "5e-324",
+            "0.30000000000000004",
+        ] {
+            let value: serde_json::Value = serde_json::from_str(text).expect("a number");
+            let canonical = super::canonical(&value);
+            let again: serde_json::Value = serde_json::from_str(&canonical).expect("reads back");
+            assert_eq!(super::canonical(&again), canonical, "{text}");
+        }
+    }
+}

@@ -195,3 +195,13 @@ fn a_yaml_alias_bomb_is_refused_quickly() {
         "{refused}"
     );
 }
+
+/// Found by the decoder campaign (`sortie-fuzz`, target `graph_yaml`): a node that
+/// requests a node the graph does not have made `Graph::topological` subtract past zero
+/// (a panic in debug builds, a wrap in release) instead of a refusal naming it.
+#[test]
+fn a_request_for_a_missing_node_is_refused_not_a_panic() {
+    let yaml = "id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, may_request: [nowhere, elsewhere]}\nedges: []\n";
+    let refused = Graph::parse(yaml).expect_err("refused");
+    assert!(refused.to_string().contains("nowhere"), "{refused}");
+}

@@ -200,8 +200,20 @@ impl std::fmt::Debug for Codec {
     }
 }
 
+/// The most one Avro length or count may make the decoder allocate. No record is over
+/// 1 MiB (`max.message.bytes`), so a length past this is a lie told to make the reader
+/// allocate: refused as malformed (apache-avro's own default is 512 MiB a field).
+pub const MAX_DECODE_ALLOCATION: usize = 8 * 1024 * 1024;
+
+/// Sets [`MAX_DECODE_ALLOCATION`] for the process, before anything decodes (apache-avro
+/// keeps the first value it is given).
+fn bound_allocations() {
+    apache_avro::util::max_allocation_bytes(MAX_DECODE_ALLOCATION);
+}
+
 impl Codec {
     pub fn new(config: &CodecConfig) -> Self {
+        bound_allocations();
         let settings = || SrSettings::new(config.registry_url.trim_end_matches('/').to_owned());
         Self {
             encoder: AvroEncoder::new(settings()),
@@ -460,6 +472,7 @@ fn datum_writer(kind: RecordKind) -> &'static GenericDatumWriter<'static> {
 
 /// Decodes a bare Avro datum written with `writer` into `R` (this build's schema).
 pub fn from_datum<R: Record>(writer: &Schema, bytes: &[u8]) -> Result<R, DecodeError> {
+    bound_allocations();
     WriterSchema::of(writer)?.read(bytes)
 }
 
@@ -492,5 +505,35 @@ fn describe(e: &SRCError) -> String {
     match &e.cause {
         Some(cause) => format!("{}: {cause}", e.error),
         None => e.error.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records as w;
+
+    /// A 14-byte body that claims its first string is 100 MiB long is refused, without
+    /// the reader allocating what it claims (apache-avro's default would allow 512 MiB).
+    #[test]
+    fn a_length_past_the_allocation_bound_is_refused() {
+        // Zig-zag varint of 100 MiB, then a few bytes.
+        let claimed: u64 = 100 * 1024 * 1024;
+        let mut zigzag = claimed << 1;
+        let mut body = Vec::new();
+        while zigzag >= 0x80 {
+            body.push((zigzag as u8) | 0x80);
+            zigzag >>= 7;
+        }
+        body.push(zigzag as u8);
+        body.extend_from_slice(b"abcdefgh");
+        let refused = from_datum::<w::RunCommand>(RecordKind::RunCommand.schema(), &body);
+        let message = format!("{refused:?}");
+        assert!(refused.is_err(), "{message}");
+        assert_eq!(
+            apache_avro::util::max_allocation_bytes(0),
+            MAX_DECODE_ALLOCATION,
+            "the bound is in force"
+        );
     }
 }

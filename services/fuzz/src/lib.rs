@@ -1,0 +1,9 @@
+//! Sortie's hostile-input campaign: what it sends to every entry point and what it
+//! checks. `decoders` holds the targets for the parsers (Avro bodies, the wire ↔ model
+//! mapping, graph YAML, signature headers, canonical JSON), each run over a committed
+//! seed corpus and seeded mutations of it (`mutate`) by the suite, and by cargo-fuzz.
+//!
+//! Dev and test machinery: no production service links this crate.
+
+pub mod decoders;
+pub mod mutate;
