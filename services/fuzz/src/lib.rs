@@ -5,5 +5,7 @@
 //!
 //! Dev and test machinery: no production service links this crate.
 
+pub mod campaign;
 pub mod decoders;
+pub mod kafka;
 pub mod mutate;
