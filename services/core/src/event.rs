@@ -124,6 +124,12 @@ pub enum EventBody {
         args: Value,
         role: StepRole,
         timeout_at: Option<i64>,
+        /// This attempt only asks a `reconcilable` receiver what became of the operation
+        /// and never calls it: the attempt before it timed out while the run was winding
+        /// down, when a call would be new work the cancel or failure forbids. Absent
+        /// (false) in older histories.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        lookup_only: bool,
     },
     StepStarted {
         step_id: String,

@@ -139,6 +139,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
             args,
             role,
             timeout_at,
+            lookup_only: _,
         } => {
             let operation_id = event.operation_id.clone().unwrap_or_default();
             if *attempt == 1 && matches!(role, crate::event::StepRole::Requested { .. }) {

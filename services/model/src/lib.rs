@@ -355,6 +355,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             args,
             role,
             timeout_at,
+            lookup_only,
         } => {
             let (compensates, requested_by, substitute_for) = role_fields(role);
             w::EventBody::StepDispatched(w::StepDispatched {
@@ -370,6 +371,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
                 requested_by,
                 substitute_for,
                 precheck_for: precheck_for(role),
+                lookup_only: *lookup_only,
             })
         }
         EventBody::StepStarted { step_id, attempt } => w::EventBody::StepStarted(w::StepStarted {
@@ -602,6 +604,7 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
                 None => role_from(e.compensates, e.requested_by, e.substitute_for),
             },
             timeout_at: e.timeout_at,
+            lookup_only: e.lookup_only,
         },
         w::EventBody::StepStarted(e) => EventBody::StepStarted {
             step_id: e.step_id,
@@ -721,6 +724,7 @@ pub fn intent_to_wire(intent: &Intent) -> w::StepIntent {
         config: text(&intent.config),
         timeout_ms: intent.timeout_ms,
         issued_at: intent.issued_at,
+        lookup_only: intent.lookup_only,
     }
 }
 

@@ -146,6 +146,9 @@ pub struct StepIntent {
     pub config: String,
     pub timeout_ms: Option<i64>,
     pub issued_at: Millis,
+    /// Ask the receiver only; never call it (added in 0.2).
+    #[serde(default)]
+    pub lookup_only: bool,
 }
 
 impl Record for StepIntent {
@@ -308,6 +311,9 @@ pub struct StepDispatched {
     /// The approved step this step prechecks (added in 0.2).
     #[serde(default)]
     pub precheck_for: Option<String>,
+    /// The attempt only asks a reconcilable receiver (added in 0.2).
+    #[serde(default)]
+    pub lookup_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -555,6 +555,20 @@ impl<'g> Ctx<'g> {
         args: Value,
         role: StepRole,
     ) {
+        self.dispatch_attempt(node, step_id, attempt, args, role, false)
+    }
+
+    /// [`Ctx::dispatch`]; with `lookup_only`, the attempt only asks the receiver what
+    /// became of the operation (a `reconcilable` step of a run winding down).
+    pub fn dispatch_attempt(
+        &mut self,
+        node: &Node,
+        step_id: String,
+        attempt: u32,
+        args: Value,
+        role: StepRole,
+        lookup_only: bool,
+    ) {
         let Some(graph) = self.graph() else { return };
         let operation_id =
             ids::operation_id(&self.tenant, &self.run_id, &step_id, &node.tool, &args);
@@ -575,6 +589,7 @@ impl<'g> Ctx<'g> {
             config: node.config.clone(),
             timeout_ms: node.timeout.map(|t| t.0),
             issued_at: self.at,
+            lookup_only,
         });
         self.emit(
             EventBody::StepDispatched {
@@ -587,6 +602,7 @@ impl<'g> Ctx<'g> {
                 args,
                 role,
                 timeout_at,
+                lookup_only,
             },
             Some(operation_id),
         );
