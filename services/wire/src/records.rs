@@ -293,6 +293,9 @@ pub struct RunStarted {
     /// For a fork: the source and what was carried over, as JSON (added in 0.2).
     #[serde(default)]
     pub forked_from: Option<String>,
+    /// The rules the run's derived state is folded with (added in 0.2; 0 before).
+    #[serde(default)]
+    pub rules: i32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -335,6 +335,7 @@ fn every_event_kind_round_trips() {
             budget: None,
             deadline_at: Some(5),
             forked_from: None,
+            rules: 1,
         }),
         EventBody::StepDispatched(StepDispatched {
             step_id: "s".into(),

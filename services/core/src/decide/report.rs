@@ -48,14 +48,29 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, report: &StepReport) -> Result<(), &'sta
             );
             return Ok(());
         }
-        StepOutcome::Succeeded { output } => ctx.emit(
-            EventBody::StepSucceeded {
-                step_id: step.step_id.clone(),
-                attempt: step.attempt,
-                output: output.clone(),
-            },
-            Some(step.operation_id.clone()),
-        ),
+        StepOutcome::Succeeded { output } => match refused_usage(&step, output) {
+            // A model call whose cost cannot be accounted for is not accepted (see
+            // `crate::budget`): the step fails for good and its output is not recorded.
+            Some(problem) => ctx.emit(
+                EventBody::StepFailed {
+                    step_id: step.step_id.clone(),
+                    attempt: step.attempt,
+                    code: "usage_refused".into(),
+                    message: format!("the model call's usage was refused: {problem}"),
+                    retryable: false,
+                    retry_at: None,
+                },
+                Some(step.operation_id.clone()),
+            ),
+            None => ctx.emit(
+                EventBody::StepSucceeded {
+                    step_id: step.step_id.clone(),
+                    attempt: step.attempt,
+                    output: output.clone(),
+                },
+                Some(step.operation_id.clone()),
+            ),
+        },
         StepOutcome::Failed {
             retryable,
             code,
@@ -81,6 +96,15 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, report: &StepReport) -> Result<(), &'sta
     }
     advance(ctx);
     Ok(())
+}
+
+/// Why the usage an `llm` step's output reports cannot be charged, if it cannot (other
+/// tools' outputs are never charged, so never refused for it).
+fn refused_usage(step: &Step, output: &serde_json::Value) -> Option<String> {
+    if step.tool != crate::budget::LLM_TOOL {
+        return None;
+    }
+    crate::budget::Usage::of(output).err()
 }
 
 /// When the next attempt is due, if the policy allows one.

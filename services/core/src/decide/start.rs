@@ -64,6 +64,11 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     if let Some(reason) = graph.access.start_refusal(&graph.id, &command.roles) {
         return ctx.reject(command, "forbidden", reason);
     }
+    if let Some(Err(problem)) = budget.as_ref().map(crate::budget::Budget::check) {
+        // The model layer refuses such a command before the fold; this keeps any other
+        // caller of the fold to the same rule.
+        return ctx.reject(command, "bad_budget", format!("budget: {problem}"));
+    }
     ctx.emit(
         EventBody::RunStarted {
             graph_id: graph.id.clone(),
@@ -74,6 +79,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             deadline_at: graph.max_duration.map(|d| ctx.at + d.0),
             budget: budget.clone(),
             forked_from: source.as_ref().map(fork::plan),
+            rules: crate::budget::RULES,
         },
         None,
     );
