@@ -372,8 +372,10 @@ pub fn raise_of(payload: Option<&Value>) -> Result<Limits, String> {
     let raise = payload
         .and_then(|p| p.get("raise"))
         .ok_or("approving a budget needs a payload {\"raise\": {...}} naming what to raise")?;
-    let limits: Limits =
-        serde_json::from_value(raise.clone()).map_err(|e| format!("payload.raise: {e}"))?;
+    // A fixed sentence: serde's message may quote what the client sent.
+    let limits: Limits = serde_json::from_value(raise.clone()).map_err(|_| {
+        "payload.raise is not a set of limits (tokens, cost_usd, tool_calls, wall_time)".to_owned()
+    })?;
     if limits.is_empty() {
         return Err("payload.raise raises nothing".into());
     }

@@ -310,8 +310,8 @@ impl Sim {
                     // answered when it appears or when the run ends.
                     self.command(
                         CommandBody::ResumeRun {
-                            interrupt_id: format!("int_early{}", pick % 3),
-                            proposal_hash: "h".into(),
+                            interrupt_id: format!("int_{:024x}", pick % 3),
+                            proposal_hash: format!("{:064x}", pick % 5),
                             approve: *approve,
                             payload: None,
                             comment: None,
