@@ -285,6 +285,7 @@ async fn direct_encoding_writes_the_converters_bytes() -> anyhow::Result<()> {
                 deadline_at: Some(9),
                 budget: None,
                 forked_from: None,
+                rules: 1,
             }),
         };
         let topic = topics.run_events();

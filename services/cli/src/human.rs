@@ -163,6 +163,7 @@ impl Timeline {
                 tool,
                 side_effect,
                 role,
+                lookup_only,
                 ..
             } => {
                 self.nodes.insert(step_id.clone(), node.clone());
@@ -177,11 +178,16 @@ impl Timeline {
                     StepRole::Substitute { for_node } => format!(", instead of {for_node}"),
                     StepRole::Precheck { of } => format!(", prechecks {of}"),
                 };
+                let only = if *lookup_only {
+                    ", lookup only (asks the receiver, never calls)"
+                } else {
+                    ""
+                };
                 (
                     node.clone(),
                     "dispatched",
                     "",
-                    format!("attempt {attempt}, {class}, {tool}{why}"),
+                    format!("attempt {attempt}, {class}, {tool}{why}{only}"),
                 )
             }
             EventBody::StepStarted { step_id, attempt } => (
@@ -460,6 +466,7 @@ mod tests {
                 args: Value::Null,
                 role: StepRole::Node,
                 timeout_at: None,
+                lookup_only: false,
             },
         ));
         assert_eq!(

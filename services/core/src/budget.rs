@@ -3,10 +3,36 @@
 //! the fold never reads config and a replay sees the same limits and prices), what the run
 //! has spent, and the check before each dispatch.
 //!
-//! Usage is charged from the recorded outputs themselves: a succeeded step whose output
-//! carries `usage.prompt_tokens`/`usage.completion_tokens` (what the `llm` handler records)
-//! is charged when [`crate::evolve`] folds its `StepSucceeded`, priced with the run's price
-//! table by the output's `model`. So spend is a pure function of the history.
+//! Usage is charged from the recorded outputs themselves: a succeeded step of the `llm`
+//! tool ([`LLM_TOOL`], the step's tool as the run state records it) whose output carries
+//! `usage.prompt_tokens`/`usage.completion_tokens` is charged when [`crate::evolve`] folds
+//! its `StepSucceeded`, priced with the run's price table by the output's `model`. So
+//! spend is a pure function of the history.
+//!
+//! **Untrusted numbers.** Token counts come from a model endpoint through an executor;
+//! budgets come from a client. Neither is trusted:
+//!
+//! - A count must be an integer from 0 to [`MAX_TOKENS_PER_CALL`]. An `llm` step whose
+//!   output reports anything else is **failed** (code `usage_refused`, not retried) by
+//!   the fold before its output is recorded, and nothing is charged. As a payments
+//!   platform would: a cost that cannot be accounted for is not accepted silently —
+//!   ignoring it would let a broken or hostile endpoint spend past every limit unseen,
+//!   and charging it would let one record exhaust a budget. Failing the step stops the
+//!   run from building on a call it cannot account for, and the node's failure policy
+//!   (compensation) applies, as for an output too large to keep.
+//! - Counters saturate; they never wrap or panic.
+//! - Outputs of other tools are never charged, whatever they carry: any receiver can put
+//!   a `usage` field in its answer.
+//! - Limits, raises and prices are held to [`Limits::check`] and [`Budget::check`]
+//!   wherever they enter (the model layer's decode of a `StartRun`, the gateway, a budget
+//!   approval's `raise`): finite, not negative, under a sane maximum.
+//!
+//! **Old histories.** Spend is derived in `evolve`, so the charging rule decides replayed
+//! states. A run records the rules it is folded with in `RunStarted.rules`
+//! ([`RULES`]); histories written before have none (0) and are folded with the rule they
+//! were written under — usage charged from any output that carries it (saturating now,
+//! which changes no history that did not already overflow) — so their stored states and
+//! the budget decisions recorded against them stay as they were.
 
 use std::collections::BTreeMap;
 
@@ -17,6 +43,29 @@ use crate::duration::Millis;
 
 /// The node id of a budget interrupt (never a valid node id, so never a graph node's).
 pub const BUDGET_NODE: &str = "$budget";
+
+/// The tool whose outputs are charged: the built-in chat-completions handler.
+pub const LLM_TOOL: &str = "llm";
+
+/// The spend rules new runs are folded with (`RunStarted.rules`): 0 — histories written
+/// before the field — charges usage from any output; 1 charges `llm` steps only.
+pub const RULES: u32 = 1;
+
+/// Most prompt (or completion) tokens one model call may report: far past any model's
+/// context, small enough that no sum of a run's calls comes near `u64`.
+pub const MAX_TOKENS_PER_CALL: u64 = 1_000_000_000;
+/// Highest token limit (or raise) a budget may name.
+pub const MAX_TOKEN_LIMIT: u64 = 1_000_000_000_000;
+/// Highest tool-call limit (or raise) a budget may name.
+pub const MAX_TOOL_CALL_LIMIT: u64 = 1_000_000_000;
+/// Highest cost limit (or raise) in USD a budget may name.
+pub const MAX_COST_USD: f64 = 1e9;
+/// Highest price per 1k tokens in USD a price table may name.
+pub const MAX_PRICE_PER_1K: f64 = 1e6;
+/// Longest wall time (or raise) a budget may name: ten years, in milliseconds.
+pub const MAX_WALL_TIME_MS: i64 = 10 * 366 * 24 * 3600 * 1000;
+/// Most models in one price table.
+pub const MAX_PRICES: usize = 256;
 
 /// A run's budget: its limits and the price table its usage is charged with.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -51,6 +100,36 @@ impl Limits {
         self == &Limits::default()
     }
 
+    /// Whether every limit is one a run can be held to: counts up to their maximum
+    /// ([`MAX_TOKEN_LIMIT`], [`MAX_TOOL_CALL_LIMIT`]), a cost that is a finite number from
+    /// 0 to [`MAX_COST_USD`], a wall time from 0 to [`MAX_WALL_TIME_MS`]. The same check
+    /// holds a raise. The error names the limit.
+    pub fn check(&self) -> Result<(), String> {
+        if let Some(tokens) = self.tokens.filter(|t| *t > MAX_TOKEN_LIMIT) {
+            return Err(format!(
+                "tokens is {tokens}; at most {MAX_TOKEN_LIMIT} is allowed"
+            ));
+        }
+        if let Some(calls) = self.tool_calls.filter(|c| *c > MAX_TOOL_CALL_LIMIT) {
+            return Err(format!(
+                "tool_calls is {calls}; at most {MAX_TOOL_CALL_LIMIT} is allowed"
+            ));
+        }
+        if let Some(cost) = self.cost_usd {
+            check_amount("cost_usd", cost, MAX_COST_USD)?;
+        }
+        if let Some(wall) = self
+            .wall_time
+            .filter(|w| !(0..=MAX_WALL_TIME_MS).contains(&w.0))
+        {
+            return Err(format!(
+                "wall_time is {} ms; it must be from 0 to {MAX_WALL_TIME_MS} ms",
+                wall.0
+            ));
+        }
+        Ok(())
+    }
+
     /// `self` with every limit `over` sets replacing its own (a run's own over its
     /// tenant's default).
     pub fn overridden_by(&self, over: &Limits) -> Limits {
@@ -64,15 +143,60 @@ impl Limits {
 
     /// Raises each limit by the amount `raise` gives for it (a limit that is absent stays
     /// absent: there is nothing to raise).
+    ///
+    /// Saturating: a raise never wraps or panics (raises are checked before they are
+    /// recorded, but histories written before the check fold through here too).
     pub fn raised(&self, raise: &Limits) -> Limits {
         Limits {
-            tokens: self.tokens.map(|t| t + raise.tokens.unwrap_or(0)),
+            tokens: self
+                .tokens
+                .map(|t| t.saturating_add(raise.tokens.unwrap_or(0))),
             cost_usd: self.cost_usd.map(|c| c + raise.cost_usd.unwrap_or(0.0)),
-            tool_calls: self.tool_calls.map(|t| t + raise.tool_calls.unwrap_or(0)),
+            tool_calls: self
+                .tool_calls
+                .map(|t| t.saturating_add(raise.tool_calls.unwrap_or(0))),
             wall_time: self
                 .wall_time
-                .map(|w| Millis(w.0 + raise.wall_time.map_or(0, |r| r.0))),
+                .map(|w| Millis(w.0.saturating_add(raise.wall_time.map_or(0, |r| r.0)))),
         }
+    }
+}
+
+/// Whether `amount`, called `field`, is a finite number from 0 to `max`.
+fn check_amount(field: &str, amount: f64, max: f64) -> Result<(), String> {
+    if !amount.is_finite() || !(0.0..=max).contains(&amount) {
+        return Err(format!(
+            "{field} is {amount}; it must be a number from 0 to {max}"
+        ));
+    }
+    Ok(())
+}
+
+impl Budget {
+    /// [`Limits::check`], and a price table of at most [`MAX_PRICES`] models, each named
+    /// by an id, with finite prices from 0 to [`MAX_PRICE_PER_1K`].
+    pub fn check(&self) -> Result<(), String> {
+        self.limits.check()?;
+        if self.prices.len() > MAX_PRICES {
+            return Err(format!(
+                "prices names {} models; at most {MAX_PRICES} are allowed",
+                self.prices.len()
+            ));
+        }
+        for (model, price) in &self.prices {
+            crate::limits::check_id("a priced model's name", model)?;
+            check_amount(
+                &format!("prices.{model}.input_per_1k"),
+                price.input_per_1k,
+                MAX_PRICE_PER_1K,
+            )?;
+            check_amount(
+                &format!("prices.{model}.output_per_1k"),
+                price.output_per_1k,
+                MAX_PRICE_PER_1K,
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -99,33 +223,109 @@ pub struct Spend {
     pub tool_calls: u64,
 }
 
+/// The token usage one model call reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+impl Usage {
+    /// The usage `output` reports: `None` when it names no count (no `usage`, or one
+    /// without `prompt_tokens` and `completion_tokens`); an error when a count is not an
+    /// integer from 0 to [`MAX_TOKENS_PER_CALL`], or `usage` is not an object. The error
+    /// is a fixed sentence naming the field: it never copies the value.
+    pub fn of(output: &Value) -> Result<Option<Usage>, String> {
+        let usage = match output.get("usage") {
+            None | Some(Value::Null) => return Ok(None),
+            Some(Value::Object(usage)) => usage,
+            Some(_) => return Err("usage is not an object".into()),
+        };
+        let count = |key: &str| -> Result<Option<u64>, String> {
+            match usage.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(value) => value
+                    .as_u64()
+                    .filter(|n| *n <= MAX_TOKENS_PER_CALL)
+                    .map(Some)
+                    .ok_or_else(|| {
+                        format!("usage.{key} is not a token count from 0 to {MAX_TOKENS_PER_CALL}")
+                    }),
+            }
+        };
+        match (count("prompt_tokens")?, count("completion_tokens")?) {
+            (None, None) => Ok(None),
+            (prompt, completion) => Ok(Some(Usage {
+                prompt_tokens: prompt.unwrap_or(0),
+                completion_tokens: completion.unwrap_or(0),
+            })),
+        }
+    }
+}
+
 impl Spend {
     pub fn is_zero(&self) -> bool {
         self == &Spend::default()
     }
 
     pub fn tokens(&self) -> u64 {
-        self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens.saturating_add(self.completion_tokens)
     }
 
-    /// Charges a step's output if it carries token usage.
-    pub fn charge(&mut self, output: &Value, prices: &BTreeMap<String, Price>) {
+    /// Charges the output of a step of `tool` under the run's `rules` (see the module
+    /// doc): from rules 1, only an `llm` step's usage within bounds; before, any output's.
+    pub fn charge_step(
+        &mut self,
+        rules: u32,
+        tool: &str,
+        output: &Value,
+        prices: &BTreeMap<String, Price>,
+    ) {
+        if rules == 0 {
+            return self.charge_any(output, prices);
+        }
+        if tool != LLM_TOOL {
+            return;
+        }
+        // The fold refuses an llm output whose usage is out of bounds before it is
+        // recorded, so a recorded one is always within them.
+        if let Ok(Some(usage)) = Usage::of(output) {
+            self.charge(usage, output["model"].as_str(), prices);
+        }
+    }
+
+    /// Charges one call's usage, priced by `model`.
+    pub fn charge(&mut self, usage: Usage, model: Option<&str>, prices: &BTreeMap<String, Price>) {
+        let Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+        } = usage;
+        self.prompt_tokens = self.prompt_tokens.saturating_add(prompt);
+        self.completion_tokens = self.completion_tokens.saturating_add(completion);
+        self.llm_calls = self.llm_calls.saturating_add(1);
+        if let Some(price) = model.and_then(|m| prices.get(m)) {
+            let cost = (prompt as f64 * price.input_per_1k
+                + completion as f64 * price.output_per_1k)
+                / 1000.0;
+            self.cost_usd = (self.cost_usd + cost).min(f64::MAX);
+        }
+    }
+
+    /// The rule of histories written before `RunStarted.rules` (rules 0): any output that
+    /// carries a count is charged, whatever the step's tool. Kept so those histories fold
+    /// to the states they were written with.
+    fn charge_any(&mut self, output: &Value, prices: &BTreeMap<String, Price>) {
         let usage = &output["usage"];
         let count = |key: &str| usage.get(key).and_then(Value::as_u64);
         let (prompt, completion) = (count("prompt_tokens"), count("completion_tokens"));
         if prompt.is_none() && completion.is_none() {
             return;
         }
-        let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
-        self.prompt_tokens += prompt;
-        self.completion_tokens += completion;
-        self.llm_calls += 1;
-        let price = output["model"].as_str().and_then(|m| prices.get(m));
-        if let Some(price) = price {
-            self.cost_usd += (prompt as f64 * price.input_per_1k
-                + completion as f64 * price.output_per_1k)
-                / 1000.0;
-        }
+        let usage = Usage {
+            prompt_tokens: prompt.unwrap_or(0),
+            completion_tokens: completion.unwrap_or(0),
+        };
+        self.charge(usage, output["model"].as_str(), prices);
     }
 }
 
@@ -172,8 +372,10 @@ pub fn raise_of(payload: Option<&Value>) -> Result<Limits, String> {
     let raise = payload
         .and_then(|p| p.get("raise"))
         .ok_or("approving a budget needs a payload {\"raise\": {...}} naming what to raise")?;
-    let limits: Limits =
-        serde_json::from_value(raise.clone()).map_err(|e| format!("payload.raise: {e}"))?;
+    // A fixed sentence: serde's message may quote what the client sent.
+    let limits: Limits = serde_json::from_value(raise.clone()).map_err(|_| {
+        "payload.raise is not a set of limits (tokens, cost_usd, tool_calls, wall_time)".to_owned()
+    })?;
     if limits.is_empty() {
         return Err("payload.raise raises nothing".into());
     }
@@ -195,16 +397,26 @@ mod tests {
             },
         )]);
         let mut spend = Spend::default();
-        spend.charge(&json!({"order": 1}), &prices);
+        spend.charge_step(RULES, LLM_TOOL, &json!({"order": 1}), &prices);
         assert!(spend.is_zero());
-        spend.charge(
+        spend.charge_step(
+            RULES,
+            LLM_TOOL,
             &json!({"model": "m", "usage": {"prompt_tokens": 500, "completion_tokens": 250}}),
             &prices,
         );
         assert_eq!(spend.tokens(), 750);
         assert!((spend.cost_usd - 1.0).abs() < 1e-9, "{}", spend.cost_usd);
-        spend.charge(
+        spend.charge_step(
+            RULES,
+            LLM_TOOL,
             &json!({"model": "other", "usage": {"prompt_tokens": 10}}),
+            &prices,
+        );
+        spend.charge_step(
+            RULES,
+            "http",
+            &json!({"model": "m", "usage": {"prompt_tokens": 10}}),
             &prices,
         );
         assert_eq!((spend.tokens(), spend.llm_calls), (760, 2));
@@ -230,5 +442,51 @@ mod tests {
         assert_eq!(exceeded(&raised, &spend, 0, 0), None);
         assert!(raise_of(Some(&json!({"raise": {}}))).is_err());
         assert!(raise_of(None).is_err());
+    }
+
+    #[test]
+    fn usage_counts_are_bounded_integers() {
+        let of = |usage: Value| Usage::of(&json!({ "usage": usage }));
+        assert_eq!(of(json!(null)), Ok(None));
+        assert_eq!(of(json!({"total_tokens": 5})), Ok(None));
+        assert_eq!(
+            of(json!({"prompt_tokens": MAX_TOKENS_PER_CALL})),
+            Ok(Some(Usage {
+                prompt_tokens: MAX_TOKENS_PER_CALL,
+                completion_tokens: 0
+            }))
+        );
+        for bad in [
+            json!({"prompt_tokens": MAX_TOKENS_PER_CALL + 1}),
+            json!({"completion_tokens": -1}),
+            json!({"completion_tokens": 2.5}),
+            json!({"prompt_tokens": "7"}),
+            json!([1, 2]),
+        ] {
+            let refused = of(bad.clone());
+            assert!(refused.is_err(), "{bad}");
+            assert!(
+                !refused.expect_err("refused").contains('7'),
+                "never echoes the value"
+            );
+        }
+        assert!(
+            Limits::default().raised(&Limits {
+                tokens: Some(u64::MAX),
+                ..Limits::default()
+            }) == Limits::default()
+        );
+        let saturated = Limits {
+            tokens: Some(u64::MAX - 1),
+            wall_time: Some(Millis(i64::MAX - 1)),
+            ..Limits::default()
+        }
+        .raised(&Limits {
+            tokens: Some(10),
+            wall_time: Some(Millis(10)),
+            ..Limits::default()
+        });
+        assert_eq!(saturated.tokens, Some(u64::MAX));
+        assert_eq!(saturated.wall_time, Some(Millis(i64::MAX)));
     }
 }

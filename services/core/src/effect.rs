@@ -49,6 +49,10 @@ pub struct Intent {
     pub config: Value,
     pub timeout_ms: Option<i64>,
     pub issued_at: i64,
+    /// Ask the receiver what became of the operation; never call it (see
+    /// [`crate::EventBody::StepDispatched`]'s `lookup_only`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lookup_only: bool,
 }
 
 /// A timer's identity inside its run.

@@ -113,6 +113,11 @@ pub enum EventBody {
         /// over from it (`steps`, `completed`, `interrupts`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         forked_from: Option<Value>,
+        /// The rules `evolve` folds this run's derived state with
+        /// ([`crate::budget::RULES`]); 0 (absent) in histories written before it existed,
+        /// which keep the rules they were written under.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        rules: u32,
     },
     StepDispatched {
         step_id: String,
@@ -124,6 +129,12 @@ pub enum EventBody {
         args: Value,
         role: StepRole,
         timeout_at: Option<i64>,
+        /// This attempt only asks a `reconcilable` receiver what became of the operation
+        /// and never calls it: the attempt before it timed out while the run was winding
+        /// down, when a call would be new work the cancel or failure forbids. Absent
+        /// (false) in older histories.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        lookup_only: bool,
     },
     StepStarted {
         step_id: String,
@@ -236,6 +247,10 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         edited_args: Option<Value>,
     },
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Why a step exists.

@@ -20,6 +20,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 deadline_at,
                 budget,
                 forked_from,
+                rules,
             },
             None,
         ) => {
@@ -49,6 +50,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 rejected: Default::default(),
                 budget: budget.clone(),
                 spend: Default::default(),
+                rules: *rules,
                 forked_from: None,
                 forgotten: None,
             };
@@ -139,6 +141,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
             args,
             role,
             timeout_at,
+            lookup_only: _,
         } => {
             let operation_id = event.operation_id.clone().unwrap_or_default();
             if *attempt == 1 && matches!(role, crate::event::StepRole::Requested { .. }) {
@@ -187,15 +190,18 @@ fn apply_body(state: &mut RunState, event: &Event) {
         EventBody::StepSucceeded {
             step_id, output, ..
         } => {
-            if state
+            if let Some(step) = state
                 .steps
                 .get(step_id)
-                .is_some_and(|s| s.status != StepStatus::Succeeded)
+                .filter(|s| s.status != StepStatus::Succeeded)
             {
                 let prices = state.budget.as_ref().map(|b| &b.prices);
-                state
-                    .spend
-                    .charge(output, prices.unwrap_or(&Default::default()));
+                state.spend.charge_step(
+                    state.rules,
+                    &step.tool,
+                    output,
+                    prices.unwrap_or(&Default::default()),
+                );
             }
             succeed(state, step_id, output.clone());
         }

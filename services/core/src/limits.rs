@@ -53,6 +53,18 @@ pub const MAX_ID_BYTES: usize = 256;
 pub const MAX_TEXT_BYTES: usize = 4096;
 /// Most labels on one run.
 pub const MAX_LABELS: usize = 64;
+/// Longest reason a rejection stores (`CommandRejected.reason`, and the answer a run keeps
+/// for a rejected command id). Reasons are the fold's own sentences; a client's value
+/// appears in one only as an id cut to [`MAX_SHOWN_ID_BYTES`], so this cut is a backstop.
+pub const MAX_REASON_BYTES: usize = 512;
+/// Most bytes of a client-named id (an interrupt, an operation, a graph) a reason shows.
+pub const MAX_SHOWN_ID_BYTES: usize = 64;
+/// Most decisions one run keeps waiting for interrupts not registered yet.
+pub const MAX_BUFFERED: usize = 16;
+/// Most bytes (their JSON) the decisions one run keeps waiting may take together: well
+/// under [`MAX_STATE_BYTES`], so early decisions, however many clients send, never bring
+/// a run near its state limit (where the next step result would fail it).
+pub const MAX_BUFFERED_BYTES: usize = 64 * 1024;
 
 /// Whether `value`, the free text called `field`, is at most `max` bytes.
 pub fn check_text(field: &str, value: &str, max: usize) -> Result<(), String> {
@@ -351,9 +363,29 @@ pub fn clip(text: &str, max: usize) -> &str {
     &text[..end]
 }
 
+/// A client-named id as a rejection's reason shows it: at most [`MAX_SHOWN_ID_BYTES`]
+/// bytes of it (cut at a character boundary), with `…` when it was cut.
+pub fn shown_id(id: &str) -> String {
+    let shown = clip(id, MAX_SHOWN_ID_BYTES);
+    if shown.len() < id.len() {
+        format!("{shown}…")
+    } else {
+        shown.to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shown_ids_are_cut() {
+        assert_eq!(shown_id("int_1"), "int_1");
+        let long = "é".repeat(200);
+        let shown = shown_id(&long);
+        assert!(shown.len() <= MAX_SHOWN_ID_BYTES + '…'.len_utf8());
+        assert!(shown.ends_with('…'));
+    }
 
     #[test]
     fn ids_with_control_characters_or_too_long_are_refused() {

@@ -49,6 +49,10 @@ pub struct RunState {
     /// What the run has spent: model usage charged from recorded outputs, tool calls.
     #[serde(default, skip_serializing_if = "crate::budget::Spend::is_zero")]
     pub spend: crate::budget::Spend,
+    /// The rules its derived state is folded with (`RunStarted.rules`; 0 in runs started
+    /// before it existed).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rules: u32,
     /// Lineage of a forked run: `{run_id, version}` of the checkpoint it started from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<Value>,
@@ -56,6 +60,10 @@ pub struct RunState {
     /// this state is its audit summary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forgotten: Option<Forgotten>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// When and why a run's payloads were forgotten.

@@ -10,7 +10,9 @@ pub enum RunStatus {
     /// At least one interrupt awaits a human decision; no process waits.
     WaitingApproval,
     /// An operation's outcome is unknown and its class forbids a blind retry: an operator
-    /// must record what happened (`ReconcileOperation`).
+    /// must record what happened (`ReconcileOperation`). Also a run that is winding down
+    /// (its `ending` is set) while it waits for such an outcome; once recorded, it goes
+    /// back to `Cancelling` or `Compensating`.
     NeedsReconciliation,
     /// Cancel requested: no new dispatches; waiting for in-flight outcomes, then compensating.
     Cancelling,
@@ -42,8 +44,10 @@ impl RunStatus {
         }
         match self {
             Running | WaitingApproval | NeedsReconciliation => true,
-            Cancelling => matches!(next, Cancelled | Failed),
-            Compensating => matches!(next, Failed | Cancelling | Cancelled),
+            // Winding down, a run may wait for an operator (and come back) but never
+            // runs forward again.
+            Cancelling => matches!(next, Cancelled | Failed | NeedsReconciliation),
+            Compensating => matches!(next, Failed | Cancelling | Cancelled | NeedsReconciliation),
             Succeeded | Failed | Cancelled => false,
         }
     }
@@ -84,6 +88,9 @@ mod tests {
         }
         assert!(Cancelling.can_become(Cancelled));
         assert!(!Cancelling.can_become(Running));
+        assert!(Cancelling.can_become(NeedsReconciliation));
+        assert!(Compensating.can_become(NeedsReconciliation));
+        assert!(NeedsReconciliation.can_become(Cancelling));
         assert!(Running.can_become(Succeeded));
     }
 }

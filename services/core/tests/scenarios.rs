@@ -46,4 +46,9 @@ scenarios!(
     cancel_while_in_flight,
     late_result_resolves_unknown_outcome,
     rejection_runs_the_substitute_with_its_own_args,
+    cancel_then_reconcilable_timeout_asks_the_receiver,
+    cancel_then_reconcilable_never_performed_is_not_called,
+    cancel_then_lookup_cannot_tell_hands_to_an_operator,
+    cancel_then_timeout_by_side_effect_class,
+    failure_then_unsafe_timeout_waits_for_an_operator,
 );

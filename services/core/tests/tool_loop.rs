@@ -351,6 +351,21 @@ fn pause_asks_to_raise_the_budget_and_an_approved_raise_goes_on() {
     run.decide_with(true, Some(json!({"note": "go"})));
     assert_eq!(run.state().open_interrupts().count(), 1);
     assert!(run.intents.is_empty());
+    // So is a raise out of bounds (`Limits::check`): it would saturate the limit or never
+    // trip. Seen red: without the check in decide/budget.rs, the u64::MAX raise was
+    // accepted and closed the interrupt.
+    for raise in [
+        json!({"tokens": u64::MAX}),
+        json!({"tokens": 10, "cost_usd": -1.0}),
+        json!({"wall_time": -1}),
+    ] {
+        run.decide_with(true, Some(json!({ "raise": raise })));
+        assert_eq!(run.state().open_interrupts().count(), 1, "{raise}");
+        assert_eq!(
+            run.state().budget.as_ref().and_then(|b| b.limits.tokens),
+            Some(15)
+        );
+    }
 
     run.decide_with(true, Some(json!({"raise": {"tokens": 100}})));
     assert_eq!(

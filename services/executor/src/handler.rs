@@ -429,6 +429,7 @@ mod tests {
             config: String::new(),
             timeout_ms: Some(1500),
             issued_at: 0,
+            lookup_only: false,
         };
         let call = Call::from_intent(&intent, Duration::from_secs(30)).expect("call");
         assert_eq!(call.args["a"], 1);

@@ -379,6 +379,7 @@ mod tests {
                 budget: None,
                 deadline_at: None,
                 forked_from: None,
+                rules: 0,
             },
         };
         let mut state = sortie_core::evolve(None, &event).expect("started");

@@ -69,7 +69,22 @@ pub fn budget_text(budget: &sortie_core::budget::Budget) -> String {
     serde_json::to_string(budget).unwrap_or_default()
 }
 
-fn budget_of(text: &Option<String>) -> Result<Option<sortie_core::budget::Budget>, Invalid> {
+/// A `StartRun`'s budget, held to [`sortie_core::budget::Budget::check`]: limits and
+/// prices finite, not negative and under their maximum. The gateway asks the same.
+pub fn budget_of(text: &Option<String>) -> Result<Option<sortie_core::budget::Budget>, Invalid> {
+    let budget = recorded_budget_of(text)?;
+    if let Some(problem) = budget.as_ref().and_then(|b| b.check().err()) {
+        return Err(Invalid(format!("budget: {problem}")));
+    }
+    Ok(budget)
+}
+
+/// The budget a `RunStarted` recorded, as it was recorded: a history is read back whatever
+/// rule held when it was written (a run started before [`budget_of`] checked limits still
+/// folds to its state).
+fn recorded_budget_of(
+    text: &Option<String>,
+) -> Result<Option<sortie_core::budget::Budget>, Invalid> {
     text.as_deref()
         .map(|t| {
             serde_json::from_str(t).map_err(|e| Invalid(format!("budget is not a budget: {e}")))
@@ -335,6 +350,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             deadline_at,
             budget,
             forked_from,
+            rules,
         } => w::EventBody::RunStarted(w::RunStarted {
             graph_id: graph_id.clone(),
             graph_version: *graph_version as i32,
@@ -344,6 +360,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             deadline_at: *deadline_at,
             budget: budget.as_ref().map(budget_text),
             forked_from: forked_from.as_ref().map(text),
+            rules: *rules as i32,
         }),
         EventBody::StepDispatched {
             step_id,
@@ -355,6 +372,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             args,
             role,
             timeout_at,
+            lookup_only,
         } => {
             let (compensates, requested_by, substitute_for) = role_fields(role);
             w::EventBody::StepDispatched(w::StepDispatched {
@@ -370,6 +388,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
                 requested_by,
                 substitute_for,
                 precheck_for: precheck_for(role),
+                lookup_only: *lookup_only,
             })
         }
         EventBody::StepStarted { step_id, attempt } => w::EventBody::StepStarted(w::StepStarted {
@@ -583,8 +602,9 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             started_by: e.started_by,
             labels: e.labels,
             deadline_at: e.deadline_at,
-            budget: budget_of(&e.budget)?,
+            budget: recorded_budget_of(&e.budget)?,
             forked_from: json_opt("forked_from", &e.forked_from)?,
+            rules: u32_of("rules", e.rules)?,
         },
         w::EventBody::StepDispatched(e) => EventBody::StepDispatched {
             step_id: e.step_id,
@@ -602,6 +622,7 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
                 None => role_from(e.compensates, e.requested_by, e.substitute_for),
             },
             timeout_at: e.timeout_at,
+            lookup_only: e.lookup_only,
         },
         w::EventBody::StepStarted(e) => EventBody::StepStarted {
             step_id: e.step_id,
@@ -721,6 +742,7 @@ pub fn intent_to_wire(intent: &Intent) -> w::StepIntent {
         config: text(&intent.config),
         timeout_ms: intent.timeout_ms,
         issued_at: intent.issued_at,
+        lookup_only: intent.lookup_only,
     }
 }
 
@@ -830,5 +852,118 @@ mod tests {
         assert_eq!(folded, third.state);
         let header = state_to_wire(third.state.as_ref().expect("state"));
         assert_eq!(state_from_wire(&header).ok(), third.state);
+    }
+
+    fn start_with_budget(budget: &str) -> w::RunCommand {
+        w::RunCommand {
+            command_id: "c1".into(),
+            tenant: "t".into(),
+            run_id: "r".into(),
+            issuer: w::Issuer {
+                principal: "svc".into(),
+                roles: vec![],
+                groups: vec![],
+            },
+            issued_at: 0,
+            body: w::CommandBody::StartRun(w::StartRun {
+                graph_id: "g".into(),
+                graph_version: None,
+                input: "{}".into(),
+                labels: Default::default(),
+                budget: Some(budget.into()),
+                fork: None,
+            }),
+        }
+    }
+
+    /// A StartRun's budget is held to `Budget::check` where it enters; a recorded
+    /// `RunStarted` with the same budget still reads back (history is read as written).
+    /// Seen red: with `budget_of` not calling `check`, every bad budget below decoded.
+    #[test]
+    fn a_start_with_an_unbounded_budget_is_refused_but_history_reads_back() {
+        for bad in [
+            r#"{"limits": {"cost_usd": -1.0}}"#,
+            r#"{"limits": {"tokens": 1000000000000000}}"#,
+            r#"{"limits": {"wall_time": 1000000000000000}}"#,
+            r#"{"limits": {"tool_calls": 18446744073709551615}}"#,
+            r#"{"prices": {"m": {"input_per_1k": -2.0, "output_per_1k": 1.0}}}"#,
+            r#"{"limits": {"cost_usd": 1e300}}"#,
+        ] {
+            let refused = command_from_wire(start_with_budget(bad));
+            assert!(
+                refused.as_ref().is_err_and(|e| e.0.starts_with("budget:")),
+                "{bad}: {refused:?}"
+            );
+            let recorded = w::RunEvent {
+                tenant: "t".into(),
+                run_id: "r".into(),
+                seq: 1,
+                state_version: 1,
+                at: 0,
+                command_id: None,
+                operation_id: None,
+                prev_hash: None,
+                hash: None,
+                body: w::EventBody::RunStarted(w::RunStarted {
+                    graph_id: "g".into(),
+                    graph_version: 1,
+                    input: "{}".into(),
+                    started_by: "svc".into(),
+                    labels: Default::default(),
+                    deadline_at: None,
+                    budget: Some(bad.into()),
+                    forked_from: None,
+                    rules: 0,
+                }),
+            };
+            assert!(event_from_wire(recorded).is_ok(), "{bad}");
+        }
+        let good = r#"{"limits": {"cost_usd": 5.0, "tokens": 100000}, "prices": {"m": {"input_per_1k": 0.5, "output_per_1k": 1.5}}}"#;
+        assert!(command_from_wire(start_with_budget(good)).is_ok());
+    }
+
+    /// The fields this build adds to events survive the wire, so their hashes verify.
+    #[test]
+    fn lookup_only_and_rules_round_trip() {
+        let event = |body| Event {
+            tenant: "t".into(),
+            run_id: "r".into(),
+            seq: 1,
+            state_version: 1,
+            at: 0,
+            command_id: None,
+            operation_id: Some("op".into()),
+            prev_hash: None,
+            hash: None,
+            body,
+        };
+        for body in [
+            EventBody::StepDispatched {
+                step_id: "book#1".into(),
+                node: "book".into(),
+                attempt: 2,
+                tool: "http".into(),
+                queue: "http".into(),
+                side_effect: SideEffect::Reconcilable,
+                args: serde_json::json!({}),
+                role: StepRole::Node,
+                timeout_at: Some(9),
+                lookup_only: true,
+            },
+            EventBody::RunStarted {
+                graph_id: "g".into(),
+                graph_version: 1,
+                input: serde_json::json!({}),
+                started_by: "svc".into(),
+                labels: Default::default(),
+                deadline_at: None,
+                budget: None,
+                forked_from: None,
+                rules: sortie_core::budget::RULES,
+            },
+        ] {
+            let event = event(body);
+            assert_eq!(event_from_wire(event_to_wire(&event)).ok(), Some(event));
+        }
     }
 }

@@ -146,6 +146,9 @@ pub struct StepIntent {
     pub config: String,
     pub timeout_ms: Option<i64>,
     pub issued_at: Millis,
+    /// Ask the receiver only; never call it (added in 0.2).
+    #[serde(default)]
+    pub lookup_only: bool,
 }
 
 impl Record for StepIntent {
@@ -290,6 +293,9 @@ pub struct RunStarted {
     /// For a fork: the source and what was carried over, as JSON (added in 0.2).
     #[serde(default)]
     pub forked_from: Option<String>,
+    /// The rules the run's derived state is folded with (added in 0.2; 0 before).
+    #[serde(default)]
+    pub rules: i32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,6 +314,9 @@ pub struct StepDispatched {
     /// The approved step this step prechecks (added in 0.2).
     #[serde(default)]
     pub precheck_for: Option<String>,
+    /// The attempt only asks a reconcilable receiver (added in 0.2).
+    #[serde(default)]
+    pub lookup_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

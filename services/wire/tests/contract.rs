@@ -239,6 +239,7 @@ fn intents_results_states_graphs_and_dead_letters_round_trip() {
         config: "{}".into(),
         timeout_ms: Some(30_000),
         issued_at: 1,
+        lookup_only: true,
     });
     for status in [
         StepStatus::Started,
@@ -334,6 +335,7 @@ fn every_event_kind_round_trips() {
             budget: None,
             deadline_at: Some(5),
             forked_from: None,
+            rules: 1,
         }),
         EventBody::StepDispatched(StepDispatched {
             step_id: "s".into(),
@@ -348,6 +350,7 @@ fn every_event_kind_round_trips() {
             requested_by: None,
             substitute_for: None,
             precheck_for: None,
+            lookup_only: true,
         }),
         EventBody::StepStarted(StepStarted {
             step_id: "s".into(),

@@ -751,17 +751,35 @@ fn next_compensation<'r>(run: &'r RunState, graph: &Graph) -> Option<(&'r Step, 
 
 /// Cancelling or failing: wait for in-flight outcomes, then compensate completed steps one
 /// at a time in reverse order of completion, then end.
+///
+/// While it waits, the run's status says on whom: `needs_reconciliation` while any
+/// outcome is an operator's to record (a step `NeedsOperator`, forward or compensation),
+/// otherwise `cancelling` or `compensating`. A run that is winding down is never left
+/// waiting on nobody: every wait is an attempt in flight (its result or its timeout will
+/// come), a retry's timer, or an operator.
 fn wind_down(ctx: &mut Ctx<'_>, graph: &Graph) {
     let run = ctx.run();
     let Some(ending) = run.ending.clone() else {
         return;
+    };
+    let waiting = if run
+        .steps
+        .values()
+        .any(|s| s.status == StepStatus::NeedsOperator)
+    {
+        RunStatus::NeedsReconciliation
+    } else if ending.cancelled {
+        RunStatus::Cancelling
+    } else {
+        RunStatus::Compensating
     };
     let forward_busy = run.steps.values().any(|s| {
         !matches!(s.role, StepRole::Compensation { .. })
             && (s.status.is_in_flight() || s.status == StepStatus::NeedsOperator)
     });
     if forward_busy {
-        return; // in-flight outcomes are recorded first: cancel is not undo
+        // in-flight outcomes are recorded first: cancel is not undo
+        return ctx.set_status(waiting, None, None);
     }
     let compensated = run
         .steps
@@ -783,9 +801,8 @@ fn wind_down(ctx: &mut Ctx<'_>, graph: &Graph) {
             let role = StepRole::Compensation {
                 of: step.step_id.clone(),
             };
-            if run.status == RunStatus::Cancelling || run.status == RunStatus::Compensating {
-                ctx.propose(target, step_id, args, role);
-            }
+            ctx.set_status(waiting, None, None);
+            ctx.propose(target, step_id, args, role);
         }
         Some((step, Some(compensation))) => {
             if compensation.status == StepStatus::Failed
@@ -798,8 +815,10 @@ fn wind_down(ctx: &mut Ctx<'_>, graph: &Graph) {
                     compensation.error.as_deref().unwrap_or("no reason given"),
                 );
                 end(ctx, ending.cancelled, reason);
+            } else {
+                // in flight, retrying, or awaiting an operator
+                ctx.set_status(waiting, None, None);
             }
-            // otherwise the compensation is in flight, retrying, or awaits an operator
         }
         None => {
             let reason = if compensated > 0 {

@@ -108,7 +108,14 @@ pub(crate) fn decide(ctx: &mut Ctx<'_>, command: &Command, interrupt: &Interrupt
         return;
     };
     if *approve {
-        if let Err(problem) = budget::raise_of(payload.as_ref()) {
+        // Checked here, not in `raise_of`: `evolve` reads raises of histories written
+        // before the check with it, and must fold them as they were.
+        let raise = budget::raise_of(payload.as_ref()).and_then(|raise| {
+            raise
+                .check()
+                .map_err(|problem| format!("payload.raise: {problem}"))
+        });
+        if let Err(problem) = raise {
             return ctx.reject(command, "invalid", problem);
         }
     }

@@ -257,7 +257,7 @@ fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
                 return ctx.reject(
                     command,
                     "unknown_run",
-                    format!("run {} does not exist", command.run_id),
+                    format!("run {} does not exist", limits::shown_id(&command.run_id)),
                 );
             };
             if run.status.is_terminal() {
@@ -413,6 +413,7 @@ impl<'g> Ctx<'g> {
     /// Rejects `command` with an answer that is not part of the run's history: seq 0,
     /// no state version, no hash, the command's own tenant; the state does not change.
     pub(crate) fn answer_outside(&mut self, command: &Command, code: &str, reason: String) {
+        let reason = limits::clip(&reason, limits::MAX_REASON_BYTES).to_owned();
         self.events.push(Event {
             tenant: command.tenant.clone(),
             run_id: self.run_id.clone(),
@@ -432,7 +433,11 @@ impl<'g> Ctx<'g> {
         });
     }
 
+    /// Rejects `command` in the run's history. The reason is cut to
+    /// [`limits::MAX_REASON_BYTES`]: the run keeps it (as the answer to a duplicate) and a
+    /// rejection must never grow a run with what a client sent.
     pub fn reject(&mut self, command: &Command, code: &str, reason: String) {
+        let reason = limits::clip(&reason, limits::MAX_REASON_BYTES).to_owned();
         self.emit(
             EventBody::CommandRejected {
                 command_id: command.command_id.clone(),
@@ -483,7 +488,7 @@ impl<'g> Ctx<'g> {
                         code: "unknown_interrupt".into(),
                         reason: format!(
                             "the run ended before interrupt {} was registered",
-                            decision.interrupt_id
+                            limits::shown_id(&decision.interrupt_id)
                         ),
                     },
                     None,
@@ -555,6 +560,20 @@ impl<'g> Ctx<'g> {
         args: Value,
         role: StepRole,
     ) {
+        self.dispatch_attempt(node, step_id, attempt, args, role, false)
+    }
+
+    /// [`Ctx::dispatch`]; with `lookup_only`, the attempt only asks the receiver what
+    /// became of the operation (a `reconcilable` step of a run winding down).
+    pub fn dispatch_attempt(
+        &mut self,
+        node: &Node,
+        step_id: String,
+        attempt: u32,
+        args: Value,
+        role: StepRole,
+        lookup_only: bool,
+    ) {
         let Some(graph) = self.graph() else { return };
         let operation_id =
             ids::operation_id(&self.tenant, &self.run_id, &step_id, &node.tool, &args);
@@ -575,6 +594,7 @@ impl<'g> Ctx<'g> {
             config: node.config.clone(),
             timeout_ms: node.timeout.map(|t| t.0),
             issued_at: self.at,
+            lookup_only,
         });
         self.emit(
             EventBody::StepDispatched {
@@ -587,6 +607,7 @@ impl<'g> Ctx<'g> {
                 args,
                 role,
                 timeout_at,
+                lookup_only,
             },
             Some(operation_id),
         );

@@ -34,7 +34,10 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         return ctx.reject(
             command,
             "unknown_operation",
-            format!("operation {operation_id} is not part of this run"),
+            format!(
+                "operation {} is not part of this run",
+                crate::limits::shown_id(operation_id)
+            ),
         );
     };
     if step.status != StepStatus::NeedsOperator {

@@ -4,7 +4,8 @@
 
 use super::{advance, Ctx};
 use crate::{
-    event::EventBody,
+    event::{EventBody, StepRole},
+    graph::SideEffect,
     input::{StepOutcome, StepReport},
     state::{Step, StepStatus},
 };
@@ -47,14 +48,29 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, report: &StepReport) -> Result<(), &'sta
             );
             return Ok(());
         }
-        StepOutcome::Succeeded { output } => ctx.emit(
-            EventBody::StepSucceeded {
-                step_id: step.step_id.clone(),
-                attempt: step.attempt,
-                output: output.clone(),
-            },
-            Some(step.operation_id.clone()),
-        ),
+        StepOutcome::Succeeded { output } => match refused_usage(&step, output) {
+            // A model call whose cost cannot be accounted for is not accepted (see
+            // `crate::budget`): the step fails for good and its output is not recorded.
+            Some(problem) => ctx.emit(
+                EventBody::StepFailed {
+                    step_id: step.step_id.clone(),
+                    attempt: step.attempt,
+                    code: "usage_refused".into(),
+                    message: format!("the model call's usage was refused: {problem}"),
+                    retryable: false,
+                    retry_at: None,
+                },
+                Some(step.operation_id.clone()),
+            ),
+            None => ctx.emit(
+                EventBody::StepSucceeded {
+                    step_id: step.step_id.clone(),
+                    attempt: step.attempt,
+                    output: output.clone(),
+                },
+                Some(step.operation_id.clone()),
+            ),
+        },
         StepOutcome::Failed {
             retryable,
             code,
@@ -82,6 +98,15 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, report: &StepReport) -> Result<(), &'sta
     Ok(())
 }
 
+/// Why the usage an `llm` step's output reports cannot be charged, if it cannot (other
+/// tools' outputs are never charged, so never refused for it).
+fn refused_usage(step: &Step, output: &serde_json::Value) -> Option<String> {
+    if step.tool != crate::budget::LLM_TOOL {
+        return None;
+    }
+    crate::budget::Usage::of(output).err()
+}
+
 /// When the next attempt is due, if the policy allows one.
 fn retry_time(
     ctx: &Ctx<'_>,
@@ -102,16 +127,28 @@ fn retry_time(
 
 /// An attempt's outcome is unknown. Classes whose receiver tolerates a repeat (or, for
 /// `reconcilable`, is asked first) get a new attempt of the same operation; `unsafe` —
-/// and any class whose attempts are spent, or a run that is winding down — waits for an
-/// operator. For `reconcilable`, an `unknown` *report* means the executor already asked
-/// the receiver and still does not know: an operator decides.
+/// and any class whose attempts are spent — waits for an operator. For `reconcilable`, an
+/// `unknown` *report* means the executor already asked the receiver and still does not
+/// know: an operator decides.
+///
+/// A run that is winding down (cancelled, or failed and compensating) follows the same
+/// rule: the operation was issued before the run began to end, and its real outcome
+/// decides what is compensated, so it must become known — by the receiver or by an
+/// operator, never by waiting for a result that will not come. One difference: a forward
+/// `reconcilable` step's new attempt only *asks* the receiver (`lookup_only`) and never
+/// calls it, since a call now would be the new work the ending forbids; an answer of
+/// "never performed" settles it as failed. `pure`/`idempotent`/`keyed` steps can only
+/// learn their outcome by repeating the same operation (the receiver dedupes or the
+/// repeat is harmless), so they do. A compensation is the ending's own work and is
+/// retried as it would be at any time.
 pub(crate) fn unknown(ctx: &mut Ctx<'_>, step: &Step, message: String, timed_out: bool) {
     let node = ctx.graph().and_then(|g| g.node(&step.node));
-    let class_retries = step.side_effect.retries_unknown()
-        && (timed_out || step.side_effect != crate::graph::SideEffect::Reconcilable);
-    let may_retry = class_retries
-        && ctx.run().ending.is_none()
-        && node.is_some_and(|n| step.attempt < n.retry.max_attempts);
+    let reconcilable = step.side_effect == SideEffect::Reconcilable;
+    let class_retries = step.side_effect.retries_unknown() && (timed_out || !reconcilable);
+    let may_retry = class_retries && node.is_some_and(|n| step.attempt < n.retry.max_attempts);
+    let lookup_only = reconcilable
+        && ctx.run().ending.is_some()
+        && !matches!(step.role, StepRole::Compensation { .. });
     ctx.emit(
         EventBody::StepOutcomeUnknown {
             step_id: step.step_id.clone(),
@@ -123,12 +160,13 @@ pub(crate) fn unknown(ctx: &mut Ctx<'_>, step: &Step, message: String, timed_out
     );
     if may_retry {
         if let Some(node) = node {
-            ctx.dispatch(
+            ctx.dispatch_attempt(
                 node,
                 step.step_id.clone(),
                 step.attempt + 1,
                 step.args.clone(),
                 step.role.clone(),
+                lookup_only,
             );
         }
     }

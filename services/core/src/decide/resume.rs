@@ -7,13 +7,11 @@ use super::{
 };
 use crate::{
     event::{EventBody, StepRole},
-    graph::OnReject,
+    graph::{Graph, OnReject},
     input::{Command, CommandBody},
-    state::InterruptStatus,
+    limits::{self, shown_id, MAX_BUFFERED, MAX_BUFFERED_BYTES},
+    state::{BufferedDecision, InterruptStatus},
 };
-
-/// Most decisions one run keeps waiting for interrupts not registered yet.
-pub(crate) const MAX_BUFFERED: usize = 16;
 
 /// Applies decisions that were waiting for `interrupt_id`, now that it is registered.
 /// Each is answered (accepted or rejected) under its own command id.
@@ -54,9 +52,8 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         interrupt_id,
         proposal_hash,
         approve,
-        payload,
-        comment,
         edited_args,
+        ..
     } = &command.body
     else {
         return;
@@ -64,36 +61,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     let Some(interrupt) = ctx.run().interrupts.get(interrupt_id).cloned() else {
         // Interrupt ids are derived from the run, the step and the proposal, so a decision
         // can name an interrupt before it is registered: keep it until it is.
-        let run = ctx.run();
-        if run
-            .buffered
-            .iter()
-            .any(|b| b.command_id == command.command_id)
-        {
-            return; // the same buffered decision again: still waiting
-        }
-        if run.buffered.len() >= MAX_BUFFERED {
-            return ctx.reject(
-                command,
-                "unknown_interrupt",
-                format!("interrupt {interrupt_id} is not pending on this run, and {MAX_BUFFERED} early decisions already wait"),
-            );
-        }
-        ctx.emit(
-            EventBody::DecisionBuffered {
-                interrupt_id: interrupt_id.clone(),
-                proposal_hash: proposal_hash.clone(),
-                approve: *approve,
-                decided_by: command.principal.clone(),
-                roles: command.roles.clone(),
-                payload: payload.clone(),
-                comment: comment.clone(),
-                groups: command.groups.clone(),
-                edited_args: edited_args.clone(),
-            },
-            None,
-        );
-        return;
+        return buffer(ctx, command);
     };
     match interrupt.status {
         InterruptStatus::Open => {}
@@ -101,30 +69,35 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             return ctx.reject(
                 command,
                 "expired",
-                format!("interrupt {interrupt_id} expired"),
+                format!("interrupt {} expired", shown_id(interrupt_id)),
             );
         }
         InterruptStatus::Superseded => {
             return ctx.reject(
                 command,
                 "stale_proposal",
-                format!("interrupt {interrupt_id} was superseded by a newer proposal"),
+                format!(
+                    "interrupt {} was superseded by a newer proposal",
+                    shown_id(interrupt_id)
+                ),
             );
         }
         InterruptStatus::Approved | InterruptStatus::Rejected => {
             return ctx.reject(
                 command,
                 "already_decided",
-                format!("interrupt {interrupt_id} is already decided"),
+                format!("interrupt {} is already decided", shown_id(interrupt_id)),
             );
         }
     }
     if &interrupt.proposal_hash != proposal_hash {
+        // The pending hash is the run's own; the decision's is the client's and is not
+        // repeated back (it can be any size the model layer lets through).
         return ctx.reject(
             command,
             "stale_proposal",
             format!(
-                "the decision names proposal {proposal_hash}, but the pending proposal is {}",
+                "the decision names another proposal than the pending one, {}",
                 interrupt.proposal_hash
             ),
         );
@@ -204,4 +177,128 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         }
     }
     advance(ctx);
+}
+
+/// A decision for an interrupt this run has not registered: kept until it is (SPEC §12),
+/// within bounds, so that no client of the tenant can grow the run with decisions for
+/// made-up interrupts. Refused, each with a fixed reason that repeats nothing the client
+/// sent, and not kept:
+/// - an id no interrupt can have (interrupt ids and proposal hashes are derived, so
+///   their form is known): `unknown_interrupt`;
+/// - a principal who may decide none of the graph's gates (the role, and the group of a
+///   members-only gate, at registration): `forbidden`. Which gate an early decision is
+///   for cannot be known (its id is a hash), so any gate the principal may decide
+///   admits it; it is checked again, against its own gate, when the interrupt appears.
+///   Budget interrupts are not counted: their proposals carry the time they were
+///   raised, so nobody can name one in advance;
+/// - past [`MAX_BUFFERED`] decisions or [`MAX_BUFFERED_BYTES`]: `unknown_interrupt`.
+fn buffer(ctx: &mut Ctx<'_>, command: &Command) {
+    let CommandBody::ResumeRun {
+        interrupt_id,
+        proposal_hash,
+        approve,
+        payload,
+        comment,
+        edited_args,
+    } = &command.body
+    else {
+        return;
+    };
+    let run = ctx.run();
+    if run
+        .buffered
+        .iter()
+        .any(|b| b.command_id == command.command_id)
+    {
+        return; // the same buffered decision again: still waiting
+    }
+    if !is_derived(interrupt_id, "int_", 24) || !is_derived(proposal_hash, "", 64) {
+        return ctx.reject(
+            command,
+            "unknown_interrupt",
+            "no interrupt is pending under this id, and none can be registered under it".into(),
+        );
+    }
+    if let Some(graph) = ctx.graph() {
+        if !may_decide_a_gate(graph, command) {
+            return ctx.reject(
+                command,
+                "forbidden",
+                "no interrupt is pending under this id, and the principal may decide none of \
+                 this run's gates (their role, and group where only members decide)"
+                    .into(),
+            );
+        }
+    }
+    let decision = BufferedDecision {
+        command_id: command.command_id.clone(),
+        interrupt_id: interrupt_id.clone(),
+        proposal_hash: proposal_hash.clone(),
+        approve: *approve,
+        principal: command.principal.clone(),
+        roles: command.roles.clone(),
+        payload: payload.clone(),
+        comment: comment.clone(),
+        at: command.at,
+        groups: command.groups.clone(),
+        edited_args: edited_args.clone(),
+    };
+    let kept: usize = run.buffered.iter().map(limits::json_len).sum();
+    if run.buffered.len() >= MAX_BUFFERED
+        || kept.saturating_add(limits::json_len(&decision)) > MAX_BUFFERED_BYTES
+    {
+        return ctx.reject(
+            command,
+            "unknown_interrupt",
+            format!(
+                "no interrupt is pending under this id, and the decisions this run keeps for \
+                 interrupts not registered yet are full (at most {MAX_BUFFERED}, \
+                 {MAX_BUFFERED_BYTES} bytes)"
+            ),
+        );
+    }
+    ctx.emit(
+        EventBody::DecisionBuffered {
+            interrupt_id: decision.interrupt_id,
+            proposal_hash: decision.proposal_hash,
+            approve: decision.approve,
+            decided_by: decision.principal,
+            roles: decision.roles,
+            payload: decision.payload,
+            comment: decision.comment,
+            groups: decision.groups,
+            edited_args: decision.edited_args,
+        },
+        None,
+    );
+}
+
+/// Whether `id` has the form of a derived id: `prefix` then `hex` lowercase hex digits.
+fn is_derived(id: &str, prefix: &str, hex: usize) -> bool {
+    id.strip_prefix(prefix).is_some_and(|rest| {
+        rest.len() == hex
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
+/// Whether the principal of `command` could decide some gate of `graph` when its
+/// interrupt is registered (round 0: the gate's own group).
+fn may_decide_a_gate(graph: &Graph, command: &Command) -> bool {
+    graph
+        .nodes
+        .iter()
+        .filter_map(|n| n.interrupt_before.as_ref())
+        .any(|gate| {
+            let role = gate
+                .required_role
+                .as_ref()
+                .is_none_or(|r| command.roles.contains(r));
+            let group = gate
+                .group
+                .as_ref()
+                .is_none_or(|g| command.groups.contains(g));
+            role && group
+        })
 }

@@ -58,11 +58,19 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         return ctx.reject(
             command,
             "unknown_graph",
-            format!("graph {graph_id}{version} is not published"),
+            format!(
+                "graph {}{version} is not published",
+                crate::limits::shown_id(graph_id)
+            ),
         );
     };
     if let Some(reason) = graph.access.start_refusal(&graph.id, &command.roles) {
         return ctx.reject(command, "forbidden", reason);
+    }
+    if let Some(Err(problem)) = budget.as_ref().map(crate::budget::Budget::check) {
+        // The model layer refuses such a command before the fold; this keeps any other
+        // caller of the fold to the same rule.
+        return ctx.reject(command, "bad_budget", format!("budget: {problem}"));
     }
     ctx.emit(
         EventBody::RunStarted {
@@ -74,6 +82,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             deadline_at: graph.max_duration.map(|d| ctx.at + d.0),
             budget: budget.clone(),
             forked_from: source.as_ref().map(fork::plan),
+            rules: crate::budget::RULES,
         },
         None,
     );
@@ -98,15 +107,22 @@ fn source_state(
     graph_id: &str,
     graph_version: Option<u32>,
 ) -> Result<RunState, String> {
-    let state: RunState = serde_json::from_value(fork.state.clone())
-        .map_err(|e| format!("the fork's source state does not read as a run state: {e}"))?;
+    let state: RunState = serde_json::from_value(fork.state.clone()).map_err(|e| {
+        // serde's message may quote the value: only its start is kept.
+        let e = e.to_string();
+        format!(
+            "the fork's source state does not read as a run state: {}",
+            crate::limits::clip(&e, 160)
+        )
+    })?;
     if state.tenant != command.tenant
         || state.run_id != fork.run_id
         || state.version != fork.version
     {
         return Err(format!(
             "the fork's source state is not run {} at version {} of this tenant",
-            fork.run_id, fork.version
+            crate::limits::shown_id(&fork.run_id),
+            fork.version
         ));
     }
     if state.graph_id != graph_id || graph_version.is_some_and(|v| v != state.graph_version) {

@@ -64,7 +64,7 @@ pub struct Step {
     pub publish: Option<Value>,
     /// The events the input must produce, as one-line summaries.
     pub then: Vec<String>,
-    /// Intents dispatched: "step_id aN".
+    /// Intents dispatched: "step_id aN" (and " lookup only" for an attempt that only asks).
     #[serde(default)]
     pub dispatched: Option<Vec<String>>,
 }
@@ -177,6 +177,7 @@ pub fn summary(event: &Event) -> String {
             step_id,
             attempt,
             role,
+            lookup_only,
             ..
         } => {
             let role = match role {
@@ -188,7 +189,8 @@ pub fn summary(event: &Event) -> String {
                 }
                 sortie_core::event::StepRole::Precheck { of } => format!(" prechecking {of}"),
             };
-            format!("StepDispatched {step_id} a{attempt}{role}")
+            let lookup = if *lookup_only { " lookup only" } else { "" };
+            format!("StepDispatched {step_id} a{attempt}{role}{lookup}")
         }
         EventBody::StepStarted { step_id, attempt } => format!("StepStarted {step_id} a{attempt}"),
         EventBody::StepSucceeded {
@@ -436,7 +438,12 @@ pub fn run(path: &Path) -> (Vec<Event>, Option<RunState>) {
                             history.push(e.clone());
                         }
                     }
-                    Effect::Dispatch(i) => dispatched.push(format!("{} a{}", i.step_id, i.attempt)),
+                    Effect::Dispatch(i) => dispatched.push(format!(
+                        "{} a{}{}",
+                        i.step_id,
+                        i.attempt,
+                        if i.lookup_only { " lookup only" } else { "" }
+                    )),
                     _ => {}
                 }
             }

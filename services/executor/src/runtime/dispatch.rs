@@ -11,8 +11,8 @@ pub(super) struct Worker {
     pub(super) producer: FutureProducer,
     pub(super) result_partitions: u32,
     pub(super) health: Health,
-    /// A lock per reconcilable operation with an attempt here ([`Worker::exclusive`]).
-    pub(super) operations: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// A lock per reconcilable operation with an attempt here ([`OperationLocks`]).
+    pub(super) operations: OperationLocks,
     /// The blob store of `config.blobs`, opened.
     pub(super) blobs: Option<Arc<dyn sortie_blob::BlobStore>>,
     /// The run data keys of `config.seal`, opened.
@@ -94,6 +94,19 @@ impl Worker {
             }
         };
         tracing::debug!(class = ?intent.side_effect, "Intent received.");
+        if intent.lookup_only {
+            // The run is winding down: ask what became of the operation, never call. No
+            // STARTED and no pre-call commit: nothing is called, so a redelivery only asks
+            // again. Under the operation's lock, so an earlier attempt of it in this
+            // process finishes (or is fenced, below) before the answer is taken.
+            let outcome = match self.exclusive(&intent.operation_id, intent.attempt).await {
+                Some(_guard) => only_ask(&call, self.handlers.lookup(&call).await),
+                None => Err(superseded(intent.attempt)),
+            };
+            self.report(intent, outcome, started_at).await;
+            ticket.done();
+            return;
+        }
         match intent.side_effect {
             SideEffectClass::Pure | SideEffectClass::Idempotent | SideEffectClass::Keyed => {
                 fault(FaultPoint::BeforeCall);
@@ -123,7 +136,14 @@ impl Worker {
         // get here together; without the lock both lookups say "never seen" and both call.
         let _one_attempt_at_a_time = match intent.side_effect {
             SideEffectClass::Reconcilable => {
-                let guard = self.exclusive(&intent.operation_id).await;
+                let Some(guard) = self.exclusive(&intent.operation_id, intent.attempt).await else {
+                    // A later attempt of the operation already asked (and maybe called):
+                    // this one must not call after it. Its report is stale for the fold.
+                    tracing::info!("A later attempt of the operation went first; not calling.");
+                    self.report(intent, Err(superseded(intent.attempt)), started_at)
+                        .await;
+                    return;
+                };
                 if let Some(known) = self.ask_first(&call).await {
                     self.report(intent, known, started_at).await;
                     return;
@@ -139,21 +159,13 @@ impl Worker {
         fault(FaultPoint::AfterResult);
     }
 
-    /// Holds the operation's lock: attempts of one reconcilable operation ask and call one
-    /// after the other, so a later attempt's lookup sees what an earlier one did.
-    pub(super) async fn exclusive(&self, operation_id: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = {
-            let mut operations = self.operations.lock().unwrap_or_else(|e| e.into_inner());
-            if operations.len() > 4096 {
-                // Forget locks nobody holds or waits for.
-                operations.retain(|_, lock| Arc::strong_count(lock) > 1);
-            }
-            operations
-                .entry(operation_id.to_owned())
-                .or_default()
-                .clone()
-        };
-        lock.lock_owned().await
+    /// See [`OperationLocks::exclusive`].
+    pub(super) async fn exclusive(
+        &self,
+        operation_id: &str,
+        attempt: i32,
+    ) -> Option<tokio::sync::OwnedMutexGuard<i32>> {
+        self.operations.exclusive(operation_id, attempt).await
     }
 
     /// The run's seal: how its payloads are opened and written (plaintext without
@@ -264,6 +276,44 @@ impl Worker {
     }
 }
 
+/// A lock per reconcilable operation with an attempt in this process.
+#[derive(Default)]
+pub(super) struct OperationLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<i32>>>>);
+
+impl OperationLocks {
+    /// Holds the operation's lock: attempts of one reconcilable operation ask and call one
+    /// after the other, so a later attempt's lookup sees what an earlier one did. The lock
+    /// remembers the highest attempt that held it: `None` for an attempt below it, which
+    /// must neither ask nor call — a later attempt was dispatched after this one timed
+    /// out, and may have been a lookup-only attempt that reported "never performed"; a
+    /// call now would be an effect the run has already settled as not having happened.
+    /// Within this process only (ARCHITECTURE, executors): intents of one operation share
+    /// a partition, so they reach one process unless a rebalance moves it in between.
+    pub(super) async fn exclusive(
+        &self,
+        operation_id: &str,
+        attempt: i32,
+    ) -> Option<tokio::sync::OwnedMutexGuard<i32>> {
+        let lock = {
+            let mut operations = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            if operations.len() > 4096 {
+                // Forget locks nobody holds or waits for.
+                operations.retain(|_, lock| Arc::strong_count(lock) > 1);
+            }
+            operations
+                .entry(operation_id.to_owned())
+                .or_default()
+                .clone()
+        };
+        let mut guard = lock.lock_owned().await;
+        if *guard > attempt {
+            return None;
+        }
+        *guard = attempt;
+        Some(guard)
+    }
+}
+
 /// [`Worker::ask_first`]'s decision, given the lookup's answer.
 fn settle(
     call: &Call,
@@ -305,6 +355,48 @@ fn settle(
             format!("the receiver could not be asked: {error}"),
         ))),
     }
+}
+
+/// A lookup-only attempt's outcome, given the lookup's answer (it never calls):
+///
+/// - succeeded → that output;
+/// - recorded as failed → failed (not retryable): it had no effect;
+/// - not found, where the node's lookup is authoritative → failed (`not_performed`, not
+///   retryable): the operation never reached the receiver, and it is not called now;
+/// - anything else (not found without an authoritative lookup, a handler that cannot
+///   ask, a lookup that failed in any way) → unknown: an operator decides, since none of
+///   these says whether the earlier call took effect.
+fn only_ask(call: &Call, lookup: Result<Lookup, HandlerError>) -> Result<Value, HandlerError> {
+    match lookup {
+        Ok(Lookup::Succeeded(output)) => Ok(output),
+        Ok(Lookup::Failed { code, message }) => Err(HandlerError::permanent(code, message)),
+        Ok(Lookup::NotFound) if lookup_authoritative(&call.config) => Err(HandlerError::permanent(
+            "not_performed",
+            "the receiver has no record of the operation (its lookup is authoritative): \
+                 it was never performed, and the run is winding down, so it is not called",
+        )),
+        Ok(Lookup::NotFound) => Err(HandlerError::unknown(
+            "lookup_not_found",
+            "the receiver has no record of the operation, but its lookup is not declared \
+             authoritative (config.lookup_authoritative): the earlier attempt may have reached it",
+        )),
+        Ok(Lookup::Unsupported) => Err(HandlerError::unknown(
+            "not_reconcilable",
+            "a lookup-only attempt, but its handler cannot ask the receiver (no status_url)",
+        )),
+        Err(error) => Err(HandlerError::unknown(
+            "lookup_failed",
+            format!("the receiver could not be asked: {error}"),
+        )),
+    }
+}
+
+/// The report of an attempt that a later attempt of its operation overtook.
+fn superseded(attempt: i32) -> HandlerError {
+    HandlerError::unknown(
+        "superseded",
+        format!("a later attempt of the operation came before attempt {attempt}; it did not call"),
+    )
 }
 
 /// The node's `config.lookup_authoritative`: its receiver's "not found" means the
@@ -391,6 +483,88 @@ mod tests {
         };
         // A recorded failure had no effect: the attempt may call (unchanged).
         assert!(settle(&call(2, plain()), Ok(failed)).is_none());
+    }
+
+    fn code(outcome: &Result<Value, HandlerError>) -> (&'static str, String) {
+        match outcome {
+            Ok(_) => ("ok", String::new()),
+            Err(HandlerError::Permanent { code, .. }) => ("permanent", code.clone()),
+            Err(HandlerError::Unknown { code, .. }) => ("unknown", code.clone()),
+            Err(HandlerError::Retryable { code, .. }) => ("retryable", code.clone()),
+        }
+    }
+
+    /// A lookup-only attempt (a reconcilable step of a run winding down) has no "call"
+    /// answer at all (`only_ask` returns an outcome, never "go ahead"): only the
+    /// receiver's record settles it. Seen red: with the authoritative not-found arm
+    /// disabled, "never performed" came back unknown (an operator task) instead of a
+    /// failure.
+    #[test]
+    fn a_lookup_only_attempt_reports_what_the_receiver_knows_and_never_calls() {
+        let out = json!({"ledger_seq": 7});
+        assert_eq!(
+            only_ask(&call(2, plain()), Ok(Lookup::Succeeded(out.clone()))).ok(),
+            Some(out)
+        );
+        let declined = Lookup::Failed {
+            code: "declined".into(),
+            message: "no".into(),
+        };
+        assert_eq!(
+            code(&only_ask(&call(2, plain()), Ok(declined))),
+            ("permanent", "declined".into())
+        );
+        assert_eq!(
+            code(&only_ask(&call(2, authoritative()), Ok(Lookup::NotFound))),
+            ("permanent", "not_performed".into()),
+            "never performed: a failure, and no call"
+        );
+        assert_eq!(
+            code(&only_ask(&call(2, plain()), Ok(Lookup::NotFound))),
+            ("unknown", "lookup_not_found".into())
+        );
+        assert_eq!(
+            code(&only_ask(
+                &call(2, authoritative()),
+                Ok(Lookup::Unsupported)
+            )),
+            ("unknown", "not_reconcilable".into())
+        );
+        for error in [
+            HandlerError::retryable("x", "503"),
+            HandlerError::permanent("x", "400 from the status endpoint"),
+        ] {
+            assert_eq!(
+                code(&only_ask(&call(2, authoritative()), Err(error))),
+                ("unknown", "lookup_failed".into()),
+                "a lookup that failed says nothing about the call"
+            );
+        }
+    }
+
+    /// An earlier attempt that reaches the operation's lock after a later one neither
+    /// asks nor calls (the later one may have settled it as never performed). Seen red:
+    /// with the attempt check in `exclusive` disabled, attempt 1 got the lock after
+    /// attempt 2.
+    #[tokio::test]
+    async fn an_overtaken_attempt_does_not_get_the_operation() {
+        let locks = OperationLocks::default();
+        drop(
+            locks
+                .exclusive("op-1", 2)
+                .await
+                .expect("attempt 2 goes first"),
+        );
+        assert!(
+            locks.exclusive("op-1", 1).await.is_none(),
+            "attempt 1 is overtaken"
+        );
+        assert!(
+            locks.exclusive("op-1", 2).await.is_some(),
+            "a redelivered attempt 2"
+        );
+        assert!(locks.exclusive("op-1", 3).await.is_some());
+        assert!(locks.exclusive("op-2", 1).await.is_some(), "per operation");
     }
 
     #[test]

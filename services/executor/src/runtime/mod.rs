@@ -268,7 +268,7 @@ pub async fn run_with_health(
         producer,
         result_partitions,
         health: health.clone(),
-        operations: Mutex::new(HashMap::new()),
+        operations: Default::default(),
         blobs,
         run_keys,
     });
