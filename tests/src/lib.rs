@@ -431,3 +431,11 @@ pub fn python_venv() -> anyhow::Result<String> {
         .map(str::to_owned)
         .context("ensure_venv.py printed no interpreter path")
 }
+
+/// Says `line` on the test's stderr whether the test passes or not: libtest captures what
+/// `println!`/`eprintln!` print from a passing test, and a seeded test's seed belongs in
+/// every CI log, not only a failing one's.
+pub fn say(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}

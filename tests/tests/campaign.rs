@@ -33,7 +33,9 @@ async fn a_hostile_campaign_hurts_no_canary_run() {
     let reducer = stack.reducer("0");
     let seed = sortie_tests::stack::seed_from_env("SORTIE_CAMPAIGN_SEED");
     let cases = sortie_tests::stack::env_number("SORTIE_CAMPAIGN_CASES", 5_000);
-    eprintln!("campaign: seed {seed} (SORTIE_CAMPAIGN_SEED={seed} replays), {cases} cases");
+    sortie_tests::say(&format!(
+        "campaign: seed {seed} (SORTIE_CAMPAIGN_SEED={seed} replays), {cases} cases"
+    ));
     let target = Target {
         bootstrap: stack.bootstrap.clone(),
         topics: stack.topics.clone(),

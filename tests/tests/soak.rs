@@ -479,10 +479,10 @@ fn settled(state: &RunState) -> bool {
 /// Runs one soak; `replay` is the command that replays it, given the seed.
 async fn soak(plan: Plan, replay: impl Fn(u64) -> String) {
     let replay = replay(plan.seed);
-    println!(
+    sortie_tests::say(&format!(
         "soak: seed {} ({} runs, {} faults); replay: {replay}",
         plan.seed, plan.runs, plan.faults
-    );
+    ));
     let _replay = ReplayHint(replay);
     let began = Instant::now();
     let mut rng = Rng(plan.seed);
@@ -751,14 +751,15 @@ impl Drop for ReplayHint {
     }
 }
 
-/// The bounded soak CI runs (`SORTIE_SOAK_SEED` replays a seed).
+/// The bounded soak CI runs, with a fresh seed each time, printed (`SORTIE_SOAK_SEED`
+/// replays one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bounded_soak_under_seeded_faults_keeps_every_promise() {
     soak(
         Plan {
             seed: Plan::seed(),
-            runs: 24,
-            faults: 6,
+            runs: 120,
+            faults: 24,
             spacing: Duration::from_millis(250),
             settle: Duration::from_secs(90),
         },

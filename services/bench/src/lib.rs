@@ -26,7 +26,9 @@ mod load;
 mod procfs;
 mod roll;
 mod scale;
-mod stack;
+/// The stack a bench runs on (broker, registry, topology, services as processes), shared
+/// with `sortie fuzz`.
+pub mod stack;
 mod stats;
 
 use load::Driver;

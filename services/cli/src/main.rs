@@ -8,6 +8,7 @@ mod bench;
 mod broker;
 mod dev;
 mod executor;
+mod fuzz;
 mod gateway;
 mod graph;
 mod human;
@@ -68,6 +69,9 @@ enum Command {
     Run(run::Args),
     /// Measure throughput, round trip, restart and restore against a bare transactional loop; prints JSON.
     Bench(bench::Args),
+    /// The hostile-input campaign against a stack of its own, with a canary tenant as the
+    /// oracle; prints JSON, exits 1 on a finding.
+    Fuzz(fuzz::Args),
 }
 
 /// Every service allocates per record (decoded inputs, run states, encoded outputs);
@@ -96,6 +100,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Run(args) => run::run(args).await,
         Command::Graph(args) => graph::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Fuzz(args) => fuzz::run(args).await,
     }
 }
 
