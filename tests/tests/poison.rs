@@ -8,8 +8,6 @@
 //! - a record Kafka refuses to take from the reducer (an intent over its topic's
 //!   `max.message.bytes`): its input is dead-lettered by reference after two tries,
 //!   never replayed for ever;
-//! - an undecodable changelog record: its run is quarantined at the restore, the
-//!   partition is not;
 //! - an input flood that never stops: timers still fire and a rotated key takes effect
 //!   within the housekeeping bound.
 
@@ -235,59 +233,6 @@ edges: []
         readiness(&reducer).await.0 == 200
     })
     .await;
-}
-
-/// A changelog record that does not decode (a foreign writer, or a state an older build
-/// wrote past what this one reads) quarantines its run at the restore: the run's inputs
-/// are dead-lettered `quarantined`, and every other run on the partition is restored and
-/// served. Before, the whole partition stopped.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_undecodable_changelog_record_quarantines_its_run_not_its_partition() {
-    let stack = Stack::start("poison-changelog", &[ECHO]).await;
-    let _executor = stack.executor_process("executor", &["default"], &[]);
-    let poisoned = runs_on(&stack, 2, "poisoned", 1).remove(0);
-    let canaries = runs_on(&stack, 2, "canary", 4);
-    {
-        let mut first = stack.reducer("0");
-        start_echo_runs(&stack, &canaries[..2]).await;
-        stack
-            .wait_for_states("the first canaries", &canaries[..2], LONG, succeeded)
-            .await;
-        first.stop();
-    }
-    stack
-        .send_raw(
-            &stack.topics.run_state(),
-            Some(2),
-            poisoned.as_bytes(),
-            b"garbage",
-        )
-        .await;
-    // A new instance with an empty cache restores the partition cold, through the record.
-    let reducer = stack.reducer("1");
-    start_echo_runs(&stack, &canaries[2..]).await;
-    stack
-        .send(&start_run(&poisoned, "echo", r#"{"n": 0}"#))
-        .await;
-    stack
-        .wait_for_states("every canary to succeed", &canaries, LONG, succeeded)
-        .await;
-    let letter = sortie_tests::wait_for("the quarantined run's input", LONG, || async {
-        stack
-            .dead_letters()
-            .await
-            .into_iter()
-            .find(|l| l.reason_code == "quarantined")
-    })
-    .await;
-    assert!(letter.reason.contains(&poisoned), "{}", letter.reason);
-    let metrics = scrape(&reducer.metrics_url().await).await;
-    assert_eq!(
-        metric_sum(&metrics, "sortie_reducer_runs_quarantined", &[]),
-        1.0
-    );
-    let (status, body) = readiness(&reducer).await;
-    assert_eq!(status, 200, "ready: {body}");
 }
 
 /// Under input that never stops, the loop still fires timers and reloads the keyring at

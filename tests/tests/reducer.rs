@@ -648,14 +648,16 @@ async fn a_huge_input_and_a_poison_run_id_do_not_stop_their_partition() {
     );
 }
 
-/// A changelog record the reducer cannot decode is never skipped: its partition stops
-/// (assigned, not consumed), the reducer says so on `/readyz` and in a metric, and every
-/// other partition keeps going. Before, the restore logged it, left the run out of the
-/// cache and moved its marker past it — the run's next input then started its history
-/// over. (Checked: with the stop in `restore.rs` replaced by the old skip, `/readyz`
-/// answers 200 and this test fails.)
+/// A changelog record the reducer cannot decode is never skipped, and never stops the
+/// partition for everyone: its run is quarantined. The run's inputs are dead-lettered
+/// `quarantined` (so its history never starts over under the same id), the reducer counts
+/// it, and every other run — on the same partition too — keeps going, with `/readyz`
+/// green. Before this, the partition stopped (and before that, the restore skipped the
+/// record and the run's next input started its history over). Checked red: with the
+/// quarantine check in `Engine::apply_or_refuse` removed, the victim's StartRun was
+/// applied as a new run over the unreadable one and no letter came.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_undecodable_changelog_record_stops_its_partition_loudly() {
+async fn an_undecodable_changelog_record_quarantines_its_run_not_its_partition() {
     let stack = Stack::start("reducer-bad-changelog", &[THREE_STEPS]).await;
     let broken = 1;
     let victim = (0..1000)
@@ -674,42 +676,50 @@ async fn an_undecodable_changelog_record_stops_its_partition_loudly() {
     let _executor = stack.executor("default", succeed);
     let others: Vec<String> = (0..1000)
         .map(|i| format!("run-other-{i}"))
-        .filter(|id| partition_for(id.as_bytes(), PARTITIONS) != broken)
-        .take(4)
+        .take(6)
         .collect();
+    assert!(
+        others
+            .iter()
+            .any(|id| partition_for(id.as_bytes(), PARTITIONS) == broken),
+        "some of the others share the victim's partition"
+    );
     for run in others.iter().chain([&victim]) {
         stack.send(&start_run(run, "three", "{}")).await;
     }
-    // (The state table holds the bad record, so the runs are followed through events.)
     stack
-        .wait_succeeded_by_events("the runs of healthy partitions to finish", &others, LONG)
+        .wait_succeeded_by_events("every other run to finish", &others, LONG)
         .await;
+    let letter = sortie_tests::wait_for("the victim's start to be set aside", LONG, || async {
+        stack
+            .dead_letters()
+            .await
+            .into_iter()
+            .find(|l| l.reason_code == "quarantined")
+    })
+    .await;
+    assert!(letter.reason.contains(&victim), "{}", letter.reason);
     let url = reducer.metrics_url().await;
     let readyz = reqwest::get(format!("{url}/readyz"))
         .await
         .expect("GET /readyz");
     let status = readyz.status().as_u16();
     let body = readyz.text().await.unwrap_or_default();
-    assert_eq!(status, 503, "{body}");
-    assert!(
-        body.contains(&format!("partition {broken} stopped")),
-        "{body}"
-    );
+    assert_eq!(status, 200, "{body}");
     let metrics = sortie_tests::stack::scrape(&url).await;
     assert_eq!(
-        sortie_tests::stack::metric_sum(&metrics, "sortie_reducer_partitions_stopped_total", &[]),
+        sortie_tests::stack::metric_sum(&metrics, "sortie_reducer_runs_quarantined", &[]),
         1.0
     );
     let log = reducer.log_text();
     assert!(
-        log.contains("A changelog record does not decode")
-            && log.contains(&format!("partition={broken}")),
+        log.contains("A changelog record does not decode: its run is quarantined"),
         "{log}"
     );
     let events = stack.events().await;
     assert!(
         !events.contains_key(&victim),
-        "nothing of the stopped partition was applied: {:?}",
+        "no history of the quarantined run was started over: {:?}",
         events.get(&victim)
     );
 }
