@@ -62,8 +62,10 @@ impl Worker {
         outcome: Result<Value, HandlerError>,
         started_at: i64,
     ) {
-        let outcome = match outcome.and_then(shaped) {
-            Ok(output) => match self.store_large(intent, output).await {
+        // Checked in the form it is produced in: large parts already stored by reference,
+        // not yet sealed.
+        let outcome = match outcome {
+            Ok(output) => match self.store_large(intent, output).await.and_then(shaped) {
                 Ok(output) => self.seal_output(intent, output).await,
                 failed => failed,
             },
