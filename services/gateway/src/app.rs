@@ -292,7 +292,7 @@ impl AppState {
         let inner = &self.inner;
         let id = command.command_id.as_str();
         tracing::Span::current().record("run_id", command.run_id.as_str());
-        let answer = inner.view.expect(id, &command.run_id);
+        let answer = inner.view.expect(id, &command.tenant, &command.run_id);
         let sent = self.publish(command).await;
         if let Err(error) = sent {
             inner.view.forget(id);

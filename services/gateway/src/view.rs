@@ -115,6 +115,8 @@ impl Progress {
 /// The reducer's answer to one command.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Answer {
+    /// The tenant of the command answered (the answering event's).
+    pub tenant: String,
     pub run_id: String,
     pub accepted: bool,
     pub duplicate: bool,
@@ -124,15 +126,21 @@ pub struct Answer {
     pub position: Position,
 }
 
-/// A write waiting for its answer: the run it is about, and where to send the answer.
-type Waiter = (String, oneshot::Sender<Answer>);
+/// A write waiting for its answer: the tenant and run it is about, and where to send the
+/// answer.
+struct Waiter {
+    tenant: String,
+    run_id: String,
+    tx: oneshot::Sender<Answer>,
+}
 
 /// The view: its store, its progress, and the writes waiting for answers.
 pub struct View {
     pub store: Store,
     progress: watch::Sender<Progress>,
-    /// command id → (run id, waiting write). Ids come from clients (`Idempotency-Key`),
-    /// so an answer goes only to writes about its own run.
+    /// command id → waiting writes. Ids and run ids come from clients (`Idempotency-Key`,
+    /// `run_id`), so two tenants may race the same pair: an answer goes only to writes of
+    /// its own tenant about its own run.
     waiters: Mutex<HashMap<String, Vec<Waiter>>>,
     /// End offsets of (run-state, run-events) at start: ready once both are reached.
     targets: (BTreeMap<i32, i64>, BTreeMap<i32, i64>),
@@ -152,16 +160,25 @@ impl View {
         self.progress.subscribe()
     }
 
-    /// Registers a write waiting for the answer to `command_id`. Register before
-    /// publishing, so the answer cannot slip past.
-    pub fn expect(&self, command_id: &str, run_id: &str) -> oneshot::Receiver<Answer> {
+    /// Registers a write of `tenant` waiting for the answer to `command_id` about `run_id`.
+    /// Register before publishing, so the answer cannot slip past.
+    pub fn expect(
+        &self,
+        command_id: &str,
+        tenant: &str,
+        run_id: &str,
+    ) -> oneshot::Receiver<Answer> {
         let (tx, rx) = oneshot::channel();
         self.waiters
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .entry(command_id.to_owned())
             .or_default()
-            .push((run_id.to_owned(), tx));
+            .push(Waiter {
+                tenant: tenant.to_owned(),
+                run_id: run_id.to_owned(),
+                tx,
+            });
         rx
     }
 
@@ -169,7 +186,7 @@ impl View {
     pub fn forget(&self, command_id: &str) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(list) = waiters.get_mut(command_id) {
-            list.retain(|(_, tx)| !tx.is_closed());
+            list.retain(|w| !w.tx.is_closed());
             if list.is_empty() {
                 waiters.remove(command_id);
             }
@@ -242,14 +259,14 @@ impl View {
         };
         let (mine, others): (Vec<_>, Vec<_>) = list
             .drain(..)
-            .partition(|(run_id, _)| *run_id == answer.run_id);
+            .partition(|w| w.run_id == answer.run_id && w.tenant == answer.tenant);
         *list = others;
         if list.is_empty() {
             waiters.remove(command_id);
         }
         drop(waiters);
-        for (_, tx) in mine {
-            let _ = tx.send(answer.clone());
+        for waiter in mine {
+            let _ = waiter.tx.send(answer.clone());
         }
     }
 
@@ -276,6 +293,7 @@ impl View {
                 _ => return None,
             };
             let answer = Answer {
+                tenant: event.tenant.clone(),
                 run_id: event.run_id.clone(),
                 accepted,
                 duplicate,
