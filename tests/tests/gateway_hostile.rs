@@ -1,8 +1,12 @@
 //! The gateway under hostile input (issue #40), as its own process over real HTTP with a
-//! real reducer: two tenants racing one run id and idempotency key each get their own
-//! answer.
+//! real reducer: a run its view cannot read is quarantined while every other run is served
+//! (also after a restart on the same data, and by a fresh view); two tenants racing one
+//! run id and idempotency key each get their own answer.
+
+use std::time::Duration;
 
 use serde_json::{json, Value};
+use sortie_core::{Event, EventBody};
 use sortie_tests::stack::{succeed, Stack};
 
 const THREE_STEPS: &str = r#"
@@ -18,6 +22,8 @@ edges:
 "#;
 
 const TOKENS: &[&str] = &["acme:user:bob::tok-bob", "globex:user:eve::tok-eve"];
+
+const LONG: Duration = Duration::from_secs(90);
 
 /// A small HTTP client for one gateway.
 struct Api {
@@ -52,10 +58,237 @@ impl Api {
     async fn get(&self, path: &str, token: &str) -> (u16, Value) {
         self.send(self.request("GET", path, token)).await
     }
+
+    async fn post(&self, path: &str, token: &str, body: Value) -> (u16, Value) {
+        self.send(self.request("POST", path, token).json(&body))
+            .await
+    }
+
+    /// Starts a run of `three` and waits until it succeeded: the view is serving.
+    async fn run_to_the_end(&self, token: &str) -> String {
+        let (status, answer) = self
+            .post(
+                "/v1/runs",
+                token,
+                json!({"graph_id": "three", "input": {"order": 1}}),
+            )
+            .await;
+        assert_eq!(status, 201, "{answer}");
+        let run_id = answer["run_id"].as_str().expect("run_id").to_owned();
+        sortie_tests::wait_until("the run to succeed", LONG, || async {
+            let (status, run) = self.get(&format!("/v1/runs/{run_id}"), token).await;
+            status == 200 && run["status"] == "succeeded"
+        })
+        .await;
+        run_id
+    }
 }
 
 fn code(body: &Value) -> &str {
     body["error"]["code"].as_str().unwrap_or_default()
+}
+
+/// A JSON value whose objects nest `depth` levels deep.
+fn nested(depth: usize) -> Value {
+    let mut value = json!(1);
+    for _ in 0..depth {
+        value = json!({ "a": value });
+    }
+    value
+}
+
+/// The first event of a run whose input nests `depth` levels. At 126 the event reads, but
+/// the run stored from it would nest 128 levels, one past what serde_json reads back; at
+/// 130 the event itself does not read. Only a producer that bypasses the reducer (whose
+/// fold refuses to write either) can put it on run-events.
+fn deep_start(run_id: &str, depth: usize) -> Event {
+    Event {
+        tenant: "acme".into(),
+        run_id: run_id.into(),
+        seq: 1,
+        state_version: 1,
+        at: sortie_tests::stack::now_ms(),
+        command_id: None,
+        operation_id: None,
+        prev_hash: None,
+        hash: None,
+        body: EventBody::RunStarted {
+            graph_id: "three".into(),
+            graph_version: 1,
+            input: nested(depth),
+            started_by: "user:mallory".into(),
+            labels: Default::default(),
+            deadline_at: None,
+            budget: None,
+            forked_from: None,
+            rules: 0,
+        },
+    }
+}
+
+/// Produces `run_id`'s deep first event to its partition of run-events, and (for
+/// `with_state`) its state to run-state, as a producer bypassing the reducer would.
+async fn plant(stack: &Stack, run_id: &str, depth: usize, with_state: bool) {
+    let event = deep_start(run_id, depth);
+    let partition = sortie_wire::partition_for(run_id.as_bytes(), stack.partitions);
+    let topic = stack.topics.run_events();
+    let bytes = stack
+        .codec
+        .encode(&topic, &sortie_model::event_to_wire(&event))
+        .await
+        .expect("encode the event");
+    stack
+        .send_raw(&topic, Some(partition), run_id.as_bytes(), &bytes)
+        .await;
+    if with_state {
+        let state = sortie_core::evolve(None, &event).expect("a started run");
+        let topic = stack.topics.run_state();
+        let bytes = stack
+            .codec
+            .encode(&topic, &sortie_model::state_to_wire(&state))
+            .await
+            .expect("encode the state");
+        stack
+            .send_raw(&topic, Some(partition), run_id.as_bytes(), &bytes)
+            .await;
+    }
+}
+
+/// What a gateway serves about the planted runs: `run_unreadable` naming the run to its
+/// tenant, 404 to another, nothing in the list.
+async fn unreadable_to_its_tenant_only(api: &Api, run_id: &str) {
+    for path in [
+        format!("/v1/runs/{run_id}"),
+        format!("/v1/runs/{run_id}/events"),
+    ] {
+        let (status, body) = api.get(&path, "tok-bob").await;
+        assert_eq!(
+            (status, code(&body)),
+            (500, "run_unreadable"),
+            "{path}: {body}"
+        );
+        assert_eq!(body["error"]["run_id"], run_id, "{body}");
+        let (status, body) = api.get(&path, "tok-eve").await;
+        assert_eq!(
+            (status, code(&body)),
+            (404, "unknown_run"),
+            "{path}: {body}"
+        );
+    }
+    let (status, list) = api.get("/v1/runs?limit=500", "tok-bob").await;
+    assert_eq!(status, 200, "{list}");
+    assert!(!list.to_string().contains(run_id), "{list}");
+}
+
+const QUARANTINED_LINE: &str = "it is quarantined";
+const POISONED: [&str; 3] = ["poison", "poison-state", "poison-event"];
+
+/// Issue #40: one stored run the view cannot read stopped the view for everyone, for
+/// good (every later command 504, a restart never ready). Now the run is quarantined,
+/// named once in the log, counted, and answered as `run_unreadable`; every other run and
+/// every command keeps being served, including the command that created the run, after a
+/// restart on the same data, and by a fresh view reading the same records.
+///
+/// Seen red: with `View::quarantine_on` passing run-scoped errors on (as before: the view
+/// stops), the start of `poison` timed out 504 `answer_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_the_view_cannot_read_is_quarantined_and_everyone_else_is_served() {
+    let stack = Stack::start("gateway-quarantine", &[THREE_STEPS]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let data = stack.dir.join("gateway-a");
+    let (mut first, url) = stack.gateway_process(&data, TOKENS).await;
+    let api = Api::new(&url);
+    let before = api.run_to_the_end("tok-bob").await;
+
+    // Deep runs on run-events (one that the view could not store, one whose event does not
+    // even read) and on run-state, as a producer bypassing the reducer would write them;
+    // then the reducer's own run under the first id, whose
+    // answer must still reach the client that asked.
+    plant(&stack, "poison", 126, false).await;
+    plant(&stack, "poison-state", 126, true).await;
+    plant(&stack, "poison-event", 130, false).await;
+    let (status, answer) = api
+        .send(
+            api.request("POST", "/v1/runs", "tok-bob")
+                .header(sortie_gateway::IDEMPOTENCY_HEADER, "start-poison")
+                .json(&json!({"graph_id": "three", "run_id": "poison", "input": {"order": 2}})),
+        )
+        .await;
+    assert_eq!(status, 201, "the answer reached its waiter: {answer}");
+    for run_id in POISONED {
+        unreadable_to_its_tenant_only(&api, run_id).await;
+    }
+    let after = api.run_to_the_end("tok-bob").await;
+    let theirs = api.run_to_the_end("tok-eve").await;
+    let (status, ready) = api.get("/readyz", "tok-bob").await;
+    assert_eq!(
+        (status, ready["quarantined_runs"].as_u64()),
+        (200, Some(3)),
+        "{ready}"
+    );
+    let metrics = sortie_tests::stack::scrape(&url).await;
+    assert_eq!(
+        sortie_tests::stack::metric_sum(&metrics, "sortie_gateway_view_quarantined_runs", &[]),
+        3.0
+    );
+    let log = first.own_log_text();
+    for run_id in POISONED {
+        let named = log
+            .lines()
+            .filter(|l| l.contains(QUARANTINED_LINE) && l.contains(&format!("run_id={run_id} ")))
+            .count();
+        assert_eq!(named, 1, "one line names {run_id}:\n{log}");
+    }
+
+    // Restarted on the same data: ready at once, the quarantine kept (not logged again),
+    // everything else served.
+    first.stop();
+    let (restarted, url) = stack.gateway_process(&data, TOKENS).await;
+    let api = Api::new(&url);
+    for run_id in POISONED {
+        unreadable_to_its_tenant_only(&api, run_id).await;
+    }
+    for (run_id, token) in [
+        (&before, "tok-bob"),
+        (&after, "tok-bob"),
+        (&theirs, "tok-eve"),
+    ] {
+        let (status, run) = api.get(&format!("/v1/runs/{run_id}"), token).await;
+        assert_eq!(
+            (status, run["status"].as_str()),
+            (200, Some("succeeded")),
+            "{run}"
+        );
+    }
+    api.run_to_the_end("tok-bob").await;
+    let (status, ready) = api.get("/readyz", "tok-bob").await;
+    assert_eq!(
+        (status, ready["quarantined_runs"].as_u64()),
+        (200, Some(3)),
+        "{ready}"
+    );
+    assert!(
+        !restarted.own_log_text().contains(QUARANTINED_LINE),
+        "{}",
+        restarted.own_log_text()
+    );
+
+    // A fresh view reads the same records and comes to the same place.
+    let (_fresh, url) = stack
+        .gateway_process(&stack.dir.join("gateway-b"), TOKENS)
+        .await;
+    let fresh = Api::new(&url);
+    for run_id in POISONED {
+        unreadable_to_its_tenant_only(&fresh, run_id).await;
+    }
+    let (status, run) = fresh.get(&format!("/v1/runs/{before}"), "tok-bob").await;
+    assert_eq!(
+        (status, run["status"].as_str()),
+        (200, Some("succeeded")),
+        "{run}"
+    );
+    fresh.run_to_the_end("tok-eve").await;
 }
 
 /// Two tenants racing one client-chosen run id and idempotency key: the reducer accepts one

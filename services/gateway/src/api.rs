@@ -92,7 +92,9 @@ async fn readyz(State(app): State<AppState>) -> Response {
         )
         .into_response()
     } else if progress.ready {
-        Json(json!({"status": "ready"})).into_response()
+        // Quarantined runs do not make the gateway unready: every other run is served.
+        Json(json!({"status": "ready", "quarantined_runs": app.view().quarantined()}))
+            .into_response()
     } else {
         ApiError::unavailable(
             "not_ready",
@@ -164,15 +166,37 @@ fn command(
 }
 
 /// The run if the view has it; 404 for a run of another tenant, exactly as for a missing one.
+/// A run the view set aside, or whose state does not read, is 500 `run_unreadable` to its
+/// own tenant (404 to any other).
 fn known_run(app: &AppState, caller: &Caller, run_id: &str) -> Result<Option<StoredRun>, ApiError> {
-    let run = app
-        .view()
-        .store
-        .run(run_id)
+    let store = &app.view().store;
+    let quarantine = store
+        .quarantined(run_id)
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    match run {
-        Some(run) if run.state.tenant != caller.tenant => Err(ApiError::unknown_run(run_id)),
-        run => Ok(run),
+    if let Some(quarantine) = quarantine {
+        return Err(match quarantine.tenant == caller.tenant {
+            true => ApiError::run_unreadable(run_id, &quarantine.reason),
+            false => ApiError::unknown_run(run_id),
+        });
+    }
+    match store.run(run_id) {
+        Ok(Some(run)) if run.state.tenant != caller.tenant => Err(ApiError::unknown_run(run_id)),
+        Ok(run) => Ok(run),
+        // Not yet set aside (the view has not come back to it since it went bad).
+        Err(error) if error.run_scoped() => match store.listed(&caller.tenant, run_id) {
+            Ok(true) => Err(ApiError::run_unreadable(run_id, &error.to_string())),
+            Ok(false) => Err(ApiError::unknown_run(run_id)),
+            Err(error) => Err(ApiError::internal(error.to_string())),
+        },
+        Err(error) => Err(ApiError::internal(error.to_string())),
+    }
+}
+
+/// A store read about `run_id` (already known to be the caller's) that failed.
+pub(crate) fn read_failed(run_id: &str) -> impl Fn(crate::store::Error) -> ApiError + '_ {
+    move |error| match error.run_scoped() {
+        true => ApiError::run_unreadable(run_id, &error.to_string()),
+        false => ApiError::internal(error.to_string()),
     }
 }
 
@@ -609,7 +633,7 @@ async fn delete_run(
     app.view()
         .store
         .forget_run(&run_id, at, &format!("deleted by {}", caller.principal))
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        .map_err(read_failed(&run_id))?;
     let shredded = match &app.inner.run_keys {
         Some(keys) => {
             keys.destroy(&run.state.tenant, &run_id, at)
@@ -720,7 +744,7 @@ async fn get_run(
         .view()
         .store
         .forks(&run_id)
-        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(read_failed(&run_id))?
         .into();
     Ok(Json(out))
 }
@@ -865,7 +889,7 @@ async fn events(
         .view()
         .store
         .events(&run_id, after, limit + 1)
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        .map_err(read_failed(&run_id))?;
     let more = page.len() > limit;
     page.truncate(limit);
     let next_after = page.last().map_or(after, |e| e.seq);
@@ -1074,7 +1098,7 @@ fn state_at(
             .view()
             .store
             .events(run_id, after, 512)
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+            .map_err(read_failed(run_id))?;
         if page.is_empty() {
             break;
         }

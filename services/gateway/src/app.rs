@@ -387,6 +387,9 @@ impl AppState {
                 .ok()
                 .flatten()
                 .is_some_and(|r| r.changelog_version >= answer.state_version)
+                || v.store
+                    .quarantined(&answer.run_id)
+                    .is_ok_and(|q| q.is_some())
         };
         view.wait_until(timeout, settled).await;
         view.store.run(&answer.run_id).ok().flatten()

@@ -6,6 +6,11 @@
 //!
 //! A store is trusted only with its marker (the topic prefix it was built from); without
 //! it, or when it does not open, it is wiped and rebuilt from Kafka.
+//!
+//! Nothing is written that cannot be read back ([`MAX_DEPTH`]). What still cannot be read
+//! (a value written by an older build, a damaged entry) or written is an error of that one
+//! run ([`Error::run_scoped`]): the view quarantines the run (`q/<run_id>`, with the
+//! reason) and serves every other; only an error of the store as a whole stops it.
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -27,12 +32,29 @@ pub enum Error {
         key: String,
         source: serde_json::Error,
     },
+    #[error("the value for {key} nests {depth} levels deep; the view stores at most {MAX_DEPTH}")]
+    TooDeep { key: String, depth: usize },
     #[error("cannot reset the view store at {path}: {source}")]
     Reset {
         path: String,
         source: std::io::Error,
     },
 }
+
+impl Error {
+    /// Whether the error is about one value (one run's) rather than the store as a whole:
+    /// the view sets that run aside and goes on.
+    pub fn run_scoped(&self) -> bool {
+        matches!(self, Error::Corrupt { .. } | Error::TooDeep { .. })
+    }
+}
+
+/// The deepest JSON document the store writes. serde_json reads 127 levels back; an answer
+/// wraps what is stored in at most two more (an events page: an object and an array), and
+/// a client may wrap it again. The fold writes at most
+/// [`sortie_core::limits::MAX_STORED_DEPTH`] (a stored run adds one level), so only a
+/// record the reducer did not write comes near this.
+pub const MAX_DEPTH: usize = 120;
 
 /// Which topic an offset belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +81,19 @@ pub struct StoredRun {
     pub changelog_version: i64,
 }
 
+/// A run the view set aside: it could not read, fold or store it. Kept (`q/<run_id>`) so a
+/// restart does not trip over it again; reads of the run answer `run_unreadable`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Quarantine {
+    pub run_id: String,
+    /// The tenant of the record that could not be applied: reads by another tenant stay 404.
+    pub tenant: String,
+    pub reason: String,
+    /// When (epoch ms) and at which record (`run-events p2:o1534`).
+    pub at: i64,
+    pub record: String,
+}
+
 /// One atomic change: a record's effect and the offset after it.
 #[derive(Debug, Default)]
 pub struct Write {
@@ -66,6 +101,19 @@ pub struct Write {
     /// The run before (for the index) and after.
     pub run: Option<(Option<StoredRun>, StoredRun)>,
     pub events: Vec<Event>,
+    /// Sets the run aside: its state is dropped (so no list or read shows a stale one) and
+    /// nothing more of it is written.
+    pub quarantine: Option<Quarantine>,
+}
+
+impl Write {
+    /// Only the offset moves on: `(source, partition, next offset)`.
+    pub fn offset(next: (Source, i32, i64)) -> Write {
+        Write {
+            offset: Some(next),
+            ..Write::default()
+        }
+    }
 }
 
 pub struct Store {
@@ -128,6 +176,27 @@ impl Store {
             .get(&key)?
             .map(|bytes| decode(&key, &bytes))
             .transpose()
+    }
+
+    /// Why the view set `run_id` aside, if it did.
+    pub fn quarantined(&self, run_id: &str) -> Result<Option<Quarantine>, Error> {
+        let key = quarantine_key(run_id);
+        self.tree
+            .get(&key)?
+            .map(|bytes| decode(&key, &bytes))
+            .transpose()
+    }
+
+    /// How many runs are set aside.
+    pub fn quarantine_count(&self) -> usize {
+        self.tree.scan_prefix(b"q/").count()
+    }
+
+    /// Whether `run_id` is listed under `tenant` (its state need not be readable).
+    pub fn listed(&self, tenant: &str, run_id: &str) -> Result<bool, Error> {
+        Ok(self
+            .tree
+            .contains_key([tenant_prefix(tenant), run_id.as_bytes().to_vec()].concat())?)
     }
 
     pub fn event(&self, run_id: &str, seq: i64) -> Result<Option<Event>, Error> {
@@ -195,7 +264,13 @@ impl Store {
                 break;
             }
             let run_id = String::from_utf8_lossy(&key[prefix.len()..]).into_owned();
-            if let Some(run) = self.run(&run_id)? {
+            // A quarantined run has no state here; one that does not read is left out
+            // (its own reads say why).
+            let run = match self.run(&run_id) {
+                Err(error) if error.run_scoped() => continue,
+                run => run?,
+            };
+            if let Some(run) = run {
                 if run.state.tenant == tenant && keep(&run) {
                     out.push(run);
                 }
@@ -226,17 +301,19 @@ impl Store {
                 let (key, bytes) = item?;
                 let mut event: Event = decode(&key, &bytes)?;
                 event.forget();
-                batch.insert(key, encode(&event));
+                let value = encode(&key, &event)?;
+                batch.insert(key, value);
             }
         }
         for event in &write.events {
+            let key = event_key(&event.run_id, event.seq);
             if forgotten.contains(&event.run_id.as_str()) {
                 let mut event = event.clone();
                 event.forget();
-                batch.insert(event_key(&event.run_id, event.seq), encode(&event));
+                batch.insert(key.clone(), encode(&key, &event)?);
                 continue;
             }
-            batch.insert(event_key(&event.run_id, event.seq), encode(event));
+            batch.insert(key.clone(), encode(&key, event)?);
             // Lineage: a fork's first event names its source; index it under the source.
             if let EventBody::RunStarted {
                 forked_from: Some(from),
@@ -246,10 +323,9 @@ impl Store {
                 if let (Some(source), Some(version)) =
                     (from["run_id"].as_str(), from["version"].as_i64())
                 {
-                    batch.insert(
-                        [fork_prefix(source).as_slice(), event.run_id.as_bytes()].concat(),
-                        encode(&serde_json::json!({"run_id": event.run_id, "version": version, "at": event.at})),
-                    );
+                    let key = [fork_prefix(source).as_slice(), event.run_id.as_bytes()].concat();
+                    let lineage = serde_json::json!({"run_id": event.run_id, "version": version, "at": event.at});
+                    batch.insert(key.clone(), encode(&key, &lineage)?);
                 }
             }
         }
@@ -275,7 +351,13 @@ impl Store {
                 &[],
             );
             batch.insert(status_key(&state.tenant, state.status, &state.run_id), &[]);
-            batch.insert(run_key(&state.run_id), encode(after));
+            let key = run_key(&state.run_id);
+            batch.insert(key.clone(), encode(&key, after)?);
+        }
+        if let Some(quarantine) = &write.quarantine {
+            let key = quarantine_key(&quarantine.run_id);
+            batch.insert(key.clone(), encode(&key, quarantine)?);
+            batch.remove(run_key(&quarantine.run_id));
         }
         self.tree.apply_batch(batch)?;
         Ok(())
@@ -290,13 +372,15 @@ impl Store {
             let (key, bytes) = item?;
             let mut event: Event = decode(&key, &bytes)?;
             event.forget();
-            batch.insert(key, encode(&event));
+            let value = encode(&key, &event)?;
+            batch.insert(key, value);
         }
         if let Some(mut run) = self.run(run_id)? {
             if run.state.forgotten.is_none() {
                 run.state.forget(at, reason);
             }
-            batch.insert(run_key(run_id), encode(&run));
+            let key = run_key(run_id);
+            batch.insert(key.clone(), encode(&key, &run)?);
         }
         self.tree.apply_batch(batch)?;
         Ok(())
@@ -308,15 +392,57 @@ impl Store {
     }
 }
 
-fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    serde_json::to_vec(value).unwrap_or_default()
+/// `value`'s JSON, if it reads back: at most [`MAX_DEPTH`] levels deep.
+fn encode<T: Serialize>(key: &[u8], value: &T) -> Result<Vec<u8>, Error> {
+    let bytes = serde_json::to_vec(value).map_err(|source| Error::Corrupt {
+        key: key.escape_ascii().to_string(),
+        source,
+    })?;
+    let depth = depth(&bytes);
+    if depth > MAX_DEPTH {
+        return Err(Error::TooDeep {
+            key: key.escape_ascii().to_string(),
+            depth,
+        });
+    }
+    Ok(bytes)
+}
+
+/// How deep the containers of a JSON text nest (brackets inside strings do not count).
+fn depth(json: &[u8]) -> usize {
+    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in json {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
 }
 
 fn decode<T: serde::de::DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T, Error> {
     serde_json::from_slice(bytes).map_err(|source| Error::Corrupt {
-        key: String::from_utf8_lossy(key).into_owned(),
+        key: key.escape_ascii().to_string(),
         source,
     })
+}
+
+fn quarantine_key(run_id: &str) -> Vec<u8> {
+    [b"q/".as_slice(), run_id.as_bytes()].concat()
 }
 
 fn run_key(run_id: &str) -> Vec<u8> {
@@ -445,6 +571,81 @@ mod tests {
         assert!(
             other.run("run_c").expect("read").is_none(),
             "wiped without its marker"
+        );
+    }
+
+    fn nested(depth: usize) -> serde_json::Value {
+        let mut value = serde_json::json!(1);
+        for _ in 0..depth {
+            value = serde_json::json!({ "a": value });
+        }
+        value
+    }
+
+    #[test]
+    fn what_would_not_read_back_is_not_written_and_is_the_runs_own_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path(), "p.").expect("open");
+        let mut deep = state("acme", "deep", RunStatus::Running);
+        deep.state.input = nested(MAX_DEPTH);
+        let refused = store
+            .write(Write {
+                run: Some((None, deep)),
+                ..Write::default()
+            })
+            .expect_err("too deep");
+        assert!(matches!(refused, Error::TooDeep { .. }), "{refused}");
+        assert!(refused.run_scoped());
+        assert!(
+            store.run("deep").expect("read").is_none(),
+            "nothing written"
+        );
+        assert_eq!(depth(br#"{"a": ["[{", {"b": "\"}"}]}"#), 3);
+
+        // A value that does not read (written by an older build, or damaged) is that
+        // run's error; a list of its tenant leaves it out and lists the others.
+        let good = state("acme", "good", RunStatus::Running);
+        let bad = state("acme", "bad", RunStatus::Running);
+        for run in [&good, &bad] {
+            store
+                .write(Write {
+                    run: Some((None, run.clone())),
+                    ..Write::default()
+                })
+                .expect("write");
+        }
+        store
+            .tree
+            .insert(run_key("bad"), b"{\"state\": [".as_slice())
+            .expect("damage");
+        let unreadable = store.run("bad").expect_err("does not read");
+        assert!(unreadable.run_scoped(), "{unreadable}");
+        assert!(store.listed("acme", "bad").expect("index"));
+        assert!(!store.listed("other", "bad").expect("index"));
+        let listed = store.list("acme", None, None, 10, |_| true).expect("list");
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].state.run_id, "good");
+
+        // Quarantined: kept with its reason, its state dropped.
+        let quarantine = Quarantine {
+            run_id: "bad".into(),
+            tenant: "acme".into(),
+            reason: unreadable.to_string(),
+            at: 1,
+            record: "run-events p0:o7".into(),
+        };
+        store
+            .write(Write {
+                quarantine: Some(quarantine.clone()),
+                ..Write::offset((Source::RunEvents, 0, 8))
+            })
+            .expect("quarantine");
+        assert_eq!(store.quarantined("bad").expect("read"), Some(quarantine));
+        assert_eq!(store.quarantine_count(), 1);
+        assert!(store.run("bad").expect("no state").is_none());
+        assert_eq!(
+            store.offsets(Source::RunEvents).expect("offsets"),
+            BTreeMap::from([(0, 8)])
         );
     }
 }
