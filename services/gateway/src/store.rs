@@ -1,6 +1,7 @@
 //! The gateway's own view store (sled): runs by id, events by (run id, seq), a tenant and a
-//! tenant+status index for listing, and the next offset of every partition of run-state and
-//! run-events. It is a cache of those topics: each write (a record's effect and the offset
+//! tenant+status index for listing, the inbox index (a tenant's open interrupts in the
+//! order they opened, with what the inbox shows), and the next offset of every partition
+//! of run-state and run-events. It is a cache of those topics: each write (a record's effect and the offset
 //! after it) is one atomic sled batch, so after a crash the store is at most behind and
 //! the view reads on from the offsets it holds.
 //!
@@ -12,16 +13,18 @@
 //! run ([`Error::run_scoped`]): the view quarantines the run (`q/<run_id>`, with the
 //! reason) and serves every other; only an error of the store as a whole stops it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use sortie_core::state::Interrupt;
 use sortie_core::{Event, EventBody, RunState, RunStatus};
 
 const TREE: &str = "view";
 const MARKER: &[u8] = b"m/identity";
-const FORMAT: &str = "gateway-view-v1";
+/// v2: the inbox index; a store of v1 has none, so it is rebuilt from Kafka.
+const FORMAT: &str = "gateway-view-v2";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -79,6 +82,30 @@ impl Source {
 pub struct StoredRun {
     pub state: RunState,
     pub changelog_version: i64,
+}
+
+/// An open interrupt as the inbox lists it: kept by the view as it writes the run, so the
+/// inbox reads one entry per item it shows ([`Store::inbox`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InboxEntry {
+    pub tenant: String,
+    pub run_id: String,
+    pub graph_id: String,
+    pub graph_version: u32,
+    pub run_status: RunStatus,
+    pub interrupt: Interrupt,
+    /// When the interrupt opened: its first `Interrupted` event's time, else (the view
+    /// has not seen that event, e.g. the changelog came first) the run's last update.
+    pub opened_at: i64,
+}
+
+/// Runs whose open interrupts the inbox lists: one waiting for approval, or one still
+/// running other work with an interrupt open.
+fn in_inbox(state: &RunState) -> bool {
+    matches!(
+        state.status,
+        RunStatus::WaitingApproval | RunStatus::Running
+    )
 }
 
 /// A run the view set aside: it could not read, fold or store it. Kept (`q/<run_id>`) so a
@@ -279,6 +306,88 @@ impl Store {
         Ok(out)
     }
 
+    /// Up to `limit` of `tenant`'s open interrupts, oldest first (by when they opened, then
+    /// interrupt id). Reads `limit` entries, whatever the number of runs.
+    pub fn inbox(&self, tenant: &str, limit: usize) -> Result<Vec<InboxEntry>, Error> {
+        let mut out = Vec::new();
+        for item in self.tree.scan_prefix(inbox_prefix(tenant)).take(limit) {
+            let (key, value) = item?;
+            out.push(decode(&key, &value)?);
+        }
+        Ok(out)
+    }
+
+    /// Puts the inbox entries of `state` in place of the run's current ones: removes what
+    /// the run had, adds its open interrupts if the inbox lists it. `opened` holds the
+    /// opening times this write records.
+    fn index_inbox(
+        &self,
+        batch: &mut sled::Batch,
+        run_id: &str,
+        state: Option<&RunState>,
+        opened: &HashMap<(String, String), i64>,
+    ) -> Result<(), Error> {
+        for item in self.tree.scan_prefix(listed_prefix(run_id)) {
+            let (listed, key) = item?;
+            batch.remove(key);
+            batch.remove(listed);
+        }
+        let Some(state) = state.filter(|s| in_inbox(s)) else {
+            return Ok(());
+        };
+        for interrupt in state.open_interrupts() {
+            let id = &interrupt.interrupt_id;
+            let opened_at = match opened.get(&(run_id.to_owned(), id.clone())) {
+                Some(at) => *at,
+                None => self
+                    .tree
+                    .get(opened_key(run_id, id))?
+                    .and_then(|v| <[u8; 8]>::try_from(&*v).ok())
+                    .map_or(state.updated_at, i64::from_be_bytes),
+            };
+            let entry = InboxEntry {
+                tenant: state.tenant.clone(),
+                run_id: run_id.to_owned(),
+                graph_id: state.graph_id.clone(),
+                graph_version: state.graph_version,
+                run_status: state.status,
+                interrupt: interrupt.clone(),
+                opened_at,
+            };
+            let key = inbox_key(&state.tenant, opened_at, id, run_id);
+            batch.insert(key.clone(), encode(&key, &entry)?);
+            batch.insert(listed_key(run_id, id), key);
+        }
+        Ok(())
+    }
+
+    /// An entry listed before its `Interrupted` event was seen (at the run's last update)
+    /// moves to when the interrupt opened.
+    fn reopen_inbox(
+        &self,
+        batch: &mut sled::Batch,
+        run_id: &str,
+        interrupt_id: &str,
+        opened_at: i64,
+    ) -> Result<(), Error> {
+        let Some(old) = self.tree.get(listed_key(run_id, interrupt_id))? else {
+            return Ok(());
+        };
+        let Some(value) = self.tree.get(&old)? else {
+            return Ok(());
+        };
+        let mut entry: InboxEntry = decode(&old, &value)?;
+        if entry.opened_at == opened_at {
+            return Ok(());
+        }
+        entry.opened_at = opened_at;
+        let key = inbox_key(&entry.tenant, opened_at, interrupt_id, run_id);
+        batch.remove(old);
+        batch.insert(key.clone(), encode(&key, &entry)?);
+        batch.insert(listed_key(run_id, interrupt_id), key);
+        Ok(())
+    }
+
     /// Applies one change atomically.
     pub fn write(&self, write: Write) -> Result<(), Error> {
         let mut batch = sled::Batch::default();
@@ -303,6 +412,18 @@ impl Store {
                 event.forget();
                 let value = encode(&key, &event)?;
                 batch.insert(key, value);
+            }
+        }
+        // When interrupts opened: the first `Interrupted` event of each, kept for the inbox.
+        let mut opened = HashMap::new();
+        for event in &write.events {
+            if let EventBody::Interrupted { interrupt_id, .. } = &event.body {
+                let id = (event.run_id.clone(), interrupt_id.clone());
+                let key = opened_key(&event.run_id, interrupt_id);
+                if !opened.contains_key(&id) && !self.tree.contains_key(&key)? {
+                    batch.insert(key, &event.at.to_be_bytes());
+                    opened.insert(id, event.at);
+                }
             }
         }
         for event in &write.events {
@@ -353,11 +474,17 @@ impl Store {
             batch.insert(status_key(&state.tenant, state.status, &state.run_id), &[]);
             let key = run_key(&state.run_id);
             batch.insert(key.clone(), encode(&key, after)?);
+            self.index_inbox(&mut batch, &state.run_id, Some(state), &opened)?;
+        } else {
+            for ((run_id, interrupt_id), at) in &opened {
+                self.reopen_inbox(&mut batch, run_id, interrupt_id, *at)?;
+            }
         }
         if let Some(quarantine) = &write.quarantine {
             let key = quarantine_key(&quarantine.run_id);
             batch.insert(key.clone(), encode(&key, quarantine)?);
             batch.remove(run_key(&quarantine.run_id));
+            self.index_inbox(&mut batch, &quarantine.run_id, None, &opened)?;
         }
         self.tree.apply_batch(batch)?;
         Ok(())
@@ -439,6 +566,44 @@ fn decode<T: serde::de::DeserializeOwned>(key: &[u8], bytes: &[u8]) -> Result<T,
         key: key.escape_ascii().to_string(),
         source,
     })
+}
+
+/// `i/<tenant>\0<opened_at><interrupt_id>\0<run_id>`: in the order the inbox lists.
+/// The time's sign bit is flipped so that byte order is numeric order.
+fn inbox_key(tenant: &str, opened_at: i64, interrupt_id: &str, run_id: &str) -> Vec<u8> {
+    let at = (opened_at as u64) ^ (1 << 63);
+    [
+        inbox_prefix(tenant).as_slice(),
+        &at.to_be_bytes(),
+        interrupt_id.as_bytes(),
+        &[0],
+        run_id.as_bytes(),
+    ]
+    .concat()
+}
+
+fn inbox_prefix(tenant: &str) -> Vec<u8> {
+    [b"i/".as_slice(), tenant.as_bytes(), &[0]].concat()
+}
+
+/// `x/<run_id>\0<interrupt_id>` → the interrupt's inbox key, to take it out again.
+fn listed_key(run_id: &str, interrupt_id: &str) -> Vec<u8> {
+    [listed_prefix(run_id).as_slice(), interrupt_id.as_bytes()].concat()
+}
+
+fn listed_prefix(run_id: &str) -> Vec<u8> {
+    [b"x/".as_slice(), run_id.as_bytes(), &[0]].concat()
+}
+
+/// `n/<run_id>\0<interrupt_id>` → when the interrupt opened (epoch ms, big-endian).
+fn opened_key(run_id: &str, interrupt_id: &str) -> Vec<u8> {
+    [
+        b"n/".as_slice(),
+        run_id.as_bytes(),
+        &[0],
+        interrupt_id.as_bytes(),
+    ]
+    .concat()
 }
 
 fn quarantine_key(run_id: &str) -> Vec<u8> {
@@ -647,5 +812,158 @@ mod tests {
             store.offsets(Source::RunEvents).expect("offsets"),
             BTreeMap::from([(0, 8)])
         );
+    }
+
+    /// `run` with an interrupt `id` in `status`.
+    fn with_interrupt(
+        mut run: StoredRun,
+        id: &str,
+        status: sortie_core::state::InterruptStatus,
+    ) -> StoredRun {
+        let interrupt = sortie_core::state::Interrupt {
+            interrupt_id: id.into(),
+            step_id: format!("step-{id}"),
+            node: "refund".into(),
+            role: sortie_core::event::StepRole::Node,
+            proposal: serde_json::json!({"args": {"amount": 5}}),
+            proposal_hash: "h".into(),
+            reason: "refunds need a human".into(),
+            required_role: Some("approver".into()),
+            approver_group: None,
+            quorum: 1,
+            expires_at: None,
+            round: 0,
+            approvals: vec![],
+            status,
+            context: None,
+            members_only: false,
+            payload: None,
+            edited_args: None,
+        };
+        run.state.interrupts.insert(id.into(), interrupt);
+        run
+    }
+
+    fn interrupted(run_id: &str, interrupt_id: &str, seq: i64, at: i64) -> Event {
+        Event {
+            tenant: "acme".into(),
+            run_id: run_id.into(),
+            seq,
+            state_version: seq,
+            at,
+            command_id: None,
+            operation_id: None,
+            prev_hash: None,
+            hash: None,
+            body: EventBody::Interrupted {
+                interrupt_id: interrupt_id.into(),
+                step_id: format!("step-{interrupt_id}"),
+                node: "refund".into(),
+                proposal: serde_json::json!({}),
+                proposal_hash: "h".into(),
+                reason: "r".into(),
+                required_role: None,
+                approver_group: None,
+                quorum: 1,
+                expires_at: None,
+                role: sortie_core::event::StepRole::Node,
+                context: None,
+                members_only: false,
+            },
+        }
+    }
+
+    #[test]
+    fn the_inbox_index_lists_open_interrupts_in_the_order_they_opened_and_follows_changes() {
+        use sortie_core::state::InterruptStatus::{Approved, Open};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path(), "p.").expect("open");
+        let listed = |tenant: &str, limit: usize| -> Vec<(String, i64)> {
+            store
+                .inbox(tenant, limit)
+                .expect("inbox")
+                .into_iter()
+                .map(|e| (e.run_id, e.opened_at))
+                .collect()
+        };
+        // Run a: its interrupt opens with its event (at 50).
+        let mut a = with_interrupt(state("acme", "a", RunStatus::Running), "ia", Open);
+        a.state.status = RunStatus::WaitingApproval;
+        a.state.updated_at = 60;
+        store
+            .write(Write {
+                run: Some((None, a.clone())),
+                events: vec![interrupted("a", "ia", 2, 50)],
+                ..Write::default()
+            })
+            .expect("write a");
+        // Run b: its changelog record comes first (listed at its last update, 100), its
+        // event later (at 10): it moves ahead of a.
+        let mut b = with_interrupt(state("acme", "b", RunStatus::Running), "ib", Open);
+        b.state.updated_at = 100;
+        store
+            .write(Write {
+                run: Some((None, b.clone())),
+                ..Write::default()
+            })
+            .expect("write b");
+        assert_eq!(
+            listed("acme", 10),
+            vec![("a".into(), 50), ("b".into(), 100)]
+        );
+        store
+            .write(Write {
+                events: vec![interrupted("b", "ib", 2, 10)],
+                ..Write::default()
+            })
+            .expect("b's event");
+        assert_eq!(listed("acme", 10), vec![("b".into(), 10), ("a".into(), 50)]);
+        assert_eq!(
+            listed("acme", 1),
+            vec![("b".into(), 10)],
+            "a page reads its size"
+        );
+        assert!(listed("other", 10).is_empty());
+
+        // Decided: out of the inbox; a run that ends takes its interrupts along.
+        let decided = with_interrupt(a.clone(), "ia", Approved);
+        store
+            .write(Write {
+                run: Some((Some(a), decided)),
+                ..Write::default()
+            })
+            .expect("decide a");
+        assert_eq!(listed("acme", 10), vec![("b".into(), 10)]);
+        let mut ended = b.clone();
+        ended.state.status = RunStatus::Cancelled;
+        store
+            .write(Write {
+                run: Some((Some(b.clone()), ended)),
+                ..Write::default()
+            })
+            .expect("end b");
+        assert!(listed("acme", 10).is_empty());
+
+        // A quarantined run leaves the inbox.
+        store
+            .write(Write {
+                run: Some((None, b)),
+                ..Write::default()
+            })
+            .expect("b again");
+        assert_eq!(listed("acme", 10).len(), 1);
+        store
+            .write(Write {
+                quarantine: Some(Quarantine {
+                    run_id: "b".into(),
+                    tenant: "acme".into(),
+                    reason: "r".into(),
+                    at: 1,
+                    record: "run-events p0:o1".into(),
+                }),
+                ..Write::default()
+            })
+            .expect("quarantine b");
+        assert!(listed("acme", 10).is_empty());
     }
 }
