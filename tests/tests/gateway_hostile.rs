@@ -1,7 +1,9 @@
 //! The gateway under hostile input (issue #40), as its own process over real HTTP with a
 //! real reducer: a run its view cannot read is quarantined while every other run is served
-//! (also after a restart on the same data, and by a fresh view); two tenants racing one
-//! run id and idempotency key each get their own answer.
+//! (also after a restart on the same data, and by a fresh view); payloads, labels and
+//! texts past the shape limits are refused 400 naming the limit, before anything is
+//! published, while a payload at the limits round-trips; two tenants racing one run id and
+//! idempotency key each get their own answer.
 
 use std::time::Duration;
 
@@ -21,7 +23,20 @@ edges:
   - {from: price, to: notify}
 "#;
 
-const TOKENS: &[&str] = &["acme:user:bob::tok-bob", "globex:user:eve::tok-eve"];
+/// One step whose arguments do not carry the input: a run's input is stored and shown,
+/// never copied on.
+const PLAIN: &str = r#"
+id: plain
+version: 1
+nodes:
+  - {id: only, tool: echo, side_effect: pure}
+"#;
+
+const TOKENS: &[&str] = &[
+    "acme:user:bob::tok-bob",
+    "globex:user:eve::tok-eve",
+    "acme:user:olga:operator:tok-olga",
+];
 
 const LONG: Duration = Duration::from_secs(90);
 
@@ -335,4 +350,244 @@ async fn two_tenants_racing_one_run_id_and_key_each_get_their_own_answer() {
         assert_eq!(api.get(&path, owner).await.0, 200);
         assert_eq!(api.get(&path, other).await.0, 404);
     }
+}
+
+/// The limit and the place a 400 `limit_exceeded` answer names.
+fn breach(status: u16, body: &Value) -> (u16, &str, &str, &str) {
+    (
+        status,
+        code(body),
+        body["error"]["limit"].as_str().unwrap_or_default(),
+        body["error"]["at"].as_str().unwrap_or_default(),
+    )
+}
+
+/// Shape limits at the HTTP edge, the reducer's rule (issue #40, item 3): a 125-deep input
+/// (the issue's probe, once accepted and then fatal to the view) and every other payload,
+/// label set and text past its limit are 400 `limit_exceeded` naming the limit and where;
+/// a body too deep for the JSON parser is the depth limit too; a command the reducer would
+/// refuse for another reason is 400 `invalid_request`; none of them is published. A payload
+/// exactly at the depth limit is accepted and reads back the same, also from a restarted
+/// view.
+///
+/// Seen red twice: without the gateway's shape checks, the 125-deep input answered 400
+/// `invalid_request` (the model's check below caught it, but named no limit); without that
+/// last check too, an interrupt id with a control character was published, dead-lettered by
+/// the reducer and answered 504 `answer_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_past_the_shape_limits_are_refused_and_one_at_them_round_trips() {
+    use sortie_core::limits::{MAX_DEPTH, MAX_KEY_BYTES, MAX_LABELS, MAX_MEMBERS};
+    let stack = Stack::start("gateway-limits", &[PLAIN]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let data = stack.dir.join("gateway");
+    // Bodies up to 1 MiB, so that a string past the string limit (384 KiB) gets in.
+    let extra = ["--max-body-bytes", "1048576"];
+    let (mut gateway, url) = stack.gateway_process_with(&data, TOKENS, &extra).await;
+    let api = Api::new(&url);
+    let start = |input: Value| json!({"graph_id": "plain", "input": input});
+
+    let (status, body) = api.post("/v1/runs", "tok-bob", start(nested(125))).await;
+    let (status, answer_code, limit, at) = breach(status, &body);
+    assert_eq!(
+        (status, answer_code, limit),
+        (400, "limit_exceeded", "depth"),
+        "{body}"
+    );
+    assert!(at.starts_with("input.a.a"), "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("at most 64"), "{body}");
+
+    let raw = format!(
+        r#"{{"graph_id": "plain", "input": {}1{}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let (status, body) = api
+        .send(
+            api.request("POST", "/v1/runs", "tok-bob")
+                .header("content-type", "application/json")
+                .body(raw),
+        )
+        .await;
+    assert_eq!(
+        breach(status, &body),
+        (400, "limit_exceeded", "depth", "body"),
+        "{body}"
+    );
+
+    let wide: Vec<u32> = (0..=MAX_MEMBERS as u32).collect();
+    let long_key = "k".repeat(MAX_KEY_BYTES + 1);
+    let long_string = "s".repeat(sortie_core::limits::MAX_STRING_BYTES + 1);
+    for (input, expected, at) in [
+        (json!({"list": wide}), "members", "input.list"),
+        (json!({ long_key: 1 }), "key_bytes", "input"),
+        (json!({"doc": long_string}), "string_bytes", "input.doc"),
+    ] {
+        let (status, body) = api.post("/v1/runs", "tok-bob", start(input)).await;
+        assert_eq!(
+            breach(status, &body),
+            (400, "limit_exceeded", expected, at),
+            "{body}"
+        );
+    }
+    let labels: serde_json::Map<String, Value> = (0..=MAX_LABELS)
+        .map(|i| (format!("l{i}"), json!("v")))
+        .collect();
+    let (status, body) = api
+        .post(
+            "/v1/runs",
+            "tok-bob",
+            json!({"graph_id": "plain", "labels": labels}),
+        )
+        .await;
+    assert_eq!(
+        breach(status, &body),
+        (400, "limit_exceeded", "labels", "labels"),
+        "{body}"
+    );
+
+    // Every other route that carries a payload or a text.
+    let long_text = "t".repeat(sortie_core::limits::MAX_TEXT_BYTES + 1);
+    let deep = nested(MAX_DEPTH + 1);
+    for (path, token, payload, expected, at) in [
+        (
+            "/v1/runs/any/resume",
+            "tok-bob",
+            json!({"decision": "approve", "interrupt_id": "i", "proposal_hash": "h", "payload": deep}),
+            "depth",
+            "payload",
+        ),
+        (
+            "/v1/runs/any/resume",
+            "tok-bob",
+            json!({"decision": "approve", "interrupt_id": "i", "proposal_hash": "h", "edited_args": deep}),
+            "depth",
+            "edited_args",
+        ),
+        (
+            "/v1/runs/any/resume",
+            "tok-bob",
+            json!({"decision": "reject", "interrupt_id": "i", "proposal_hash": "h", "comment": long_text}),
+            "text_bytes",
+            "comment",
+        ),
+        (
+            "/v1/runs/any/cancel",
+            "tok-bob",
+            json!({"reason": long_text}),
+            "text_bytes",
+            "reason",
+        ),
+        (
+            "/v1/runs/any/operations/op_1/reconcile",
+            "tok-olga",
+            json!({"outcome": "succeeded", "result": deep}),
+            "depth",
+            "result",
+        ),
+        (
+            "/v1/runs/any/operations/op_1/reconcile",
+            "tok-olga",
+            json!({"outcome": "failed", "error": long_text}),
+            "text_bytes",
+            "error",
+        ),
+        (
+            "/v1/runs/any/fork",
+            "tok-bob",
+            json!({"at_version": 1, "input_patch": deep}),
+            "depth",
+            "input_patch",
+        ),
+    ] {
+        let (status, body) = api.post(path, token, payload).await;
+        let (status, answer_code, limit, place) = breach(status, &body);
+        assert_eq!(
+            (status, answer_code, limit),
+            (400, "limit_exceeded", expected),
+            "{path}: {body}"
+        );
+        assert!(place.starts_with(at), "{path}: {body}");
+    }
+    let (status, body) = api
+        .send(api.request(
+            "DELETE",
+            &format!("/v1/runs/any?reason={}", "r".repeat(5000)),
+            "tok-olga",
+        ))
+        .await;
+    assert_eq!(
+        breach(status, &body),
+        (400, "limit_exceeded", "text_bytes", "reason"),
+        "{body}"
+    );
+
+    // At the limit: accepted, and read back as it went in.
+    let at_limit = json!({"order": nested(MAX_DEPTH - 1)});
+    let (status, answer) = api
+        .post(
+            "/v1/runs",
+            "tok-bob",
+            json!({"graph_id": "plain", "input": at_limit, "run_id": "at-limit"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let position = answer["position"].as_str().expect("position").to_owned();
+    let reads_back = |api: Api| {
+        let (at_limit, position) = (at_limit.clone(), position.clone());
+        async move {
+            let (status, run) = api
+                .get(
+                    &format!("/v1/runs/at-limit?min_position={position}"),
+                    "tok-bob",
+                )
+                .await;
+            assert_eq!(status, 200, "{run}");
+            assert_eq!(run["input"], at_limit);
+            let (status, history) = api.get("/v1/runs/at-limit/events", "tok-bob").await;
+            assert_eq!(status, 200, "{history}");
+            assert_eq!(
+                history["events"][0]["body"]["RunStarted"]["input"], at_limit,
+                "{history}"
+            );
+        }
+    };
+    reads_back(Api::new(&url)).await;
+
+    // A command the reducer would refuse, though every field the gateway knows passed: an
+    // interrupt id with a control character (ids must be printable everywhere they go).
+    api.post(
+        "/v1/runs",
+        "tok-bob",
+        json!({"graph_id": "plain", "run_id": "target"}),
+    )
+    .await;
+    let (status, body) = api
+        .post(
+            "/v1/runs/target/resume",
+            "tok-bob",
+            json!({"decision": "approve", "interrupt_id": "int\u{1}", "proposal_hash": "h"}),
+        )
+        .await;
+    assert_eq!((status, code(&body)), (400, "invalid_request"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("reducer would refuse")),
+        "{body}"
+    );
+
+    // Only the two good starts were published.
+    let commands = sortie_tests::read_all(
+        &stack.bootstrap,
+        &stack.topics.commands(),
+        sortie_tests::Isolation::ReadCommitted,
+    )
+    .await;
+    assert_eq!(commands.len(), 2, "refused requests published nothing");
+
+    gateway.stop();
+    let (_restarted, url) = stack.gateway_process_with(&data, TOKENS, &extra).await;
+    reads_back(Api::new(&url)).await;
 }

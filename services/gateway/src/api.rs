@@ -22,7 +22,7 @@ use crate::error::ApiError;
 use crate::extract::{Caller, JsonBody, Params, QueryParams};
 use crate::store::StoredRun;
 use crate::view::{self, Answer, Progress};
-use crate::{openapi, render};
+use crate::{limits, openapi, render};
 
 /// Header a read may carry instead of `?min_position=`.
 pub const MIN_POSITION_HEADER: &str = "sortie-min-position";
@@ -303,6 +303,7 @@ async fn start_run(
             "graph_id is empty",
         ));
     }
+    limits::labels(&body.labels)?;
     let key = idempotency_key(&headers)?;
     let run_id = match (body.run_id, &key) {
         (Some(id), _) if valid_id(&id) => id,
@@ -346,7 +347,7 @@ async fn start_run(
         return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
     }
     let input = body.input.unwrap_or_else(|| json!({}));
-    let input = app.offload(&caller.tenant, &run_id, input).await?;
+    let input = app.payload(&caller.tenant, &run_id, "input", input).await?;
     let input = app.seal(&caller.tenant, &run_id, input, true).await?;
     let command = command(
         &caller,
@@ -467,6 +468,8 @@ async fn resume_run(
     JsonBody(body): JsonBody<ResumeRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::payload_opt("edited_args", body.edited_args.as_ref())?;
+    limits::text("comment", body.comment.as_deref())?;
     let run = known_run(&app, &caller, &run_id)?;
     let interrupt_id = match body.interrupt_id {
         Some(id) => id,
@@ -495,13 +498,19 @@ async fn resume_run(
     );
     let payload = match payload {
         Some(payload) => {
-            let payload = app.offload(&caller.tenant, &run_id, payload).await?;
+            let payload = app
+                .payload(&caller.tenant, &run_id, "payload", payload)
+                .await?;
             Some(app.seal(&caller.tenant, &run_id, payload, false).await?)
         }
         None => None,
     };
     let edited_args = match edited_args {
-        Some(args) => Some(app.seal(&caller.tenant, &run_id, args, false).await?),
+        Some(args) => {
+            // A legacy edit (see `decision_inputs`) came as the payload.
+            limits::payload("edited_args", &args)?;
+            Some(app.seal(&caller.tenant, &run_id, args, false).await?)
+        }
         None => None,
     };
     let decision = match body.decision {
@@ -553,6 +562,8 @@ async fn cancel_run(
     JsonBody(body): JsonBody<Option<CancelRequest>>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
+    let reason = body.unwrap_or_default().reason;
+    limits::text("reason", reason.as_deref())?;
     if let Some(run) = known_run(&app, &caller, &run_id)? {
         let (graph, version) = (&run.state.graph_id, run.state.graph_version);
         let access = app.inner.graphs.access(graph, Some(version));
@@ -564,9 +575,7 @@ async fn cancel_run(
         &caller,
         &run_id,
         key,
-        w::CommandBody::CancelRun(w::CancelRun {
-            reason: body.unwrap_or_default().reason,
-        }),
+        w::CommandBody::CancelRun(w::CancelRun { reason }),
     );
     let answer = app.submit(&command).await?;
     let run = accepted(&app, &command, &answer).await?;
@@ -612,6 +621,7 @@ async fn delete_run(
     QueryParams(query): QueryParams<DeleteQuery>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::text("reason", query.reason.as_deref())?;
     let run = visible_run(&app, &caller, &run_id)?;
     require_operator(&caller, "deleting a run")?;
     if !run.state.status.is_terminal() {
@@ -624,6 +634,15 @@ async fn delete_run(
             ),
         ));
     }
+    let reason = query.reason.filter(|r| !r.trim().is_empty());
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::ForgetRun(w::ForgetRun { reason }),
+    );
+    // Refused before anything is forgotten here.
+    limits::as_the_reducer_reads(&command)?;
     let at = sortie_kafka::clock::now_ms();
     // This gateway stops showing the payloads first: whatever fails after this, a
     // deletion that was asked for is never undone here. Then the key (the shred), then the
@@ -648,13 +667,6 @@ async fn delete_run(
         }
         None => false,
     };
-    let reason = query.reason.filter(|r| !r.trim().is_empty());
-    let command = command(
-        &caller,
-        &run_id,
-        key,
-        w::CommandBody::ForgetRun(w::ForgetRun { reason }),
-    );
     let answer = app.submit(&command).await?;
     accepted(&app, &command, &answer).await?;
     let mut out = written(&command, &answer, run.state.status.as_str());
@@ -689,6 +701,8 @@ async fn reconcile(
     JsonBody(body): JsonBody<ReconcileRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::payload_opt("result", body.result.as_ref())?;
+    limits::text("error", body.error.as_deref())?;
     known_run(&app, &caller, &run_id)?;
     // The reducer checks it too (a raw Kafka command); here nothing is published.
     require_operator(&caller, "reconciling an operation")?;
@@ -1164,6 +1178,10 @@ async fn fork_run(
     JsonBody(body): JsonBody<ForkRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::payload_opt("input_patch", body.input_patch.as_ref())?;
+    if let Some(labels) = &body.labels {
+        limits::labels(labels)?;
+    }
     let run = visible_run(&app, &caller, &run_id)?;
     if let Some(forgotten) = &run.state.forgotten {
         // Its checkpoints keep the run's shape only: a fork would start without payloads.
@@ -1207,6 +1225,7 @@ async fn fork_run(
         Some(patch) => merge_patch(source.input.clone(), patch),
         None => source.input.clone(),
     };
+    limits::payload("input", &input)?;
     // The new run's payloads, the source's state included, sealed with the new run's key.
     let seal = app.run_seal(&caller.tenant, &new_id, true).await?;
     let input = {

@@ -102,6 +102,9 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
         };
         serde_json::from_slice(text).map(JsonBody).map_err(|e| {
             use serde_json::error::Category;
+            if let Some(too_deep) = crate::limits::too_deep_to_parse(&e) {
+                return too_deep;
+            }
             match e.classify() {
                 Category::Syntax | Category::Eof | Category::Io => {
                     ApiError::bad_request("bad_json", format!("the body is not valid JSON: {e}"))
