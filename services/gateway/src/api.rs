@@ -62,6 +62,7 @@ pub fn router(state: AppState) -> Router {
         .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(crate::extract::drain_unread))
         .layer(axum::middleware::from_fn(crate::ui::secure))
         .layer(axum::middleware::from_fn(crate::metrics::observe))
         .with_state(state)
