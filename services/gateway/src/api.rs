@@ -305,6 +305,10 @@ async fn start_run(
         ));
     }
     limits::labels(&body.labels)?;
+    // Before the graph is looked up: a refusal that costs nothing comes first.
+    if let Some(input) = &body.input {
+        app.check_payload("input", input)?;
+    }
     let key = idempotency_key(&headers)?;
     let run_id = match (body.run_id, &key) {
         (Some(id), _) if valid_id(&id) => id,

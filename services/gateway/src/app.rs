@@ -240,6 +240,19 @@ impl AppState {
             })
     }
 
+    /// The shape rule on `value`, the payload called `field`, as the client sent it (400
+    /// `limit_exceeded`); see [`AppState::payload`] for a string past the string limit.
+    pub(crate) fn check_payload(
+        &self,
+        field: &str,
+        value: &serde_json::Value,
+    ) -> Result<(), ApiError> {
+        match sortie_core::limits::check_shape(field, value) {
+            Err(e) if e.limit == Limit::StringBytes && self.inner.blobs.is_some() => Ok(()),
+            checked => checked.map_err(crate::limits::shape_exceeded),
+        }
+    }
+
     /// `value`, the payload called `field`, held to the shape rule (400
     /// `limit_exceeded`), then [`AppState::offload`]ed. With a blob store, a string over the
     /// string limit may come in: it is stored by reference, and the rule is checked again on
@@ -251,10 +264,7 @@ impl AppState {
         field: &str,
         value: serde_json::Value,
     ) -> Result<serde_json::Value, ApiError> {
-        match sortie_core::limits::check_shape(field, &value) {
-            Err(e) if e.limit == Limit::StringBytes && self.inner.blobs.is_some() => {}
-            checked => checked.map_err(crate::limits::shape_exceeded)?,
-        }
+        self.check_payload(field, &value)?;
         let value = self.offload(tenant, run_id, value).await?;
         crate::limits::payload(field, &value)?;
         Ok(value)

@@ -79,6 +79,7 @@ fn write_errors(mut responses: Value) -> Value {
         ("500", "run_unreadable: this gateway's view could not read or store the run and set it aside (quarantined); `run_id` names it. Other runs are served."),
         ("409", "Refused by the reducer: conflict, bad_state, stale_proposal, already_decided, expired, duplicate_approver, unknown_interrupt, unknown_operation."),
         ("413", "The body is larger than the configured cap."),
+        ("503", "Nothing was published, or its outcome is not known: kafka_unavailable, registry_unavailable, blob_store_unavailable, key_store_unavailable."),
         ("504", "The reducer's answer did not arrive in time; the error carries the command_id."),
     ] {
         responses[code] = error_response(text);
