@@ -858,4 +858,56 @@ mod tests {
             offset: 1535
         }));
     }
+
+    fn view(dir: &std::path::Path) -> View {
+        View {
+            store: Store::open(dir, "p.").expect("open"),
+            progress: watch::channel(Progress::default()).0,
+            waiters: Mutex::new(HashMap::new()),
+            targets: (BTreeMap::new(), BTreeMap::new()),
+            quarantined: AtomicUsize::new(0),
+        }
+    }
+
+    /// Seen red: with TooDeep no longer run-scoped, the first quarantine stopped the view.
+    #[test]
+    fn one_runs_error_quarantines_it_and_only_the_stores_own_stops_the_view() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let view = view(dir.path());
+        let next = (Source::RunEvents, 0, 8);
+        let one_run = store::Error::TooDeep {
+            key: "r/deep".into(),
+            depth: 130,
+        };
+        view.quarantine_on(Err(one_run), next, "acme", "deep")
+            .expect("the view goes on");
+        assert_eq!(view.quarantined(), 1);
+        let kept = view.store.quarantined("deep").expect("read").expect("kept");
+        assert_eq!(
+            (kept.tenant.as_str(), kept.record.as_str()),
+            ("acme", "run-events p0:o7")
+        );
+        assert_eq!(
+            view.store.offsets(Source::RunEvents).expect("offsets"),
+            BTreeMap::from([(0, 8)]),
+            "the offset moved on with it"
+        );
+        // Once: the same run again only moves the offset.
+        let again = store::Error::TooDeep {
+            key: "r/deep".into(),
+            depth: 130,
+        };
+        view.quarantine_on(Err(again), (Source::RunEvents, 0, 9), "acme", "deep")
+            .expect("the view goes on");
+        assert_eq!(view.quarantined(), 1);
+
+        let whole = store::Error::Sled(sled::Error::Unsupported("the disk is gone".into()));
+        assert!(!whole.run_scoped());
+        assert!(
+            view.quarantine_on(Err(whole), (Source::RunEvents, 0, 10), "acme", "other")
+                .is_err(),
+            "the store as a whole stops the view"
+        );
+        assert_eq!(view.quarantined(), 1);
+    }
 }
