@@ -4,7 +4,8 @@
 //! texts past the shape limits are refused 400 naming the limit, before anything is
 //! published, while a payload at the limits round-trips; two tenants racing one run id and
 //! idempotency key each get their own answer; an answer given before a request's body was
-//! read leaves the connection usable.
+//! read leaves the connection usable; a decision the reducer keeps for an interrupt not
+//! registered yet is answered at once.
 
 use std::time::Duration;
 
@@ -37,6 +38,7 @@ const TOKENS: &[&str] = &[
     "acme:user:bob::tok-bob",
     "globex:user:eve::tok-eve",
     "acme:user:olga:operator:tok-olga",
+    "acme:user:alice:approver:tok-alice",
 ];
 
 const LONG: Duration = Duration::from_secs(90);
@@ -593,11 +595,11 @@ async fn payloads_past_the_shape_limits_are_refused_and_one_at_them_round_trips(
     reads_back(Api::new(&url)).await;
 }
 
-/// Found by a hostile HTTP campaign (seed 1): an answer given before the request's body was read (no
-/// bearer token, a path that does not parse, a body on a route that takes none) left the
-/// connection to be closed after it without a word, so the client's next request on that
-/// connection was lost (`connection closed before message completed`). The gateway now
-/// reads the rest of such a body before it answers.
+/// Found by a hostile HTTP campaign (seed 1): an answer given before the request's body
+/// was read (no bearer token, a path that does not parse, a body on a route that takes
+/// none) left the connection to be closed after it without a word, so the client's next
+/// request on that connection was lost (`connection closed before message completed`).
+/// The gateway now reads the rest of such a body before it answers.
 ///
 /// Seen red: without the `drain_unread` layer, a round's next request failed so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -642,4 +644,76 @@ async fn an_answer_before_the_body_is_read_leaves_the_connection_usable() {
             assert_eq!(next.status().as_u16(), 200, "round {round}");
         }
     }
+}
+
+/// Found by a hostile HTTP campaign (seed 33, as a documented 504): a decision naming an
+/// interrupt the run has not registered (one decided early) is kept by the reducer
+/// (`DecisionBuffered`, its final answer comes when the interrupt opens), with no
+/// `CommandAccepted`/`CommandRejected` now; the gateway waited for one and answered 504
+/// `answer_timeout` after its whole answer timeout (30 s here). The buffering is the
+/// reducer's answer: 202 with status `buffered`. (Since the fold refuses at once an id
+/// that no interrupt can be registered under, the campaign's made-up ids no longer reach
+/// this; an id of the derived shape from an approver does.)
+///
+/// Seen red: without the `DecisionBuffered` arm in `View::apply_event`, 504 after 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_kept_for_an_interrupt_not_yet_open_is_answered_at_once() {
+    let stack = Stack::start("gateway-buffered", &[sortie_tests::GATED]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+    let (status, started) = api
+        .post(
+            "/v1/runs",
+            "tok-bob",
+            json!({"graph_id": "gated", "input": {"amount": 5}, "run_id": "early"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{started}");
+    sortie_tests::wait_until("the run to wait for approval", LONG, || async {
+        let (_, run) = api.get("/v1/runs/early", "tok-bob").await;
+        run["status"] == "waiting_approval"
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    // An id and hash of the shapes the fold derives (it refuses others at once), from an
+    // approver (it refuses a principal who may decide none of the run's gates).
+    let (status, kept) = api
+        .post(
+            "/v1/runs/early/resume",
+            "tok-alice",
+            json!({"decision": "approve", "interrupt_id": format!("int_{}", "0".repeat(24)), "proposal_hash": "0".repeat(64)}),
+        )
+        .await;
+    assert_eq!(
+        (status, kept["status"].as_str()),
+        (202, Some("buffered")),
+        "{kept}"
+    );
+    assert_eq!(kept["buffered"], true);
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        asked.elapsed()
+    );
+    let (_, history) = api
+        .get(
+            &format!(
+                "/v1/runs/early/events?min_position={}",
+                kept["position"].as_str().unwrap_or_default()
+            ),
+            "tok-bob",
+        )
+        .await;
+    let buffered: Vec<&Value> = history["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["type"] == "decision_buffered")
+        .collect();
+    assert_eq!(buffered.len(), 1, "{history}");
+    assert_eq!(buffered[0]["command_id"], kept["command_id"], "{history}");
 }

@@ -471,7 +471,7 @@ async fn resume_run(
     headers: HeaderMap,
     Params(run_id): Params<String>,
     JsonBody(body): JsonBody<ResumeRequest>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<(StatusCode, Json<Value>), ApiError> {
     let key = idempotency_key(&headers)?;
     limits::payload_opt("edited_args", body.edited_args.as_ref())?;
     limits::text("comment", body.comment.as_deref())?;
@@ -537,6 +537,19 @@ async fn resume_run(
         }),
     );
     let answer = app.submit(&command).await?;
+    let decision = match decision {
+        w::Decision::Approve => "approve",
+        w::Decision::Reject => "reject",
+    };
+    if answer.code == view::BUFFERED {
+        // Kept for an interrupt not registered yet: 202, the final answer comes on the
+        // run's events under the same command id.
+        let mut out = written(&command, &answer, "buffered");
+        out["interrupt_id"] = interrupt_id.into();
+        out["decision"] = decision.into();
+        out["buffered"] = true.into();
+        return Ok((StatusCode::ACCEPTED, Json(out)));
+    }
     let run = accepted(&app, &command, &answer).await?;
     let mut out = written(
         &command,
@@ -544,12 +557,8 @@ async fn resume_run(
         run.map_or("running", |r| r.state.status.as_str()),
     );
     out["interrupt_id"] = interrupt_id.into();
-    out["decision"] = match decision {
-        w::Decision::Approve => "approve",
-        w::Decision::Reject => "reject",
-    }
-    .into();
-    Ok(Json(out))
+    out["decision"] = decision.into();
+    Ok((StatusCode::OK, Json(out)))
 }
 
 #[derive(Debug, Default, Deserialize)]

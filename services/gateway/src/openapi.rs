@@ -308,7 +308,10 @@ pub fn document() -> Value {
                     "security": security,
                     "parameters": [run_id(), idempotency_key()],
                     "requestBody": body("Resume", true),
-                    "responses": write_errors(json!({"200": ok("Accepted by the reducer.", "Written")}))
+                    "responses": write_errors(json!({
+                        "200": ok("Accepted by the reducer.", "Written"),
+                        "202": ok("status buffered: the interrupt is not registered yet, and the reducer keeps the decision (at most 16 per run) until it is; the final answer comes on the run's events under the same command_id.", "Written")
+                    }))
                 }
             },
             "/v1/runs/{run_id}/fork": {

@@ -117,6 +117,10 @@ impl Progress {
     }
 }
 
+/// The code of an [`Answer`] that says the reducer kept a decision for an interrupt not
+/// registered yet (`DecisionBuffered`).
+pub const BUFFERED: &str = "decision_buffered";
+
 /// The reducer's answer to one command.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Answer {
@@ -299,6 +303,13 @@ impl View {
                     reason,
                     ..
                 } => (command_id, false, false, code.clone(), reason.clone()),
+                // A decision on an interrupt not registered yet: the reducer keeps it (its
+                // final answer comes when the interrupt opens). That is its answer now.
+                EventBody::DecisionBuffered { interrupt_id, .. } => {
+                    let command_id = event.command_id.as_ref()?;
+                    let reason = format!("kept until interrupt {interrupt_id} opens");
+                    (command_id, true, false, BUFFERED.to_owned(), reason)
+                }
                 _ => return None,
             };
             let answer = Answer {
