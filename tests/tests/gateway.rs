@@ -661,6 +661,116 @@ async fn the_inbox_lists_open_approvals_and_says_who_may_decide() {
     assert!(headers.get("content-security-policy").is_none());
 }
 
+/// The inbox is served from the view's index (issue #40, item 7: it used to read every
+/// event of every waiting run on each request): items come oldest first, a page reads its
+/// size, `opened_at` is still the time of the interrupt's `Interrupted` event, a decision
+/// takes its item out, and a restarted and a fresh view serve the same inbox.
+///
+/// Seen red: with the index entries of a run left in place when it was written again, the
+/// approved interrupt stayed in the inbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_is_served_from_the_views_index_in_the_order_interrupts_opened() {
+    let stack = Stack::start("gateway-inbox-index", &[GATED]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    let data = stack.dir.join("gateway-a");
+    let (mut first, url) = stack.gateway_process(&data, TOKENS).await;
+    let api = Api::new(&url);
+    let runs = ["gated-1", "gated-2", "gated-3"];
+    for (n, run) in runs.iter().enumerate() {
+        api.start(
+            "tok-bob",
+            json!({"graph_id": "gated", "input": {"amount": n}, "run_id": run}),
+        )
+        .await;
+        // One at a time, so they open in this order.
+        api.wait_run("the run to wait for approval", run, |r| {
+            r["status"] == "waiting_approval"
+        })
+        .await;
+    }
+
+    // What the inbox said before it had an index: each open interrupt, opened at its
+    // Interrupted event, with the proposal the run shows.
+    let mut expected = Vec::new();
+    for run in runs {
+        let (_, shown) = api.get(&format!("/v1/runs/{run}"), "tok-alice").await;
+        let (_, history) = api
+            .get(&format!("/v1/runs/{run}/events?limit=1000"), "tok-alice")
+            .await;
+        let opened = history["events"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .find(|e| e["type"] == "interrupted")
+            .map(|e| e["at"].clone())
+            .expect("an Interrupted event");
+        let interrupt = &shown["interrupt"];
+        expected.push(json!({
+            "run_id": run,
+            "interrupt_id": interrupt["interrupt_id"],
+            "proposal_hash": interrupt["proposal_hash"],
+            "proposal": interrupt["proposal"],
+            "opened_at": opened,
+        }));
+    }
+    let essentials = |inbox: &Value| -> Vec<Value> {
+        inbox["items"]
+            .as_array()
+            .expect("items")
+            .iter()
+            .map(|i| {
+                json!({
+                    "run_id": i["run_id"],
+                    "interrupt_id": i["interrupt_id"],
+                    "proposal_hash": i["proposal_hash"],
+                    "proposal": i["proposal"],
+                    "opened_at": i["opened_at"],
+                })
+            })
+            .collect()
+    };
+    let (status, inbox) = api.get("/v1/inbox", "tok-alice").await;
+    assert_eq!(status, 200, "{inbox}");
+    assert_eq!(essentials(&inbox), expected, "{inbox}");
+    assert_eq!(inbox["truncated"], false);
+    let (_, page) = api.get("/v1/inbox?limit=1", "tok-alice").await;
+    assert_eq!(essentials(&page), expected[..1], "{page}");
+    assert_eq!(page["truncated"], true);
+
+    // Approving the oldest takes it out.
+    let oldest = &inbox["items"][0];
+    let (status, approved) = api
+        .post(
+            "/v1/runs/gated-1/resume",
+            "tok-alice",
+            json!({"decision": "approve", "interrupt_id": oldest["interrupt_id"], "proposal_hash": oldest["proposal_hash"]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{approved}");
+    let position = approved["position"].as_str().expect("position");
+    let (_, after) = api
+        .get(&format!("/v1/inbox?min_position={position}"), "tok-alice")
+        .await;
+    assert_eq!(essentials(&after), expected[1..], "{after}");
+
+    // The same inbox from the restarted view and from a fresh one (built from Kafka).
+    first.stop();
+    let (_restarted, url) = stack.gateway_process(&data, TOKENS).await;
+    let (_, again) = Api::new(&url).get("/v1/inbox", "tok-alice").await;
+    let (_fresh, url) = stack
+        .gateway_process(&stack.dir.join("gateway-b"), TOKENS)
+        .await;
+    let fresh = Api::new(&url);
+    let (_, rebuilt) = fresh
+        .get(&format!("/v1/inbox?min_position={position}"), "tok-alice")
+        .await;
+    for inbox in [&again, &rebuilt] {
+        assert_eq!(essentials(inbox), expected[1..], "{inbox}");
+        assert_eq!(inbox["items"], after["items"], "the same items, whole");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_and_reconcile_are_answered_by_the_reducer() {
     let stack = Stack::start("gateway-cancel", &[GATED]).await;

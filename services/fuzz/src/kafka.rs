@@ -11,11 +11,11 @@
 //! Each record says what it expects of the reducer ([`Expect`]), so a campaign can check
 //! that every refused input was answered or dead-lettered with a reason.
 
-use serde_json::{json, Value};
 use sortie_wire::records as w;
 use sortie_wire::Record;
 
 use crate::mutate::Rng;
+use crate::values::{id, nested, payload, text};
 
 /// What a campaign writes on, and as whom.
 #[derive(Debug, Clone)]
@@ -73,50 +73,6 @@ fn wire(schema: u32, datum: Vec<u8>) -> Vec<u8> {
 
 fn encode<R: Record>(schema: u32, record: &R) -> Vec<u8> {
     wire(schema, sortie_wire::to_datum(record).unwrap_or_default())
-}
-
-fn nested(depth: usize) -> Value {
-    (0..depth).fold(json!(1), |v, _| json!({ "a": v }))
-}
-
-/// A JSON payload a hostile client might send: at the limits, past them, or odd.
-fn payload(rng: &mut Rng) -> Value {
-    use sortie_core::limits;
-    match rng.below(10) {
-        0 => nested(limits::MAX_DEPTH),
-        1 => nested(limits::MAX_DEPTH + 1),
-        2 => nested(125),
-        3 => Value::Array((0..=limits::MAX_MEMBERS).map(|i| json!(i)).collect()),
-        4 => json!({ "k".repeat(limits::MAX_KEY_BYTES + 1): 1 }),
-        5 => json!({"s": "x".repeat(300 * 1024)}),
-        6 => json!({"n": [u64::MAX, i64::MIN, 1e308, -1e308, 5e-324, -0.0]}),
-        7 => json!({"t": "\u{0000}\u{202E}\u{200B}\u{FEFF}\u{1F600}\n\r\t\\\""}),
-        8 => json!([[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]),
-        _ => json!({"order": rng.next_u64(), "ok": true}),
-    }
-}
-
-/// An id a hostile client might use.
-fn id(rng: &mut Rng, base: &str) -> String {
-    match rng.below(9) {
-        0 => String::new(),
-        1 => format!("{base}\u{0000}x"),
-        2 => format!("{base}\u{202E}gnp"),
-        3 => "r".repeat(300),
-        4 => format!(" {base} "),
-        5 => format!("{base}/../../etc/passwd"),
-        6 => format!("{base}-ünïcødé-🚀"),
-        _ => format!("{base}-{}", rng.next_u64() % 100_000),
-    }
-}
-
-fn text(rng: &mut Rng) -> String {
-    match rng.below(4) {
-        0 => "c".repeat(sortie_core::limits::MAX_TEXT_BYTES + 1),
-        1 => "z".repeat(250 * 1024),
-        2 => "\u{202E}reversed\u{0000}".to_owned(),
-        _ => "fine".to_owned(),
-    }
 }
 
 /// One hostile record, drawn with `rng`.

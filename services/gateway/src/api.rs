@@ -22,7 +22,7 @@ use crate::error::ApiError;
 use crate::extract::{Caller, JsonBody, Params, QueryParams};
 use crate::store::StoredRun;
 use crate::view::{self, Answer, Progress};
-use crate::{openapi, render};
+use crate::{limits, openapi, render};
 
 /// Header a read may carry instead of `?min_position=`.
 pub const MIN_POSITION_HEADER: &str = "sortie-min-position";
@@ -62,6 +62,7 @@ pub fn router(state: AppState) -> Router {
         .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(crate::extract::drain_unread))
         .layer(axum::middleware::from_fn(crate::ui::secure))
         .layer(axum::middleware::from_fn(crate::metrics::observe))
         .with_state(state)
@@ -92,7 +93,9 @@ async fn readyz(State(app): State<AppState>) -> Response {
         )
         .into_response()
     } else if progress.ready {
-        Json(json!({"status": "ready"})).into_response()
+        // Quarantined runs do not make the gateway unready: every other run is served.
+        Json(json!({"status": "ready", "quarantined_runs": app.view().quarantined()}))
+            .into_response()
     } else {
         ApiError::unavailable(
             "not_ready",
@@ -164,15 +167,37 @@ fn command(
 }
 
 /// The run if the view has it; 404 for a run of another tenant, exactly as for a missing one.
+/// A run the view set aside, or whose state does not read, is 500 `run_unreadable` to its
+/// own tenant (404 to any other).
 fn known_run(app: &AppState, caller: &Caller, run_id: &str) -> Result<Option<StoredRun>, ApiError> {
-    let run = app
-        .view()
-        .store
-        .run(run_id)
+    let store = &app.view().store;
+    let quarantine = store
+        .quarantined(run_id)
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    match run {
-        Some(run) if run.state.tenant != caller.tenant => Err(ApiError::unknown_run(run_id)),
-        run => Ok(run),
+    if let Some(quarantine) = quarantine {
+        return Err(match quarantine.tenant == caller.tenant {
+            true => ApiError::run_unreadable(run_id, &quarantine.reason),
+            false => ApiError::unknown_run(run_id),
+        });
+    }
+    match store.run(run_id) {
+        Ok(Some(run)) if run.state.tenant != caller.tenant => Err(ApiError::unknown_run(run_id)),
+        Ok(run) => Ok(run),
+        // Not yet set aside (the view has not come back to it since it went bad).
+        Err(error) if error.run_scoped() => match store.listed(&caller.tenant, run_id) {
+            Ok(true) => Err(ApiError::run_unreadable(run_id, &error.to_string())),
+            Ok(false) => Err(ApiError::unknown_run(run_id)),
+            Err(error) => Err(ApiError::internal(error.to_string())),
+        },
+        Err(error) => Err(ApiError::internal(error.to_string())),
+    }
+}
+
+/// A store read about `run_id` (already known to be the caller's) that failed.
+pub(crate) fn read_failed(run_id: &str) -> impl Fn(crate::store::Error) -> ApiError + '_ {
+    move |error| match error.run_scoped() {
+        true => ApiError::run_unreadable(run_id, &error.to_string()),
+        false => ApiError::internal(error.to_string()),
     }
 }
 
@@ -279,6 +304,11 @@ async fn start_run(
             "graph_id is empty",
         ));
     }
+    limits::labels(&body.labels)?;
+    // Before the graph is looked up: a refusal that costs nothing comes first.
+    if let Some(input) = &body.input {
+        app.check_payload("input", input)?;
+    }
     let key = idempotency_key(&headers)?;
     let run_id = match (body.run_id, &key) {
         (Some(id), _) if valid_id(&id) => id,
@@ -322,7 +352,7 @@ async fn start_run(
         return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
     }
     let input = body.input.unwrap_or_else(|| json!({}));
-    let input = app.offload(&caller.tenant, &run_id, input).await?;
+    let input = app.payload(&caller.tenant, &run_id, "input", input).await?;
     let input = app.seal(&caller.tenant, &run_id, input, true).await?;
     let command = command(
         &caller,
@@ -441,8 +471,10 @@ async fn resume_run(
     headers: HeaderMap,
     Params(run_id): Params<String>,
     JsonBody(body): JsonBody<ResumeRequest>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<(StatusCode, Json<Value>), ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::payload_opt("edited_args", body.edited_args.as_ref())?;
+    limits::text("comment", body.comment.as_deref())?;
     let run = known_run(&app, &caller, &run_id)?;
     let interrupt_id = match body.interrupt_id {
         Some(id) => id,
@@ -471,13 +503,19 @@ async fn resume_run(
     );
     let payload = match payload {
         Some(payload) => {
-            let payload = app.offload(&caller.tenant, &run_id, payload).await?;
+            let payload = app
+                .payload(&caller.tenant, &run_id, "payload", payload)
+                .await?;
             Some(app.seal(&caller.tenant, &run_id, payload, false).await?)
         }
         None => None,
     };
     let edited_args = match edited_args {
-        Some(args) => Some(app.seal(&caller.tenant, &run_id, args, false).await?),
+        Some(args) => {
+            // A legacy edit (see `decision_inputs`) came as the payload.
+            limits::payload("edited_args", &args)?;
+            Some(app.seal(&caller.tenant, &run_id, args, false).await?)
+        }
         None => None,
     };
     let decision = match body.decision {
@@ -499,6 +537,19 @@ async fn resume_run(
         }),
     );
     let answer = app.submit(&command).await?;
+    let decision = match decision {
+        w::Decision::Approve => "approve",
+        w::Decision::Reject => "reject",
+    };
+    if answer.code == view::BUFFERED {
+        // Kept for an interrupt not registered yet: 202, the final answer comes on the
+        // run's events under the same command id.
+        let mut out = written(&command, &answer, "buffered");
+        out["interrupt_id"] = interrupt_id.into();
+        out["decision"] = decision.into();
+        out["buffered"] = true.into();
+        return Ok((StatusCode::ACCEPTED, Json(out)));
+    }
     let run = accepted(&app, &command, &answer).await?;
     let mut out = written(
         &command,
@@ -506,12 +557,8 @@ async fn resume_run(
         run.map_or("running", |r| r.state.status.as_str()),
     );
     out["interrupt_id"] = interrupt_id.into();
-    out["decision"] = match decision {
-        w::Decision::Approve => "approve",
-        w::Decision::Reject => "reject",
-    }
-    .into();
-    Ok(Json(out))
+    out["decision"] = decision.into();
+    Ok((StatusCode::OK, Json(out)))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -529,6 +576,8 @@ async fn cancel_run(
     JsonBody(body): JsonBody<Option<CancelRequest>>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
+    let reason = body.unwrap_or_default().reason;
+    limits::text("reason", reason.as_deref())?;
     if let Some(run) = known_run(&app, &caller, &run_id)? {
         let (graph, version) = (&run.state.graph_id, run.state.graph_version);
         let access = app.inner.graphs.access(graph, Some(version));
@@ -540,9 +589,7 @@ async fn cancel_run(
         &caller,
         &run_id,
         key,
-        w::CommandBody::CancelRun(w::CancelRun {
-            reason: body.unwrap_or_default().reason,
-        }),
+        w::CommandBody::CancelRun(w::CancelRun { reason }),
     );
     let answer = app.submit(&command).await?;
     let run = accepted(&app, &command, &answer).await?;
@@ -588,6 +635,7 @@ async fn delete_run(
     QueryParams(query): QueryParams<DeleteQuery>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::text("reason", query.reason.as_deref())?;
     let run = visible_run(&app, &caller, &run_id)?;
     require_operator(&caller, "deleting a run")?;
     if !run.state.status.is_terminal() {
@@ -600,6 +648,15 @@ async fn delete_run(
             ),
         ));
     }
+    let reason = query.reason.filter(|r| !r.trim().is_empty());
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::ForgetRun(w::ForgetRun { reason }),
+    );
+    // Refused before anything is forgotten here.
+    limits::as_the_reducer_reads(&command)?;
     let at = sortie_kafka::clock::now_ms();
     // This gateway stops showing the payloads first: whatever fails after this, a
     // deletion that was asked for is never undone here. Then the key (the shred), then the
@@ -609,7 +666,7 @@ async fn delete_run(
     app.view()
         .store
         .forget_run(&run_id, at, &format!("deleted by {}", caller.principal))
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        .map_err(read_failed(&run_id))?;
     let shredded = match &app.inner.run_keys {
         Some(keys) => {
             keys.destroy(&run.state.tenant, &run_id, at)
@@ -624,13 +681,6 @@ async fn delete_run(
         }
         None => false,
     };
-    let reason = query.reason.filter(|r| !r.trim().is_empty());
-    let command = command(
-        &caller,
-        &run_id,
-        key,
-        w::CommandBody::ForgetRun(w::ForgetRun { reason }),
-    );
     let answer = app.submit(&command).await?;
     accepted(&app, &command, &answer).await?;
     let mut out = written(&command, &answer, run.state.status.as_str());
@@ -665,6 +715,8 @@ async fn reconcile(
     JsonBody(body): JsonBody<ReconcileRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::payload_opt("result", body.result.as_ref())?;
+    limits::text("error", body.error.as_deref())?;
     known_run(&app, &caller, &run_id)?;
     // The reducer checks it too (a raw Kafka command); here nothing is published.
     require_operator(&caller, "reconciling an operation")?;
@@ -720,7 +772,7 @@ async fn get_run(
         .view()
         .store
         .forks(&run_id)
-        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(read_failed(&run_id))?
         .into();
     Ok(Json(out))
 }
@@ -865,7 +917,7 @@ async fn events(
         .view()
         .store
         .events(&run_id, after, limit + 1)
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        .map_err(read_failed(&run_id))?;
     let more = page.len() > limit;
     page.truncate(limit);
     let next_after = page.last().map_or(after, |e| e.seq);
@@ -1074,7 +1126,7 @@ fn state_at(
             .view()
             .store
             .events(run_id, after, 512)
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+            .map_err(read_failed(run_id))?;
         if page.is_empty() {
             break;
         }
@@ -1140,6 +1192,10 @@ async fn fork_run(
     JsonBody(body): JsonBody<ForkRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let key = idempotency_key(&headers)?;
+    limits::payload_opt("input_patch", body.input_patch.as_ref())?;
+    if let Some(labels) = &body.labels {
+        limits::labels(labels)?;
+    }
     let run = visible_run(&app, &caller, &run_id)?;
     if let Some(forgotten) = &run.state.forgotten {
         // Its checkpoints keep the run's shape only: a fork would start without payloads.
@@ -1183,6 +1239,7 @@ async fn fork_run(
         Some(patch) => merge_patch(source.input.clone(), patch),
         None => source.input.clone(),
     };
+    limits::payload("input", &input)?;
     // The new run's payloads, the source's state included, sealed with the new run's key.
     let seal = app.run_seal(&caller.tenant, &new_id, true).await?;
     let input = {

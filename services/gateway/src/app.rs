@@ -10,6 +10,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use sortie_core::limits::Limit;
 use sortie_wire::records::RunCommand;
 use sortie_wire::trace::{TraceContext, TRACEPARENT};
 use sortie_wire::{partition_for, Codec, CodecConfig, RecordKind, Topics};
@@ -239,6 +240,36 @@ impl AppState {
             })
     }
 
+    /// The shape rule on `value`, the payload called `field`, as the client sent it (400
+    /// `limit_exceeded`); see [`AppState::payload`] for a string past the string limit.
+    pub(crate) fn check_payload(
+        &self,
+        field: &str,
+        value: &serde_json::Value,
+    ) -> Result<(), ApiError> {
+        match sortie_core::limits::check_shape(field, value) {
+            Err(e) if e.limit == Limit::StringBytes && self.inner.blobs.is_some() => Ok(()),
+            checked => checked.map_err(crate::limits::shape_exceeded),
+        }
+    }
+
+    /// `value`, the payload called `field`, held to the shape rule (400
+    /// `limit_exceeded`), then [`AppState::offload`]ed. With a blob store, a string over the
+    /// string limit may come in: it is stored by reference, and the rule is checked again on
+    /// what the command carries.
+    pub(crate) async fn payload(
+        &self,
+        tenant: &str,
+        run_id: &str,
+        field: &str,
+        value: serde_json::Value,
+    ) -> Result<serde_json::Value, ApiError> {
+        self.check_payload(field, &value)?;
+        let value = self.offload(tenant, run_id, value).await?;
+        crate::limits::payload(field, &value)?;
+        Ok(value)
+    }
+
     /// How `tenant`'s run `run_id` seals its payloads (made now for a start: `create`);
     /// plaintext when sealing is off. A run whose key was destroyed is 410
     /// `run_forgotten`; a key store that cannot be reached 503 `key_store_unavailable`.
@@ -287,12 +318,14 @@ impl AppState {
     }
 
     /// Publishes `command` to the run's canonical partition and waits for the reducer's
-    /// answer, at most the answer timeout (then 504 with the command id).
+    /// answer, at most the answer timeout (then 504 with the command id). A command the
+    /// reducer would refuse to read is 400 and never published.
     pub(crate) async fn submit(&self, command: &RunCommand) -> Result<Answer, ApiError> {
+        crate::limits::as_the_reducer_reads(command)?;
         let inner = &self.inner;
         let id = command.command_id.as_str();
         tracing::Span::current().record("run_id", command.run_id.as_str());
-        let answer = inner.view.expect(id, &command.run_id);
+        let answer = inner.view.expect(id, &command.tenant, &command.run_id);
         let sent = self.publish(command).await;
         if let Err(error) = sent {
             inner.view.forget(id);
@@ -387,6 +420,9 @@ impl AppState {
                 .ok()
                 .flatten()
                 .is_some_and(|r| r.changelog_version >= answer.state_version)
+                || v.store
+                    .quarantined(&answer.run_id)
+                    .is_ok_and(|q| q.is_some())
         };
         view.wait_until(timeout, settled).await;
         view.store.run(&answer.run_id).ok().flatten()

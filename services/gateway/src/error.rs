@@ -65,6 +65,18 @@ impl ApiError {
         )
     }
 
+    /// A run this gateway's view could not read, fold or store, and so set aside
+    /// (quarantined): the reducer still holds it, but this view cannot show it. A server
+    /// fault, not a client's: 500, never a retry that would help.
+    pub fn run_unreadable(run_id: &str, reason: &str) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "run_unreadable",
+            format!("run {run_id} cannot be read from this gateway's view: {reason}"),
+        )
+        .with("run_id", run_id)
+    }
+
     pub fn unavailable(code: &str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
     }

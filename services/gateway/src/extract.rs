@@ -1,9 +1,19 @@
 //! Request extractors whose every rejection is a JSON [`ApiError`]: the caller (bearer
-//! token → tenant, principal, roles, groups), a size-capped JSON body, path and query parameters.
+//! token → tenant, principal, roles, groups), a size-capped JSON body, path and query
+//! parameters; and [`drain_unread`], which reads what a handler left of a request body
+//! before the answer goes out.
 
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+
+use axum::body::{Body, BodyDataStream, Bytes};
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
 use axum::http::request::Parts;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::Response;
+use futures::{Stream, StreamExt};
 use serde::de::DeserializeOwned;
 
 use crate::app::AppState;
@@ -102,6 +112,9 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
         };
         serde_json::from_slice(text).map(JsonBody).map_err(|e| {
             use serde_json::error::Category;
+            if let Some(too_deep) = crate::limits::too_deep_to_parse(&e) {
+                return too_deep;
+            }
             match e.classify() {
                 Category::Syntax | Category::Eof | Category::Io => {
                     ApiError::bad_request("bad_json", format!("the body is not valid JSON: {e}"))
@@ -145,6 +158,65 @@ async fn read_capped(body: axum::body::Body, cap: usize) -> Result<Vec<u8>, bool
         Err(true)
     } else {
         Ok(kept)
+    }
+}
+
+/// The middleware around every route that reads, before the answer goes out, whatever of
+/// the request's body its handler left unread (it refused the request before its body:
+/// no token, a bad path, a route that takes none). hyper would otherwise close the
+/// connection after the answer without saying so, and the client's next request on it is
+/// lost (`connection closed before message completed`), or the close resets a client still
+/// sending and its answer with it. Up to [`DRAIN_LIMIT`]; past that, or when the answer
+/// already closes, the answer says `Connection: close`.
+pub(crate) async fn drain_unread(request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let has_body = headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes() != b"0");
+    if !has_body {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let slot = Arc::new(Mutex::new(Some(body.into_data_stream())));
+    let request = Request::from_parts(parts, Body::from_stream(Unread(slot.clone())));
+    let mut response = next.run(request).await;
+    let closing = response
+        .headers()
+        .get(header::CONNECTION)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+    let rest = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+    if let (false, Some(mut rest)) = (closing, rest) {
+        let mut seen = 0usize;
+        let mut whole = true;
+        while let Some(chunk) = rest.next().await {
+            seen += chunk.as_ref().map_or(0, Bytes::len);
+            if chunk.is_err() || seen > DRAIN_LIMIT {
+                whole = false;
+                break;
+            }
+        }
+        if !whole {
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+    }
+    response
+}
+
+/// The request body as its handler reads it, leaving what it does not read in the slot.
+struct Unread(Arc<Mutex<Option<BodyDataStream>>>);
+
+impl Stream for Unread {
+    type Item = Result<Bytes, axum::Error>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match slot.as_mut() {
+            Some(body) => body.poll_next_unpin(cx),
+            None => Poll::Ready(None),
+        }
     }
 }
 

@@ -1,7 +1,12 @@
 //! `GET /v1/inbox`: the open approvals of the caller's tenant, each with whether the caller
-//! may decide it and, when not, why — the reducer's own rule ([`Interrupt::refusal`]), asked
+//! may decide it and, when not, why — the reducer's own rule
+//! ([`sortie_core::state::Interrupt::refusal`]), asked
 //! ahead of time, so a console can explain a refusal before anyone clicks. It is asked at
 //! the gateway's clock; the reducer's answer, at the decision's record time, is final.
+//!
+//! It is served from the view's inbox index ([`crate::store::InboxEntry`], kept as the view
+//! writes each run), so a request reads at most `limit + 1` entries, whatever the number of
+//! runs or events.
 
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -9,13 +14,12 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sortie_core::graph::OnReject;
-use sortie_core::state::Interrupt;
-use sortie_core::{EventBody, RunState, RunStatus};
 
 use crate::api::read_after;
 use crate::app::{now_ms, AppState};
 use crate::error::ApiError;
 use crate::extract::{Caller, QueryParams};
+use crate::store::InboxEntry;
 
 const DEFAULT_LIMIT: usize = 100;
 const MAX_LIMIT: usize = 500;
@@ -38,63 +42,22 @@ pub(crate) async fn inbox(
     read_after(&app, &headers, query.min_position.as_deref()).await?;
     let limit = query.limit.unwrap_or(DEFAULT_LIMIT).clamp(1, MAX_LIMIT);
     let now = now_ms();
-    let store = &app.view().store;
-    let mut items = Vec::new();
-    // An interrupt is normally open while the run waits for approval, but a run with other
-    // work in flight is still `running` with an interrupt open.
-    for status in [RunStatus::WaitingApproval, RunStatus::Running] {
-        let runs = store
-            .list(&caller.tenant, Some(status), None, usize::MAX, |run| {
-                run.state.open_interrupts().next().is_some()
-            })
-            .map_err(|e| ApiError::internal(e.to_string()))?;
-        for run in runs {
-            let opened = opened_at(&app, &run.state)?;
-            for interrupt in run.state.open_interrupts() {
-                let opened_at = opened
-                    .iter()
-                    .find(|(id, _)| *id == interrupt.interrupt_id)
-                    .map_or(run.state.updated_at, |(_, at)| *at);
-                items.push(item(&app, &caller, &run.state, interrupt, opened_at, now));
-            }
-        }
-    }
-    items.sort_by_key(|i| (i["opened_at"].as_i64(), i["interrupt_id"].to_string()));
-    let more = items.len() > limit;
-    items.truncate(limit);
+    let mut entries = app
+        .view()
+        .store
+        .inbox(&caller.tenant, limit + 1)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let more = entries.len() > limit;
+    entries.truncate(limit);
+    let items: Vec<Value> = entries
+        .iter()
+        .map(|entry| item(&app, &caller, entry, now))
+        .collect();
     Ok(Json(json!({"items": items, "truncated": more})))
 }
 
-/// When each interrupt of the run was opened: the time of its `Interrupted` event.
-fn opened_at(app: &AppState, state: &RunState) -> Result<Vec<(String, i64)>, ApiError> {
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let page = app
-            .view()
-            .store
-            .events(&state.run_id, after, 512)
-            .map_err(|e| ApiError::internal(e.to_string()))?;
-        let Some(last) = page.last() else {
-            return Ok(out);
-        };
-        after = last.seq;
-        for event in &page {
-            if let EventBody::Interrupted { interrupt_id, .. } = &event.body {
-                out.push((interrupt_id.clone(), event.at));
-            }
-        }
-    }
-}
-
-fn item(
-    app: &AppState,
-    caller: &Caller,
-    state: &RunState,
-    interrupt: &Interrupt,
-    opened_at: i64,
-    now: i64,
-) -> Value {
+fn item(app: &AppState, caller: &Caller, entry: &InboxEntry, now: i64) -> Value {
+    let interrupt = &entry.interrupt;
     let refusal = interrupt.refusal(&caller.principal, &caller.roles, &caller.groups, true, now);
     let why_not = refusal.map(|r| match r.code {
         "forbidden" => {
@@ -145,7 +108,7 @@ fn item(
     let on_reject = app
         .inner
         .graphs
-        .on_reject(&state.graph_id, state.graph_version, &interrupt.node)
+        .on_reject(&entry.graph_id, entry.graph_version, &interrupt.node)
         .map(|o| match o {
             OnReject::Fail => {
                 "The run fails; completed steps that declare a compensation are undone.".to_owned()
@@ -161,11 +124,11 @@ fn item(
             None => text,
         });
     json!({
-        "run_id": state.run_id,
-        "graph_id": state.graph_id,
-        "graph_version": state.graph_version,
-        "tenant": state.tenant,
-        "run_status": state.status.as_str(),
+        "run_id": entry.run_id,
+        "graph_id": entry.graph_id,
+        "graph_version": entry.graph_version,
+        "tenant": entry.tenant,
+        "run_status": entry.run_status.as_str(),
         "interrupt_id": interrupt.interrupt_id,
         "node": interrupt.node,
         "proposal": interrupt.proposal,
@@ -180,7 +143,7 @@ fn item(
         "precheck": precheck,
         "approver_group": interrupt.approver_group,
         "members_only": interrupt.members_only,
-        "opened_at": opened_at,
+        "opened_at": entry.opened_at,
         "expires_at": interrupt.expires_at,
         "may_decide": why_not.is_none(),
         "why_not": why_not,

@@ -19,6 +19,7 @@ mod extract;
 pub mod fault;
 mod graphs;
 mod inbox;
+mod limits;
 pub mod metrics;
 mod openapi;
 mod render;

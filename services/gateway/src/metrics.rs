@@ -15,7 +15,9 @@ use axum::extract::{MatchedPath, Request};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+};
 use metrics_exporter_prometheus::PrometheusHandle;
 use sortie_wire::trace::{TraceContext, TRACEPARENT};
 use tracing::Instrument as _;
@@ -28,6 +30,9 @@ pub const HTTP_REQUESTS: &str = "sortie_http_requests_total";
 pub const HTTP_SECONDS: &str = "sortie_http_request_duration_seconds";
 /// Commands published, by `command` kind.
 pub const COMMANDS_PUBLISHED: &str = "sortie_gateway_commands_published_total";
+/// Runs the view has quarantined: it could not read, fold or store them (see
+/// `crate::view`). Every other run is served; these answer `run_unreadable`.
+pub const QUARANTINED_RUNS: &str = "sortie_gateway_view_quarantined_runs";
 
 /// Explicit buckets: without them the exporter renders histograms as summaries.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[(
@@ -52,6 +57,10 @@ pub fn describe() {
     describe_counter!(
         COMMANDS_PUBLISHED,
         "RunCommands published to sortie.commands, by command kind."
+    );
+    describe_gauge!(
+        QUARANTINED_RUNS,
+        "Runs the gateway's view could not read, fold or store and set aside (their reads answer run_unreadable); every other run is served."
     );
 }
 
@@ -84,6 +93,10 @@ tokio::task_local! {
 /// The trace of the request being handled (on its task), if any.
 pub(crate) fn current_trace() -> Option<TraceContext> {
     TRACE.try_with(Clone::clone).ok()
+}
+
+pub(crate) fn quarantined_runs(count: usize) {
+    gauge!(QUARANTINED_RUNS).set(count as f64);
 }
 
 pub(crate) fn published(command: &'static str) {

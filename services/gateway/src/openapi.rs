@@ -55,14 +55,31 @@ fn idempotency_key() -> Value {
     )
 }
 
+/// The payload rule every JSON payload of a request is held to, in words.
+fn shape() -> String {
+    use sortie_core::limits::{MAX_DEPTH, MAX_KEY_BYTES, MAX_MEMBERS, MAX_STRING_BYTES};
+    format!(
+        "at most {MAX_DEPTH} levels of nested objects and arrays, {MAX_MEMBERS} members in one object or array, {MAX_KEY_BYTES}-byte keys and {MAX_STRING_BYTES}-byte strings"
+    )
+}
+
 fn write_errors(mut responses: Value) -> Value {
+    let bad_request = format!(
+        "`bad_json`: the body is not JSON. `invalid_request`: a missing or invalid field, or a command the reducer would refuse to read (the message says why). `limit_exceeded`: a payload (input, payload, edited_args, result, input_patch), the labels or a text (comment, reason, error) past its limit; `limit` names it (`depth`, `members`, `key_bytes`, `string_bytes`: {}; `labels`: at most {} labels, names that are ids, values up to {} bytes; `text_bytes`: up to {} bytes) and `at` where (e.g. `input.order.items[3]`; `body` for a body nested too deep to parse). Also `invalid_run_id`, `invalid_idempotency_key`. Nothing is published.",
+        shape(),
+        sortie_core::limits::MAX_LABELS,
+        sortie_core::limits::MAX_TEXT_BYTES,
+        sortie_core::limits::MAX_TEXT_BYTES,
+    );
+    responses["400"] = error_response(&bad_request);
     for (code, text) in [
-        ("400", "Bad JSON or a missing or invalid field."),
         ("401", "No bearer token, an unknown static token, or a JWT that does not verify (signature, issuer, audience, expiry, tenant claim)."),
         ("403", "Forbidden: another tenant's namespace, or the reducer's `forbidden` (missing role)."),
         ("404", "Unknown run (also another tenant's run)."),
+        ("500", "run_unreadable: this gateway's view could not read or store the run and set it aside (quarantined); `run_id` names it. Other runs are served."),
         ("409", "Refused by the reducer: conflict, bad_state, stale_proposal, already_decided, expired, duplicate_approver, unknown_interrupt, unknown_operation."),
         ("413", "The body is larger than the configured cap."),
+        ("503", "Nothing was published, or its outcome is not known: kafka_unavailable, registry_unavailable, blob_store_unavailable, key_store_unavailable."),
         ("504", "The reducer's answer did not arrive in time; the error carries the command_id."),
     ] {
         responses[code] = error_response(text);
@@ -74,6 +91,7 @@ fn read_errors(mut responses: Value) -> Value {
     for (code, text) in [
         ("401", "No bearer token, an unknown static token, or a JWT that does not verify (signature, issuer, audience, expiry, tenant claim)."),
         ("404", "Unknown run (also another tenant's run)."),
+        ("500", "run_unreadable: this gateway's view could not read or store the run and set it aside (quarantined); `run_id` names it. Other runs are served."),
         ("504", "The view did not reach min_position in time."),
     ] {
         responses[code] = error_response(text);
@@ -89,7 +107,7 @@ pub fn document() -> Value {
         "info": {
             "title": "Sortie gateway",
             "version": env!("CARGO_PKG_VERSION"),
-            "description": "Durable execution for long-running AI agent runs. Writes become Kafka commands answered by the reducer; reads come from a local view of run-state and run-events. Every error is {\"error\": {\"code\", \"message\"}}."
+            "description": format!("Durable execution for long-running AI agent runs. Writes become Kafka commands answered by the reducer; reads come from a local view of run-state and run-events. Every error is {{\"error\": {{\"code\", \"message\"}}}}. Every JSON payload has {}; past a limit the answer is 400 limit_exceeded naming `limit` and `at`.", shape())
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -104,7 +122,10 @@ pub fn document() -> Value {
                             "code": {"type": "string"},
                             "message": {"type": "string"},
                             "command_id": {"type": "string"},
-                            "position": {"type": "string"}
+                            "position": {"type": "string"},
+                            "limit": {"type": "string", "description": "limit_exceeded: the limit broken (depth, members, key_bytes, string_bytes, labels, text_bytes)."},
+                            "at": {"type": "string", "description": "limit_exceeded: where, e.g. input.order.items[3], or body."},
+                            "run_id": {"type": "string"}
                         }
                     }}
                 },
@@ -115,7 +136,7 @@ pub fn document() -> Value {
                     "properties": {
                         "graph_id": {"type": "string"},
                         "graph_version": {"type": "integer", "minimum": 0},
-                        "input": {"description": "Any JSON; `{}` when absent."},
+                        "input": {"description": "Any JSON of the payload shape (see the 400 answer); `{}` when absent."},
                         "checkpoint_ns": {"type": "string", "description": "The tenant; must be the token's."},
                         "run_id": {"type": "string", "description": "Client-chosen id; `run_<ulid>` when absent."},
                         "labels": {"type": "object", "additionalProperties": {"type": "string"}}
@@ -287,7 +308,10 @@ pub fn document() -> Value {
                     "security": security,
                     "parameters": [run_id(), idempotency_key()],
                     "requestBody": body("Resume", true),
-                    "responses": write_errors(json!({"200": ok("Accepted by the reducer.", "Written")}))
+                    "responses": write_errors(json!({
+                        "200": ok("Accepted by the reducer.", "Written"),
+                        "202": ok("status buffered: the interrupt is not registered yet, and the reducer keeps the decision (at most 16 per run) until it is; the final answer comes on the run's events under the same command_id.", "Written")
+                    }))
                 }
             },
             "/v1/runs/{run_id}/fork": {
@@ -373,7 +397,10 @@ pub fn document() -> Value {
             "/readyz": {
                 "get": {
                     "summary": "Ready: the view caught up with run-state and run-events as they were at start",
-                    "responses": {"200": {"description": "ready"}, "503": error_response("not ready")}
+                    "responses": {
+                        "200": {"description": "ready: {\"status\": \"ready\", \"quarantined_runs\": n}; runs the view set aside (their reads answer run_unreadable) do not make it unready"},
+                        "503": error_response("not_ready: still catching up; view_failed: the view's store failed as a whole and the view stopped (restart the gateway)")
+                    }
                 }
             },
             "/openapi.json": {

@@ -9,11 +9,16 @@
 //! - progress (the next offset per partition) is published only after the store write, so
 //!   a read that waited for a position sees the record at that position;
 //! - a run's state only moves forward: an event is folded when it is the next one
-//!   (`seq == last_event_seq + 1`), a changelog record is taken when it is further along.
+//!   (`seq == last_event_seq + 1`), a changelog record is taken when it is further along;
+//! - one run never stops the view: a run whose stored state or events cannot be read,
+//!   folded or stored is quarantined (kept in the store with the reason, counted, logged
+//!   once) and the view goes on, answering waiters about it too. Only an error of the
+//!   store as a whole stops the view, and `/readyz` then says so.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,7 +34,7 @@ use sortie_wire::records as w;
 use sortie_wire::{Codec, Record, Topics};
 use tokio::sync::{oneshot, watch};
 
-use crate::store::{self, Source, Store, StoredRun, Write};
+use crate::store::{self, Quarantine, Source, Store, StoredRun, Write};
 
 const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -112,9 +117,15 @@ impl Progress {
     }
 }
 
+/// The code of an [`Answer`] that says the reducer kept a decision for an interrupt not
+/// registered yet (`DecisionBuffered`).
+pub const BUFFERED: &str = "decision_buffered";
+
 /// The reducer's answer to one command.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Answer {
+    /// The tenant of the command answered (the answering event's).
+    pub tenant: String,
     pub run_id: String,
     pub accepted: bool,
     pub duplicate: bool,
@@ -124,18 +135,26 @@ pub struct Answer {
     pub position: Position,
 }
 
-/// A write waiting for its answer: the run it is about, and where to send the answer.
-type Waiter = (String, oneshot::Sender<Answer>);
+/// A write waiting for its answer: the tenant and run it is about, and where to send the
+/// answer.
+struct Waiter {
+    tenant: String,
+    run_id: String,
+    tx: oneshot::Sender<Answer>,
+}
 
 /// The view: its store, its progress, and the writes waiting for answers.
 pub struct View {
     pub store: Store,
     progress: watch::Sender<Progress>,
-    /// command id → (run id, waiting write). Ids come from clients (`Idempotency-Key`),
-    /// so an answer goes only to writes about its own run.
+    /// command id → waiting writes. Ids and run ids come from clients (`Idempotency-Key`,
+    /// `run_id`), so two tenants may race the same pair: an answer goes only to writes of
+    /// its own tenant about its own run.
     waiters: Mutex<HashMap<String, Vec<Waiter>>>,
     /// End offsets of (run-state, run-events) at start: ready once both are reached.
     targets: (BTreeMap<i32, i64>, BTreeMap<i32, i64>),
+    /// Runs set aside (see [`Quarantine`]), in the store.
+    quarantined: AtomicUsize,
 }
 
 impl fmt::Debug for View {
@@ -152,16 +171,30 @@ impl View {
         self.progress.subscribe()
     }
 
-    /// Registers a write waiting for the answer to `command_id`. Register before
-    /// publishing, so the answer cannot slip past.
-    pub fn expect(&self, command_id: &str, run_id: &str) -> oneshot::Receiver<Answer> {
+    /// How many runs the view has set aside.
+    pub fn quarantined(&self) -> usize {
+        self.quarantined.load(Ordering::Relaxed)
+    }
+
+    /// Registers a write of `tenant` waiting for the answer to `command_id` about `run_id`.
+    /// Register before publishing, so the answer cannot slip past.
+    pub fn expect(
+        &self,
+        command_id: &str,
+        tenant: &str,
+        run_id: &str,
+    ) -> oneshot::Receiver<Answer> {
         let (tx, rx) = oneshot::channel();
         self.waiters
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .entry(command_id.to_owned())
             .or_default()
-            .push((run_id.to_owned(), tx));
+            .push(Waiter {
+                tenant: tenant.to_owned(),
+                run_id: run_id.to_owned(),
+                tx,
+            });
         rx
     }
 
@@ -169,7 +202,7 @@ impl View {
     pub fn forget(&self, command_id: &str) {
         let mut waiters = self.waiters.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(list) = waiters.get_mut(command_id) {
-            list.retain(|(_, tx)| !tx.is_closed());
+            list.retain(|w| !w.tx.is_closed());
             if list.is_empty() {
                 waiters.remove(command_id);
             }
@@ -242,23 +275,20 @@ impl View {
         };
         let (mine, others): (Vec<_>, Vec<_>) = list
             .drain(..)
-            .partition(|(run_id, _)| *run_id == answer.run_id);
+            .partition(|w| w.run_id == answer.run_id && w.tenant == answer.tenant);
         *list = others;
         if list.is_empty() {
             waiters.remove(command_id);
         }
         drop(waiters);
-        for (_, tx) in mine {
-            let _ = tx.send(answer.clone());
+        for waiter in mine {
+            let _ = waiter.tx.send(answer.clone());
         }
     }
 
     /// Folds a run-event in: stores it, moves the run's state on, answers a waiting write.
     fn apply_event(&self, partition: i32, offset: i64, event: Option<Event>) -> Result<(), Error> {
-        let mut write = Write {
-            offset: Some((Source::RunEvents, partition, offset + 1)),
-            ..Write::default()
-        };
+        let next = (Source::RunEvents, partition, offset + 1);
         let answer = event.as_ref().and_then(|event| {
             let position = Position { partition, offset };
             let (command_id, accepted, duplicate, code, reason) = match &event.body {
@@ -273,9 +303,17 @@ impl View {
                     reason,
                     ..
                 } => (command_id, false, false, code.clone(), reason.clone()),
+                // A decision on an interrupt not registered yet: the reducer keeps it (its
+                // final answer comes when the interrupt opens). That is its answer now.
+                EventBody::DecisionBuffered { interrupt_id, .. } => {
+                    let command_id = event.command_id.as_ref()?;
+                    let reason = format!("kept until interrupt {interrupt_id} opens");
+                    (command_id, true, false, BUFFERED.to_owned(), reason)
+                }
                 _ => return None,
             };
             let answer = Answer {
+                tenant: event.tenant.clone(),
                 run_id: event.run_id.clone(),
                 accepted,
                 duplicate,
@@ -286,20 +324,36 @@ impl View {
             };
             Some((command_id.clone(), answer))
         });
-        // seq 0 answers a command about a run that does not exist: not part of any history.
-        if let Some(event) = event.filter(|e| e.seq > 0) {
-            let before = self.store.run(&event.run_id)?;
-            if let Some(after) = fold(&self.store, before.clone(), &event)? {
-                write.run = Some((before, after));
+        match event.filter(|e| e.seq > 0) {
+            // seq 0 answers a command about a run that does not exist: not part of any
+            // history.
+            None => self.store.write(Write::offset(next))?,
+            Some(event) => {
+                let (tenant, run_id) = (event.tenant.clone(), event.run_id.clone());
+                let folded = self.fold_event(next, event);
+                self.quarantine_on(folded, next, &tenant, &run_id)?;
             }
-            write.events.push(event);
         }
-        self.store.write(write)?;
         self.publish(Source::RunEvents, partition, offset + 1, true);
+        // The answer goes out whatever became of the run in the view: a quarantined run's
+        // writer still hears what the reducer said.
         if let Some((command_id, answer)) = answer {
             self.answer(answer, &command_id);
         }
         Ok(())
+    }
+
+    fn fold_event(&self, next: (Source, i32, i64), event: Event) -> Result<(), store::Error> {
+        if self.store.quarantined(&event.run_id)?.is_some() {
+            return self.store.write(Write::offset(next));
+        }
+        let mut write = Write::offset(next);
+        let before = self.store.run(&event.run_id)?;
+        if let Some(after) = fold(&self.store, before.clone(), &event)? {
+            write.run = Some((before, after));
+        }
+        write.events.push(event);
+        self.store.write(write)
     }
 
     /// Takes a changelog record when it is further along than what the events gave.
@@ -309,37 +363,127 @@ impl View {
         offset: i64,
         record: Option<w::RunState>,
     ) -> Result<(), Error> {
-        let mut write = Write {
-            offset: Some((Source::RunState, partition, offset + 1)),
-            ..Write::default()
-        };
+        let next = (Source::RunState, partition, offset + 1);
         let decoded = record.and_then(|record| match convert::state_from_wire(&record) {
-            Ok(state) => Some((record.version, state)),
+            Ok(state) => Some((record.tenant, record.version, state)),
             Err(error) => {
                 tracing::warn!(partition, offset, %error, "Skipped a run-state record the view cannot read.");
                 None
             }
         });
-        if let Some((version, state)) = decoded {
-            let before = self.store.run(&state.run_id)?;
-            let after = match &before {
-                Some(b) if b.state.last_event_seq >= state.last_event_seq => StoredRun {
-                    state: b.state.clone(),
-                    changelog_version: b.changelog_version.max(version),
-                },
-                _ => StoredRun {
-                    changelog_version: before
-                        .as_ref()
-                        .map_or(version, |b| b.changelog_version.max(version)),
-                    state,
-                },
-            };
-            if before.as_ref() != Some(&after) {
-                write.run = Some((before, after));
+        match decoded {
+            None => self.store.write(Write::offset(next))?,
+            Some((tenant, version, state)) => {
+                let run_id = state.run_id.clone();
+                let taken = self.take_state(next, version, state);
+                self.quarantine_on(taken, next, &tenant, &run_id)?;
             }
         }
-        self.store.write(write)?;
         self.publish(Source::RunState, partition, offset + 1, true);
+        Ok(())
+    }
+
+    fn take_state(
+        &self,
+        next: (Source, i32, i64),
+        version: i64,
+        state: sortie_core::RunState,
+    ) -> Result<(), store::Error> {
+        let mut write = Write::offset(next);
+        if self.store.quarantined(&state.run_id)?.is_some() {
+            return self.store.write(write);
+        }
+        let before = self.store.run(&state.run_id)?;
+        let after = match &before {
+            Some(b) if b.state.last_event_seq >= state.last_event_seq => StoredRun {
+                state: b.state.clone(),
+                changelog_version: b.changelog_version.max(version),
+            },
+            _ => StoredRun {
+                changelog_version: before
+                    .as_ref()
+                    .map_or(version, |b| b.changelog_version.max(version)),
+                state,
+            },
+        };
+        if before.as_ref() != Some(&after) {
+            write.run = Some((before, after));
+        }
+        self.store.write(write)
+    }
+
+    /// `applied` when it went through; when what failed was one run's own (a value that
+    /// does not read back or cannot be stored), that run is set aside and the offset moves
+    /// on all the same. Any other error is the store's as a whole.
+    fn quarantine_on(
+        &self,
+        applied: Result<(), store::Error>,
+        next: (Source, i32, i64),
+        tenant: &str,
+        run_id: &str,
+    ) -> Result<(), Error> {
+        match applied {
+            Err(error) if error.run_scoped() => {
+                self.set_aside(next, tenant, run_id, &error.to_string())
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// Quarantines `run_id` (once: a run already set aside only moves the offset on).
+    fn set_aside(
+        &self,
+        next: (Source, i32, i64),
+        tenant: &str,
+        run_id: &str,
+        reason: &str,
+    ) -> Result<(), Error> {
+        let write = Write::offset(next);
+        if matches!(self.store.quarantined(run_id), Ok(Some(_))) {
+            return Ok(self.store.write(write)?);
+        }
+        let (source, partition, offset) = (next.0, next.1, next.2 - 1);
+        let topic = match source {
+            Source::RunState => "run-state",
+            Source::RunEvents => "run-events",
+        };
+        let record = format!("{topic} p{partition}:o{offset}");
+        let quarantine = Quarantine {
+            run_id: run_id.to_owned(),
+            tenant: tenant.to_owned(),
+            reason: sortie_core::limits::clip(reason, 1024).to_owned(),
+            at: sortie_kafka::clock::now_ms(),
+            record: record.clone(),
+        };
+        self.store.write(Write {
+            quarantine: Some(quarantine),
+            ..write
+        })?;
+        let count = self.quarantined.fetch_add(1, Ordering::Relaxed) + 1;
+        crate::metrics::quarantined_runs(count);
+        tracing::error!(
+            %run_id,
+            %tenant,
+            %record,
+            %reason,
+            "The view cannot read or store this run: it is quarantined (its reads answer run_unreadable) and the view goes on with every other run."
+        );
+        Ok(())
+    }
+
+    /// A run-event of `run_id` that does not convert: its run's history has a hole the
+    /// view cannot fill, so the run is set aside rather than left behind in silence.
+    fn unreadable_event(
+        &self,
+        partition: i32,
+        offset: i64,
+        tenant: &str,
+        run_id: &str,
+        reason: &str,
+    ) -> Result<(), Error> {
+        let next = (Source::RunEvents, partition, offset + 1);
+        self.set_aside(next, tenant, run_id, reason)?;
+        self.publish(Source::RunEvents, partition, offset + 1, true);
         Ok(())
     }
 }
@@ -356,7 +500,7 @@ fn fold(
     store: &Store,
     before: Option<StoredRun>,
     event: &Event,
-) -> Result<Option<StoredRun>, Error> {
+) -> Result<Option<StoredRun>, store::Error> {
     let changelog_version = before.as_ref().map_or(0, |b| b.changelog_version);
     let mut state = before.map(|b| b.state);
     let last = state.as_ref().map_or(0, |s| s.last_event_seq);
@@ -473,11 +617,20 @@ pub async fn start(
         ready,
         failed: false,
     });
+    let quarantined = store.quarantine_count();
+    crate::metrics::quarantined_runs(quarantined);
+    if quarantined > 0 {
+        tracing::warn!(
+            quarantined,
+            "The view holds quarantined runs; their reads answer run_unreadable."
+        );
+    }
     let view = Arc::new(View {
         store,
         progress,
         waiters: Mutex::new(HashMap::new()),
         targets: (state_ends, event_ends),
+        quarantined: AtomicUsize::new(quarantined),
     });
     tracing::info!(
         ready,
@@ -540,7 +693,8 @@ impl Follower {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(error) => {
-                    // The store failed: reading on would leave it behind without knowing.
+                    // The store as a whole failed (one run's trouble quarantines that run):
+                    // reading on would leave it behind without knowing.
                     tracing::error!(%error, "The view store failed; the view stops.");
                     self.view.progress.send_modify(|p| {
                         p.ready = false;
@@ -582,20 +736,25 @@ impl Follower {
         let (partition, offset) = (message.partition(), message.offset());
         if message.topic() == self.events_topic {
             let event = match self.decode::<w::RunEvent>(&message).await {
-                Decoded::Record(record) => match convert::event_from_wire(record) {
-                    Ok(mut event) => {
-                        if let Some(seal) = self.seal_of(&event.tenant, &event.run_id).await {
-                            if let Err(unopened) = seal.open_all(|f| event.map_payloads(f)) {
-                                tracing::warn!(error = %unopened.first, partition, offset, run_id = %event.run_id, "Payloads of a run event do not open; the view keeps them sealed.");
+                Decoded::Record(record) => {
+                    let (tenant, run_id) = (record.tenant.clone(), record.run_id.clone());
+                    match convert::event_from_wire(record) {
+                        Ok(mut event) => {
+                            if let Some(seal) = self.seal_of(&event.tenant, &event.run_id).await {
+                                if let Err(unopened) = seal.open_all(|f| event.map_payloads(f)) {
+                                    tracing::warn!(error = %unopened.first, partition, offset, run_id = %event.run_id, "Payloads of a run event do not open; the view keeps them sealed.");
+                                }
                             }
+                            Some(event)
                         }
-                        Some(event)
+                        Err(error) => {
+                            let reason = format!("a run event does not read: {error}");
+                            self.view
+                                .unreadable_event(partition, offset, &tenant, &run_id, &reason)?;
+                            return Ok(true);
+                        }
                     }
-                    Err(error) => {
-                        tracing::warn!(partition, offset, %error, "Skipped a run event the view cannot read.");
-                        None
-                    }
-                },
+                }
                 Decoded::Skip => None,
                 Decoded::Stop => return Ok(false),
             };
@@ -709,5 +868,57 @@ mod tests {
             partition: 2,
             offset: 1535
         }));
+    }
+
+    fn view(dir: &std::path::Path) -> View {
+        View {
+            store: Store::open(dir, "p.").expect("open"),
+            progress: watch::channel(Progress::default()).0,
+            waiters: Mutex::new(HashMap::new()),
+            targets: (BTreeMap::new(), BTreeMap::new()),
+            quarantined: AtomicUsize::new(0),
+        }
+    }
+
+    /// Seen red: with TooDeep no longer run-scoped, the first quarantine stopped the view.
+    #[test]
+    fn one_runs_error_quarantines_it_and_only_the_stores_own_stops_the_view() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let view = view(dir.path());
+        let next = (Source::RunEvents, 0, 8);
+        let one_run = store::Error::TooDeep {
+            key: "r/deep".into(),
+            depth: 130,
+        };
+        view.quarantine_on(Err(one_run), next, "acme", "deep")
+            .expect("the view goes on");
+        assert_eq!(view.quarantined(), 1);
+        let kept = view.store.quarantined("deep").expect("read").expect("kept");
+        assert_eq!(
+            (kept.tenant.as_str(), kept.record.as_str()),
+            ("acme", "run-events p0:o7")
+        );
+        assert_eq!(
+            view.store.offsets(Source::RunEvents).expect("offsets"),
+            BTreeMap::from([(0, 8)]),
+            "the offset moved on with it"
+        );
+        // Once: the same run again only moves the offset.
+        let again = store::Error::TooDeep {
+            key: "r/deep".into(),
+            depth: 130,
+        };
+        view.quarantine_on(Err(again), (Source::RunEvents, 0, 9), "acme", "deep")
+            .expect("the view goes on");
+        assert_eq!(view.quarantined(), 1);
+
+        let whole = store::Error::Sled(sled::Error::Unsupported("the disk is gone".into()));
+        assert!(!whole.run_scoped());
+        assert!(
+            view.quarantine_on(Err(whole), (Source::RunEvents, 0, 10), "acme", "other")
+                .is_err(),
+            "the store as a whole stops the view"
+        );
+        assert_eq!(view.quarantined(), 1);
     }
 }
