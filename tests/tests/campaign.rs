@@ -1,6 +1,7 @@
 //! The hostile-input campaign, quick mode: a seeded stream of hostile records on
-//! `sortie.commands`, `sortie.step-results` and `sortie.graphs` (`sortie_fuzz::kafka`)
-//! against a real stack, while a canary tenant keeps starting runs
+//! `sortie.commands`, `sortie.step-results` and `sortie.graphs` (`sortie_fuzz::kafka`),
+//! and hostile HTTP requests on every route of the gateway (`sortie_fuzz::http`), against
+//! a real stack, while a canary tenant keeps starting runs through both
 //! (`sortie_fuzz::campaign`). Every canary run must finish within its bound, every
 //! hostile command must be answered or dead-lettered with a reason, no service may exit
 //! or stay unready or grow past its memory bound, and `sortie audit replay --verify` must
@@ -10,8 +11,15 @@
 
 use std::time::Duration;
 
-use sortie_fuzz::campaign::{run, Plan, Target};
+use sortie_fuzz::campaign::{run, Gateway, Plan, Target};
 use sortie_tests::stack::Stack;
+
+/// The canary tenant starts runs; the hostile one has every role and none.
+const TOKENS: &[&str] = &[
+    "canary:canary-svc:operator:tok-canary",
+    "hostile:mallory:operator,approver:tok-mallory",
+    "hostile:eve::tok-eve",
+];
 
 const CANARY: &str = r#"
 id: canary
@@ -31,8 +39,12 @@ async fn a_hostile_campaign_hurts_no_canary_run() {
     let stack = Stack::start("campaign", &[CANARY]).await;
     let executor = stack.executor_process("executor", &["default"], &[]);
     let reducer = stack.reducer("0");
+    let (gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
     let seed = sortie_tests::stack::seed_from_env("SORTIE_CAMPAIGN_SEED");
     let cases = sortie_tests::stack::env_number("SORTIE_CAMPAIGN_CASES", 5_000);
+    let http_cases = cases / 5;
     sortie_tests::say(&format!(
         "campaign: seed {seed} (SORTIE_CAMPAIGN_SEED={seed} replays), {cases} cases"
     ));
@@ -51,7 +63,14 @@ async fn a_hostile_campaign_hurts_no_canary_run() {
                 format!("{}/readyz", reducer.metrics_url().await),
             ),
             ("executor".into(), executor.pid(), String::new()),
+            ("gateway".into(), gateway.pid(), format!("{url}/readyz")),
         ],
+        gateway: Some(Gateway {
+            url: url.clone(),
+            hostile_tokens: vec!["tok-mallory".into(), "tok-eve".into()],
+            canary_token: "tok-canary".into(),
+            cases: http_cases,
+        }),
     };
     let plan = Plan {
         seed,

@@ -1,8 +1,9 @@
 //! `sortie fuzz`: the hostile-input campaign, long mode (`sortie_fuzz::campaign`). It
 //! starts its own stack — a broker (or uses `--bootstrap`), the registry, the topology
 //! under a fresh prefix, a canary graph, a reducer, an executor and a gateway as
-//! processes — sends `--cases` hostile records drawn from `--seed` while a canary tenant
-//! keeps starting runs, then checks the stack with `sortie audit replay --verify`. Prints
+//! processes — sends `--cases` hostile records drawn from `--seed`, and hostile HTTP
+//! requests to every gateway route, while a canary tenant keeps starting runs, then
+//! checks the stack with `sortie audit replay --verify`. Prints
 //! one JSON report; exits 1 when it found a problem.
 
 use std::path::{Path, PathBuf};
@@ -24,6 +25,9 @@ pub struct Args {
     /// The seed the records are drawn from (default: a fresh one, printed).
     #[arg(long)]
     seed: Option<u64>,
+    /// Hostile HTTP requests sent to the gateway meanwhile [default: a fifth of --cases].
+    #[arg(long)]
+    http_cases: Option<usize>,
     /// Canary runs started while the records go in.
     #[arg(long, default_value_t = 200)]
     canaries: usize,
@@ -45,6 +49,31 @@ pub struct Args {
 }
 
 const CANARY: &str = "id: canary\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, args: {c: $input.canary}}\n  - {id: b, tool: echo, side_effect: pure, args: {c: $steps.a.output.c}}\nedges:\n  - {from: a, to: b}\n";
+
+/// The gateway's tokens: the canary tenant starts runs; the hostile one has every role
+/// and none.
+const TOKENS: &[&str] = &[
+    "canary:canary-svc:operator:tok-canary",
+    "hostile:mallory:operator,approver:tok-mallory",
+    "hostile:eve::tok-eve",
+];
+
+/// Waits (up to two minutes) until `url` answers 200.
+async fn wait_ready(url: &str) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(response) = client.get(url).send().await {
+            if response.status().is_success() {
+                return Ok(());
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!("{url} did not become ready in two minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
 
 /// A free port on loopback, for a service's metrics server.
 fn free_port() -> anyhow::Result<u16> {
@@ -149,10 +178,27 @@ async fn campaign_on(
     let mut executor_args = common("executor");
     executor_args
         .extend(["--queue", "default", "--executor-id", "fuzz-executor"].map(str::to_owned));
+    let gateway_port = free_port()?;
+    let mut gateway_args = common("gateway");
+    gateway_args.extend(
+        [
+            "--addr",
+            &format!("127.0.0.1:{gateway_port}"),
+            "--data-dir",
+            &dir.join("gateway").display().to_string(),
+        ]
+        .map(str::to_owned),
+    );
+    for token in TOKENS {
+        gateway_args.extend(["--token".to_owned(), (*token).to_owned()]);
+    }
     let mut services = vec![
         Service::spawn(&exe, &dir, "reducer", &reducer_args, "warn")?,
         Service::spawn(&exe, &dir, "executor", &executor_args, "warn")?,
+        Service::spawn(&exe, &dir, "gateway", &gateway_args, "warn")?,
     ];
+    let gateway_url = format!("http://127.0.0.1:{gateway_port}");
+    wait_ready(&format!("{gateway_url}/readyz")).await?;
     let target = Target {
         bootstrap: bootstrap.to_owned(),
         topics,
@@ -168,7 +214,18 @@ async fn campaign_on(
                 format!("http://127.0.0.1:{reducer_port}/readyz"),
             ),
             ("executor".into(), services[1].pid(), String::new()),
+            (
+                "gateway".into(),
+                services[2].pid(),
+                format!("{gateway_url}/readyz"),
+            ),
         ],
+        gateway: Some(campaign::Gateway {
+            url: gateway_url,
+            hostile_tokens: vec!["tok-mallory".into(), "tok-eve".into()],
+            canary_token: "tok-canary".into(),
+            cases: args.http_cases.unwrap_or(args.cases / 5),
+        }),
     };
     let plan = Plan {
         seed,

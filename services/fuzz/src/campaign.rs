@@ -43,6 +43,21 @@ pub struct Target {
     pub hostile_tenant: String,
     /// Services to watch: name, pid, readiness URL.
     pub processes: Vec<(String, u32, String)>,
+    /// A gateway to send hostile HTTP requests to (`crate::http`) while the records go
+    /// in, and to start every other canary run through.
+    pub gateway: Option<Gateway>,
+}
+
+/// The gateway side of a campaign.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    pub url: String,
+    /// Bearer tokens of the hostile tenant (the HTTP cases use them).
+    pub hostile_tokens: Vec<String>,
+    /// A bearer token of the canary tenant, allowed to start runs.
+    pub canary_token: String,
+    /// HTTP cases; 0 leaves the HTTP side out.
+    pub cases: usize,
 }
 
 /// How big a campaign is.
@@ -72,6 +87,8 @@ pub struct Report {
     pub answered: usize,
     pub canaries_started: usize,
     pub canaries_succeeded: usize,
+    /// Hostile HTTP requests sent, by route and answer status.
+    pub http: Option<crate::http::Report>,
     pub canary_latency_ms_p50: u64,
     pub canary_latency_ms_max: u64,
     pub max_rss_mib: BTreeMap<String, u64>,
@@ -106,6 +123,27 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
         .create()?;
 
     let ids = schema_ids(target).await?;
+    let http = target
+        .gateway
+        .clone()
+        .filter(|g| g.cases > 0)
+        .map(|gateway| {
+            let aim = crate::http::Aim {
+                graph_ids: vec![target.canary_graph.0.clone()],
+                run_ids: Vec::new(),
+            };
+            let seed = plan.seed;
+            tokio::spawn(async move {
+                crate::http::run_http_aimed(
+                    &gateway.url,
+                    &gateway.hostile_tokens,
+                    &aim,
+                    seed,
+                    gateway.cases,
+                )
+                .await
+            })
+        });
     let canary_runs: Vec<String> = (0..plan.canaries)
         .map(|i| format!("canary-{}-{i}", plan.seed % 100_000))
         .collect();
@@ -134,7 +172,10 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
     for case in 0..plan.cases {
         if case % every == 0 {
             if let Some(run) = canary_runs.get(case / every) {
-                start_canary(target, &producer, run).await?;
+                match (&target.gateway, (case / every) % 2) {
+                    (Some(gateway), 1) => start_canary_over_http(target, gateway, run).await?,
+                    _ => start_canary(target, &producer, run).await?,
+                }
                 canary_started.insert(run.clone(), Instant::now());
                 context.victims.push(run.clone());
             }
@@ -205,6 +246,16 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     reader.abort();
+    if let Some(http) = http {
+        let http = http.await?;
+        for finding in &http.findings {
+            report.problems.push(format!(
+                "HTTP case {} on {}: {} ({})",
+                finding.case, finding.route, finding.problem, finding.request
+            ));
+        }
+        report.http = Some(http);
+    }
     check_alive(target, &mut report);
     check_ready(target, &mut report).await;
 
@@ -395,6 +446,33 @@ async fn start_canary(target: &Target, producer: &FutureProducer, run: &str) -> 
         )
         .await
         .map_err(|(e, _)| anyhow::anyhow!("starting canary {run}: {e}"))?;
+    Ok(())
+}
+
+/// Starts a canary run through the gateway: a 201 with its run id, or the campaign
+/// fails (the gateway stopped serving the canary tenant).
+async fn start_canary_over_http(
+    target: &Target,
+    gateway: &Gateway,
+    run: &str,
+) -> anyhow::Result<()> {
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/runs", gateway.url.trim_end_matches('/')))
+        .bearer_auth(&gateway.canary_token)
+        .timeout(Duration::from_secs(60))
+        .json(&serde_json::json!({
+            "graph_id": target.canary_graph.0,
+            "graph_version": target.canary_graph.1,
+            "run_id": run,
+            "input": {"canary": true},
+        }))
+        .send()
+        .await?;
+    let status = response.status();
+    if status.as_u16() != 201 {
+        let body = response.text().await.unwrap_or_default();
+        anyhow::bail!("starting canary {run} through the gateway: {status} {body}");
+    }
     Ok(())
 }
 

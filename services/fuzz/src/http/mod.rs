@@ -88,7 +88,7 @@ pub fn routes(document: &Value) -> Vec<Route> {
 
 /// One broken rule: which case (replay it with the report's seed), what it aimed at and
 /// what was sent, and what was wrong.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Finding {
     pub case: usize,
     pub route: String,
@@ -98,7 +98,7 @@ pub struct Finding {
 }
 
 /// An HTTP campaign's outcome.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Report {
     pub seed: u64,
     pub cases: usize,
