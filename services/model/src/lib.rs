@@ -9,25 +9,66 @@ use sortie_core::{
 use sortie_wire::records as w;
 
 /// A record that decoded but cannot be applied (a payload that is not JSON, a negative
-/// attempt, ...): dead-lettered with reason code `invalid`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// attempt, ...): dead-lettered with reason code `invalid`. When only a payload of a
+/// command broke the shape rule (`sortie_core::limits::check_shape`) and everything else
+/// about it holds, [`Invalid::answerable`] is that command with its payloads left out:
+/// the reducer answers it (`limit_exceeded`) instead of dead-lettering it, as the gateway
+/// answers a request.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{0}")]
-pub struct Invalid(pub String);
+pub struct Invalid(pub String, pub Option<Box<Command>>);
+
+impl Invalid {
+    pub fn new(reason: impl Into<String>) -> Invalid {
+        Invalid(reason.into(), None)
+    }
+
+    /// The command to answer instead of dead-lettering, if it may be answered.
+    pub fn answerable(&self) -> Option<&Command> {
+        self.1.as_deref()
+    }
+}
 
 fn json(field: &str, text: &str) -> Result<Value, Invalid> {
-    serde_json::from_str(text).map_err(|e| Invalid(format!("{field} is not JSON: {e}")))
+    serde_json::from_str(text).map_err(|e| Invalid::new(format!("{field} is not JSON: {e}")))
 }
 
 /// A payload: JSON of the shape every payload has ([`sortie_core::limits::check_shape`]).
 fn payload(field: &str, text: &str) -> Result<Value, Invalid> {
-    let value = json(field, text)?;
-    sortie_core::limits::check_shape(field, &value)
-        .map_err(|e| Invalid(format!("{e} (limit {})", e.limit.name())))?;
-    Ok(value)
+    let mut breach = None;
+    let value = payload_or_null(field, text, &mut breach)?;
+    match breach {
+        Some(reason) => Err(Invalid::new(reason)),
+        None => Ok(value),
+    }
 }
 
 fn payload_opt(field: &str, text: &Option<String>) -> Result<Option<Value>, Invalid> {
     text.as_deref().map(|t| payload(field, t)).transpose()
+}
+
+/// A command's payload: JSON (or the command is invalid), and of the payload shape — if
+/// not, `Null` in its place and the first breach noted in `breach` (the command is then
+/// answered, not applied: see [`Invalid::answerable`]).
+fn payload_or_null(field: &str, text: &str, breach: &mut Option<String>) -> Result<Value, Invalid> {
+    let value = json(field, text)?;
+    match sortie_core::limits::check_shape(field, &value) {
+        Ok(()) => Ok(value),
+        Err(e) => {
+            breach.get_or_insert_with(|| format!("{e} (limit {})", e.limit.name()));
+            Ok(Value::Null)
+        }
+    }
+}
+
+fn payload_or_null_opt(
+    field: &str,
+    text: &Option<String>,
+    breach: &mut Option<String>,
+) -> Result<Option<Value>, Invalid> {
+    text.as_deref()
+        .map(|t| payload_or_null(field, t, breach))
+        .transpose()
 }
 
 fn json_opt(field: &str, text: &Option<String>) -> Result<Option<Value>, Invalid> {
@@ -39,7 +80,7 @@ fn client_text(field: &str, text: &Option<String>) -> Result<(), Invalid> {
     match text {
         Some(text) => {
             sortie_core::limits::check_text(field, text, sortie_core::limits::MAX_TEXT_BYTES)
-                .map_err(Invalid)
+                .map_err(Invalid::new)
         }
         None => Ok(()),
     }
@@ -61,7 +102,7 @@ fn text(value: &Value) -> String {
 /// Ids must fit everywhere they go (Kafka keys, sled keys, URLs): see
 /// [`sortie_core::limits::check_id`].
 fn id(field: &str, value: &str) -> Result<(), Invalid> {
-    sortie_core::limits::check_id(field, value).map_err(Invalid)
+    sortie_core::limits::check_id(field, value).map_err(Invalid::new)
 }
 
 /// A budget's JSON text on the wire.
@@ -74,7 +115,7 @@ pub fn budget_text(budget: &sortie_core::budget::Budget) -> String {
 pub fn budget_of(text: &Option<String>) -> Result<Option<sortie_core::budget::Budget>, Invalid> {
     let budget = recorded_budget_of(text)?;
     if let Some(problem) = budget.as_ref().and_then(|b| b.check().err()) {
-        return Err(Invalid(format!("budget: {problem}")));
+        return Err(Invalid::new(format!("budget: {problem}")));
     }
     Ok(budget)
 }
@@ -87,12 +128,27 @@ fn recorded_budget_of(
 ) -> Result<Option<sortie_core::budget::Budget>, Invalid> {
     text.as_deref()
         .map(|t| {
-            serde_json::from_str(t).map_err(|e| Invalid(format!("budget is not a budget: {e}")))
+            serde_json::from_str(t)
+                .map_err(|e| Invalid::new(format!("budget is not a budget: {e}")))
         })
         .transpose()
 }
 
 pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
+    let mut breach = None;
+    let command = command_with_payloads(command, &mut breach)?;
+    match breach {
+        None => Ok(command),
+        Some(reason) => Err(Invalid(reason, Some(Box::new(command)))),
+    }
+}
+
+/// [`command_from_wire`], with payloads that break the shape rule left out (`Null`) and
+/// the first breach noted in `breach`.
+fn command_with_payloads(
+    command: w::RunCommand,
+    breach: &mut Option<String>,
+) -> Result<Command, Invalid> {
     id("run_id", &command.run_id)?;
     id("command_id", &command.command_id)?;
     id("tenant", &command.tenant)?;
@@ -104,22 +160,23 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
         w::CommandBody::StartRun(start) => CommandBody::StartRun {
             graph_id: {
                 id("graph_id", &start.graph_id)?;
-                sortie_core::limits::check_labels(start.labels.iter()).map_err(Invalid)?;
+                sortie_core::limits::check_labels(start.labels.iter()).map_err(Invalid::new)?;
                 start.graph_id
             },
             graph_version: start
                 .graph_version
                 .map(|v| {
-                    u32::try_from(v).map_err(|_| Invalid(format!("graph_version {v} is negative")))
+                    u32::try_from(v)
+                        .map_err(|_| Invalid::new(format!("graph_version {v} is negative")))
                 })
                 .transpose()?,
-            input: payload("input", &start.input)?,
+            input: payload_or_null("input", &start.input, breach)?,
             labels: start.labels,
             budget: budget_of(&start.budget)?,
             fork: json_opt("fork", &start.fork)?
                 .map(serde_json::from_value)
                 .transpose()
-                .map_err(|e| Invalid(format!("fork: {e}")))?,
+                .map_err(|e| Invalid::new(format!("fork: {e}")))?,
         },
         w::CommandBody::ResumeRun(resume) => {
             // Empty ones are the fold's to answer (no such interrupt, not the proposal).
@@ -132,8 +189,8 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
                 }
             }
             client_text("comment", &resume.comment)?;
-            let payload = payload_opt("payload", &resume.payload)?;
-            let edited_args = payload_opt("edited_args", &resume.edited_args)?;
+            let payload = payload_or_null_opt("payload", &resume.payload, breach)?;
+            let edited_args = payload_or_null_opt("edited_args", &resume.edited_args, breach)?;
             // A producer written against 0.1 sent edited arguments as the payload.
             let (payload, edited_args) = match (resume.payload_is_input, edited_args) {
                 (false, None) => (None, payload),
@@ -167,7 +224,7 @@ pub fn command_from_wire(command: w::RunCommand) -> Result<Command, Invalid> {
             CommandBody::ReconcileOperation {
                 operation_id: reconcile.operation_id,
                 succeeded: reconcile.outcome == w::ReconcileOutcome::Succeeded,
-                output: payload_opt("output", &reconcile.output)?,
+                output: payload_or_null_opt("output", &reconcile.output, breach)?,
                 error: reconcile.error,
             }
         }
@@ -193,7 +250,7 @@ pub fn report_from_wire(result: w::StepResult, at: i64) -> Result<StepReport, In
     id("tenant", &result.tenant)?;
     id("step_id", &result.step_id)?;
     let attempt = u32::try_from(result.attempt)
-        .map_err(|_| Invalid(format!("attempt {} is negative", result.attempt)))?;
+        .map_err(|_| Invalid::new(format!("attempt {} is negative", result.attempt)))?;
     let error = result.error.clone().unwrap_or(w::StepError {
         code: "unspecified".into(),
         message: "no error given".into(),
@@ -204,7 +261,7 @@ pub fn report_from_wire(result: w::StepResult, at: i64) -> Result<StepReport, In
         .retry_after_ms
         .is_some_and(|ms| !(0..=MAX_RETRY_AFTER_MS).contains(&ms))
     {
-        return Err(Invalid(format!(
+        return Err(Invalid::new(format!(
             "retry_after_ms must be 0 to {MAX_RETRY_AFTER_MS}"
         )));
     }
@@ -316,7 +373,7 @@ fn role_from(
 }
 
 fn u32_of(field: &str, n: i32) -> Result<u32, Invalid> {
-    u32::try_from(n).map_err(|_| Invalid(format!("{field} {n} is negative")))
+    u32::try_from(n).map_err(|_| Invalid::new(format!("{field} {n} is negative")))
 }
 
 pub fn event_to_wire(event: &Event) -> w::RunEvent {
@@ -771,7 +828,7 @@ pub fn state_to_wire_json(state: &RunState, json: String) -> w::RunState {
 
 pub fn state_from_wire(record: &w::RunState) -> Result<RunState, Invalid> {
     serde_json::from_str(&record.state).map_err(|e| {
-        Invalid(format!(
+        Invalid::new(format!(
             "run-state of {} does not decode: {e}",
             record.run_id
         ))

@@ -242,15 +242,17 @@ impl Engine {
         Ok(())
     }
 
-    /// [`Engine::apply`], or — with `refusal` — the command's `unauthenticated` answer
-    /// outside the run's history instead of the fold (`sortie_core::refuse`).
+    /// [`Engine::apply`], or — with `refusal` (code, reason) — the command's answer
+    /// outside the run's history instead of the fold (`sortie_core::refuse`):
+    /// `unauthenticated` (its signature does not hold) or `limit_exceeded` (a payload
+    /// breaks the shape rule).
     /// `Ok(Some((code, reason)))`: not applied, the caller dead-letters it — a step
     /// result whose payload does not open (`unsealable`), or any input of a quarantined
     /// run (`quarantined`: its changelog record does not read back, see `restore`).
     pub fn apply_or_refuse(
         &mut self,
         input: &Input,
-        refusal: Option<String>,
+        refusal: Option<(&'static str, String)>,
         trace: &TraceContext,
     ) -> Result<Option<(&'static str, String)>, Error> {
         let run_id = input.run_id().to_owned();
@@ -281,19 +283,19 @@ impl Engine {
         let _entered = span.enter();
         let mut seal = sortie_seal::RunSeal::Plain;
         let (applied, state, from_batch) = match (refusal, input) {
-            (Some(reason), Input::Command(command)) => {
+            (Some((code, reason)), Input::Command(command)) => {
                 // Refused before the fold: the run's state is not read, no graph waited for.
                 tracing::warn!(
                     run_id,
                     command_id = %command.command_id,
                     tenant = %command.tenant,
                     principal = %command.principal,
+                    code,
                     reason,
-                    "Refusing a command that does not prove who sent it."
+                    "Refusing a command before the fold."
                 );
-                crate::metrics::command_refused();
-                let refused =
-                    sortie_core::refuse(command, "unauthenticated", reason, self.graphs.graphs());
+                crate::metrics::command_refused(code);
+                let refused = sortie_core::refuse(command, code, reason, self.graphs.graphs());
                 (refused, None, false)
             }
             _ => {

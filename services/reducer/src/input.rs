@@ -180,13 +180,25 @@ impl Engine {
                             format!("record key {key:?} is not the command's run id {run_id:?}");
                         return Err(("invalid", reason));
                     }
-                    let refusal = self.keys.refusal(message, &command);
-                    convert::command_from_wire(command)
-                        .map(|mut command| {
+                    let refusal = self
+                        .keys
+                        .refusal(message, &command)
+                        .map(|reason| ("unauthenticated", reason));
+                    match convert::command_from_wire(command) {
+                        Ok(mut command) => {
                             command.at = at;
-                            (run_id, Input::Command(command), refusal)
-                        })
-                        .map_err(|e| ("invalid", e.0))
+                            Ok((run_id, Input::Command(command), refusal))
+                        }
+                        // Only a payload broke the shape rule: answered, as the gateway
+                        // answers it, not dead-lettered (an unsigned one is still
+                        // refused as that first).
+                        Err(convert::Invalid(reason, Some(mut command))) => {
+                            command.at = at;
+                            let refusal = refusal.or(Some(("limit_exceeded", reason)));
+                            Ok((run_id, Input::Command(*command), refusal))
+                        }
+                        Err(invalid) => Err(("invalid", invalid.0)),
+                    }
                 })
         } else {
             self.runtime

@@ -48,8 +48,9 @@ pub const RECORDS_REFUSED: &str = "sortie_reducer_records_refused_total";
 pub const CACHE_UNREADABLE: &str = "sortie_reducer_cache_entries_unreadable_total";
 /// Runs quarantined because their changelog record does not read back (gauge).
 pub const RUNS_QUARANTINED: &str = "sortie_reducer_runs_quarantined";
-/// Commands refused before the fold: unsigned where required, or a signature that does
-/// not hold.
+/// Commands refused before the fold, by `code`: `unauthenticated` (unsigned where
+/// required, or a signature that does not hold) or `limit_exceeded` (a payload breaks the
+/// shape rule).
 pub const COMMANDS_REFUSED: &str = "sortie_reducer_commands_refused_total";
 /// Records sent to the dead-letter topic, by `reason`.
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
@@ -109,7 +110,7 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
 
 /// Describes every metric (call once, after the recorder is installed).
 pub fn describe() {
-    describe_counter!(COMMANDS_REFUSED, "Commands refused before the fold (unsigned where signatures are required, or a signature that does not hold), counted as they are seen.");
+    describe_counter!(COMMANDS_REFUSED, "Commands refused before the fold, by code: unauthenticated (unsigned where signatures are required, or a signature that does not hold) or limit_exceeded (a payload breaks the shape rule); counted as they are seen.");
     describe_counter!(INPUTS_APPLIED, "Inputs applied by the fold, by kind (command, step_result, timer); counted when their transaction commits.");
     describe_counter!(
         INPUTS_IGNORED,
@@ -376,8 +377,9 @@ pub(crate) fn runs_quarantined(runs: usize) {
     gauge!(RUNS_QUARANTINED).set(runs as f64);
 }
 
-pub(crate) fn command_refused() {
-    counter!(COMMANDS_REFUSED).increment(1);
+/// A command refused before the fold, by `code` (`unauthenticated`, `limit_exceeded`).
+pub(crate) fn command_refused(code: &'static str) {
+    counter!(COMMANDS_REFUSED, "code" => code).increment(1);
 }
 
 pub(crate) fn transaction_failed() {
