@@ -23,6 +23,7 @@ pub mod ids;
 pub mod input;
 pub mod json;
 pub mod limits;
+pub mod mcp;
 pub mod seal;
 pub mod shadow;
 pub mod state;
