@@ -107,11 +107,12 @@ async fn wait(
 ///
 /// Seen red, each with the fix reverted once:
 /// - the approval gate: with `mcp::tool_node` dropping the declared `interrupt_before`,
-///   the server's ledger had the refund before any approval ("a refund before its
-///   approval");
+///   the refund was dispatched as soon as the model asked ("the refund was dispatched
+///   before its approval");
 /// - no second call: with the executor treating `unsafe` like `keyed` (its intent offset
 ///   committed after the result, not before the call), the restarted executor got the
-///   intent again and the server's ledger held two refunds of one operation id.
+///   intent again and called the server a second time ("a second refund of one operation
+///   after the crash": 2 refunds in the server's ledger).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_refund_waits_for_approval_and_a_crash_mid_call_calls_it_once() {
     let (fake, model_url) = serve_model().await;
@@ -135,10 +136,14 @@ async fn the_refund_waits_for_approval_and_a_crash_mid_call_calls_it_once() {
         .await;
 
     // The gate: the model asked for the refund; nothing moved yet.
-    let waiting = wait(&stack, run_id, "the refund's approval", |s| {
-        s.open_interrupts().any(|i| i.node == "refund")
+    let waiting = wait(&stack, run_id, "the refund's approval (or its step)", |s| {
+        s.open_interrupts().any(|i| i.node == "refund") || s.steps.contains_key("refund#1")
     })
     .await;
+    assert!(
+        !waiting.steps.contains_key("refund#1"),
+        "the refund was dispatched before its approval: {waiting:#?}"
+    );
     let ledger = server.ledger().await;
     assert!(
         calls_of(&ledger, "refund").is_empty(),
@@ -181,21 +186,25 @@ async fn the_refund_waits_for_approval_and_a_crash_mid_call_calls_it_once() {
         .expect("the executor dies at the fault");
     assert!(!status.success());
     let _money = stack.executor_process("executor-money-2", &["default"], &[]);
-    let state = wait(&stack, run_id, "the run to need an operator", |s| {
+    // Waits for the refund to be settled one way or another, so that a second call shows
+    // in the server's ledger before anything else is asserted.
+    let state = wait(&stack, run_id, "the refund settled or left to an operator", |s| {
         s.status == RunStatus::NeedsReconciliation
+            || s.steps.get("refund#1").is_some_and(|r| r.status.is_settled())
     })
     .await;
     let op = state.steps["refund#1"].operation_id.clone();
-    assert_eq!(
-        state.steps["refund#1"].attempt, 1,
-        "unsafe is never dispatched again"
-    );
     let refunds: Vec<Value> = calls_of(&server.ledger().await, "refund")
         .into_iter()
         .cloned()
         .collect();
     assert_eq!(refunds.len(), 1, "one refund on the server: {refunds:#?}");
     assert_eq!(refunds[0]["operation_id"].as_str(), Some(op.as_str()));
+    assert_eq!(state.status, RunStatus::NeedsReconciliation, "{state:#?}");
+    assert_eq!(
+        state.steps["refund#1"].attempt, 1,
+        "unsafe is never dispatched again"
+    );
 
     // The operator reads the server's ledger and records the outcome.
     stack
@@ -222,7 +231,9 @@ async fn the_refund_waits_for_approval_and_a_crash_mid_call_calls_it_once() {
             .map(|o| o["summarize"]["answer"].clone()),
         Some(json!(FINAL_ANSWER))
     );
-    assert_eq!(calls_of(&server.ledger().await, "refund").len(), 1);
+    // After the run ended too: no executor took the intent again later.
+    let refunds = calls_of(&server.ledger().await, "refund").len();
+    assert_eq!(refunds, 1, "a second refund of one operation after the crash");
 
     // The model saw the tool results as tool_result blocks, in the Anthropic format.
     let exchanges = fake.exchanges();
