@@ -13,6 +13,7 @@
 
 pub mod blob;
 pub mod budget;
+pub mod conversation;
 pub mod decide;
 pub mod duration;
 pub mod effect;

@@ -269,6 +269,58 @@ fn an_anthropic_agent_calls_pinned_mcp_tools_as_steps_and_the_money_tool_waits()
         "Anthropic usage is charged"
     );
 
+    // The conversation as people read it, in order.
+    let entries = sortie_core::conversation::of(&run.events);
+    let kinds: Vec<String> = entries
+        .iter()
+        .map(|e| {
+            let v = serde_json::to_value(e).unwrap();
+            match v["kind"].as_str().unwrap() {
+                "message" => format!("message {}", v["role"].as_str().unwrap()),
+                "approval" => format!(
+                    "approval {} {}",
+                    v["tool"].as_str().unwrap(),
+                    v["state"].as_str().unwrap()
+                ),
+                "tool_result" => format!(
+                    "result {} {}",
+                    v["tool"].as_str().unwrap(),
+                    v["text"].as_str().unwrap()
+                ),
+                "model" => format!("model {}", v["text"].as_str().unwrap_or("")),
+                other => other.to_owned(),
+            }
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "message system",
+            "message user",
+            "model Let me look.",
+            "result lookup_order Order 7: 30 EUR.",
+            "model Refunding.",
+            "approval refund requested",
+            "approval refund approved",
+            "result refund Refunded 30.",
+            "model Done.",
+        ]
+    );
+    let approved = serde_json::to_value(&entries[6]).unwrap();
+    assert_eq!(approved["call_id"], "toolu_2");
+    assert_eq!(approved["by"], "alice");
+    // The model message that asked for the approved call, as the inbox shows it.
+    let interrupt = run.state().interrupts.values().next().unwrap().clone();
+    let asking = sortie_core::conversation::asking_message(
+        run.state(),
+        &interrupt.role,
+        &interrupt.node,
+        &interrupt.step_id,
+    )
+    .unwrap();
+    assert_eq!(asking["text"], "Refunding.");
+    assert_eq!(asking["tool_call"]["id"], "toolu_2");
+    assert_eq!(asking["tool_call"]["arguments"]["amount"], 30);
 }
 
 #[test]
@@ -358,6 +410,15 @@ fn mcp_graphs_are_checked_where_they_are_defined() {
         found.contains("not an object") && found.contains("description"),
         "{found}"
     );
+    // A schema nested past the payload shape's depth (sortie_core::limits::check_shape).
+    let mut deep = listed();
+    let mut schema = json!({"type": "object"});
+    for _ in 0..sortie_core::limits::MAX_DEPTH + 1 {
+        schema = json!({"type": "object", "properties": {"x": schema}});
+    }
+    deep[0].input_schema = schema;
+    let found = problems(GRAPH, deep);
+    assert!(found.contains("(limit depth)"), "{found}");
     // Too many tools.
     let mut many = listed();
     many.extend((0..sortie_core::mcp::MAX_PINNED_TOOLS).map(|i| PinnedTool {

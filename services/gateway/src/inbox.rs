@@ -175,6 +175,13 @@ fn item(
         "quorum": interrupt.quorum,
         "approvals": interrupt.approvals,
         "rationale": rationale,
+        // The model message that asked for this call: its text and the tool call.
+        "model_message": sortie_core::conversation::asking_message(
+            state,
+            &interrupt.role,
+            &interrupt.node,
+            &interrupt.step_id,
+        ),
         "affects": affects,
         "on_reject": on_reject,
         "precheck": precheck,
