@@ -188,10 +188,17 @@ async fn the_refund_waits_for_approval_and_a_crash_mid_call_calls_it_once() {
     let _money = stack.executor_process("executor-money-2", &["default"], &[]);
     // Waits for the refund to be settled one way or another, so that a second call shows
     // in the server's ledger before anything else is asserted.
-    let state = wait(&stack, run_id, "the refund settled or left to an operator", |s| {
-        s.status == RunStatus::NeedsReconciliation
-            || s.steps.get("refund#1").is_some_and(|r| r.status.is_settled())
-    })
+    let state = wait(
+        &stack,
+        run_id,
+        "the refund settled or left to an operator",
+        |s| {
+            s.status == RunStatus::NeedsReconciliation
+                || s.steps
+                    .get("refund#1")
+                    .is_some_and(|r| r.status.is_settled())
+        },
+    )
     .await;
     let op = state.steps["refund#1"].operation_id.clone();
     let refunds: Vec<Value> = calls_of(&server.ledger().await, "refund")
@@ -233,7 +240,10 @@ async fn the_refund_waits_for_approval_and_a_crash_mid_call_calls_it_once() {
     );
     // After the run ended too: no executor took the intent again later.
     let refunds = calls_of(&server.ledger().await, "refund").len();
-    assert_eq!(refunds, 1, "a second refund of one operation after the crash");
+    assert_eq!(
+        refunds, 1,
+        "a second refund of one operation after the crash"
+    );
 
     // The model saw the tool results as tool_result blocks, in the Anthropic format.
     let exchanges = fake.exchanges();

@@ -433,6 +433,69 @@ fn visible_len(text: &str) -> usize {
     len
 }
 
+/// One entry of a run's conversation (`run get|watch --conversation`): time, who speaks,
+/// then what was said, the tool calls asked for, an approval or a result, indented when
+/// it runs over several lines.
+pub fn conversation_line(style: Style, entry: &Entry) -> String {
+    let time = style.paint(DIM, &clock(entry.at));
+    let (who, colour, text) = match &entry.body {
+        Body::Message { role, text } => (role.clone(), BOLD, text.clone()),
+        Body::Model {
+            text, tool_calls, ..
+        } => {
+            let mut lines: Vec<String> = text.iter().cloned().collect();
+            for call in tool_calls {
+                lines.push(format!(
+                    "→ {}({}){}",
+                    call.tool,
+                    compact(&call.arguments, 200),
+                    call.id
+                        .as_deref()
+                        .map(|id| format!("  [{id}]"))
+                        .unwrap_or_default()
+                ));
+            }
+            ("model".to_owned(), CYAN, lines.join("\n"))
+        }
+        Body::Approval {
+            tool,
+            state,
+            by,
+            comment,
+            ..
+        } => {
+            let mut text = format!("{tool}: {state}");
+            if let Some(by) = by {
+                text.push_str(&format!(" by {by}"));
+            }
+            if let Some(comment) = comment {
+                text.push_str(&format!(" — “{comment}”"));
+            }
+            let colour = match state.as_str() {
+                "approved" => GREEN,
+                "rejected" | "expired" => RED,
+                _ => YELLOW,
+            };
+            ("approval".to_owned(), colour, text)
+        }
+        Body::ToolResult {
+            tool, status, text, ..
+        } => {
+            let colour = if status.starts_with("succeeded") {
+                GREEN
+            } else if status.starts_with("failed") {
+                RED
+            } else {
+                YELLOW
+            };
+            (format!("tool {tool}"), colour, format!("[{status}] {text}"))
+        }
+    };
+    let indent = " ".repeat(12 + 2 + 18 + 1);
+    let text = text.replace('\n', &format!("\n{indent}"));
+    format!("{time}  {:<18} {}", style.paint(colour, &who), text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -590,67 +653,4 @@ mod tests {
         assert_eq!(date_time(0), "1970-01-01 00:00:00");
         assert_eq!(date_time(1_796_054_645_123), "2026-11-30 16:04:05");
     }
-}
-
-/// One entry of a run's conversation (`run get|watch --conversation`): time, who speaks,
-/// then what was said, the tool calls asked for, an approval or a result, indented when
-/// it runs over several lines.
-pub fn conversation_line(style: Style, entry: &Entry) -> String {
-    let time = style.paint(DIM, &clock(entry.at));
-    let (who, colour, text) = match &entry.body {
-        Body::Message { role, text } => (role.clone(), BOLD, text.clone()),
-        Body::Model {
-            text, tool_calls, ..
-        } => {
-            let mut lines: Vec<String> = text.iter().cloned().collect();
-            for call in tool_calls {
-                lines.push(format!(
-                    "→ {}({}){}",
-                    call.tool,
-                    compact(&call.arguments, 200),
-                    call.id
-                        .as_deref()
-                        .map(|id| format!("  [{id}]"))
-                        .unwrap_or_default()
-                ));
-            }
-            ("model".to_owned(), CYAN, lines.join("\n"))
-        }
-        Body::Approval {
-            tool,
-            state,
-            by,
-            comment,
-            ..
-        } => {
-            let mut text = format!("{tool}: {state}");
-            if let Some(by) = by {
-                text.push_str(&format!(" by {by}"));
-            }
-            if let Some(comment) = comment {
-                text.push_str(&format!(" — “{comment}”"));
-            }
-            let colour = match state.as_str() {
-                "approved" => GREEN,
-                "rejected" | "expired" => RED,
-                _ => YELLOW,
-            };
-            ("approval".to_owned(), colour, text)
-        }
-        Body::ToolResult {
-            tool, status, text, ..
-        } => {
-            let colour = if status.starts_with("succeeded") {
-                GREEN
-            } else if status.starts_with("failed") {
-                RED
-            } else {
-                YELLOW
-            };
-            (format!("tool {tool}"), colour, format!("[{status}] {text}"))
-        }
-    };
-    let indent = " ".repeat(12 + 2 + 18 + 1);
-    let text = text.replace('\n', &format!("\n{indent}"));
-    format!("{time}  {:<18} {}", style.paint(colour, &who), text)
 }
