@@ -323,6 +323,110 @@ fn an_anthropic_agent_calls_pinned_mcp_tools_as_steps_and_the_money_tool_waits()
     assert_eq!(asking["tool_call"]["arguments"]["amount"], 30);
 }
 
+impl Run {
+    fn report(&mut self, intent: &Intent, outcome: StepOutcome) {
+        self.at += 1;
+        self.input(Input::StepReport(StepReport {
+            operation_id: intent.operation_id.clone(),
+            attempt: intent.attempt,
+            tenant: "t".into(),
+            run_id: "r".into(),
+            step_id: intent.step_id.clone(),
+            outcome,
+            at: self.at,
+        }));
+    }
+
+    /// Fires every timer due by `at` (a retry's backoff), as the reducer would.
+    fn fire_timers(&mut self) {
+        self.at += 3_600_000;
+        let due: Vec<String> = self.state().timers.keys().cloned().collect();
+        for key in due {
+            let Some(timer) = sortie_core::TimerKey::decode(&key) else {
+                continue;
+            };
+            self.input(Input::TimerFired {
+                run_id: "r".into(),
+                timer,
+                at: self.at,
+            });
+        }
+    }
+}
+
+/// An MCP tool's step follows its declared retry policy and class: a `pure` tool whose
+/// outcome is unknown is called again (the same operation id, attempt 2) after its
+/// backoff, a retryable failure likewise; the `unsafe` refund whose outcome is unknown
+/// (the executor's `mcp_no_answer`) is never called again: an operator decides.
+#[test]
+fn an_mcp_tools_class_and_retries_decide_what_a_lost_answer_does() {
+    let text = GRAPH.replace(
+        "lookup_order: {side_effect: pure}",
+        "lookup_order: {side_effect: pure, retry: {max_attempts: 3, initial_backoff: 1s, max_backoff: 1s, multiplier: 1, jitter: 0}}",
+    );
+    let mut run = Run::start(pinned(&text, listed()));
+    let first = run.next("assistant");
+    run.succeed(
+        &first,
+        answer(
+            "Look.",
+            &[("toolu_1", "lookup_order", json!({"order_id": "7"}))],
+        ),
+    );
+    let lookup = run.next("lookup_order");
+    run.report(
+        &lookup,
+        StepOutcome::Unknown {
+            code: "mcp_no_answer".into(),
+            message: "sent, no answer".into(),
+        },
+    );
+    run.fire_timers();
+    let again = run.next("lookup_order");
+    assert_eq!(
+        (again.attempt, &again.operation_id),
+        (2, &lookup.operation_id)
+    );
+    run.report(
+        &again,
+        StepOutcome::Failed {
+            retryable: true,
+            code: "mcp_busy".into(),
+            message: "503".into(),
+            retry_after_ms: None,
+        },
+    );
+    run.fire_timers();
+    let third = run.next("lookup_order");
+    assert_eq!(third.attempt, 3);
+    run.succeed(&third, mcp_result("Order 7."));
+
+    let second = run.next("assistant");
+    run.succeed(
+        &second,
+        answer(
+            "Refund.",
+            &[("toolu_2", "refund", json!({"order_id": "7", "amount": 1}))],
+        ),
+    );
+    run.approve();
+    let refund = run.next("refund");
+    run.report(
+        &refund,
+        StepOutcome::Unknown {
+            code: "mcp_no_answer".into(),
+            message: "sent, no answer".into(),
+        },
+    );
+    run.fire_timers();
+    assert!(
+        run.intents.is_empty(),
+        "never called again: {:#?}",
+        run.intents
+    );
+    assert_eq!(run.state().status, RunStatus::NeedsReconciliation);
+}
+
 #[test]
 fn an_undeclared_tool_is_unsafe_and_a_subset_offers_only_its_tools() {
     let text = GRAPH.replace(
