@@ -453,6 +453,7 @@ mod tests {
         Status(u16),
         RpcError(i64),
         Hang,
+        Huge,
     }
 
     #[derive(Clone)]
@@ -493,6 +494,9 @@ mod tests {
                     Then::Hang => {
                         tokio::time::sleep(Duration::from_secs(30)).await;
                         json!({})
+                    }
+                    Then::Huge => {
+                        json!({"content": [{"type": "text", "text": "x".repeat(MAX_RESPONSE_BYTES + 1)}]})
                     }
                 }
             }
@@ -580,6 +584,13 @@ mod tests {
             assert_eq!(kind, expected, "{error}");
             assert_eq!(calls.lock().unwrap().len(), 1);
         }
+
+        // An answer past the bound is refused unread (held to MAX_RESPONSE_BYTES).
+        let (endpoint, _) = serve(Then::Huge).await;
+        let error = call_tool(&endpoint, &call(), Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(matches!(error, Error::TooLarge(_)), "{error}");
 
         let (endpoint, calls) = serve(Then::Hang).await;
         let error = call_tool(&endpoint, &call(), Duration::from_millis(800))

@@ -14,10 +14,12 @@
 //! | HTTP 4xx, unknown tool, invalid arguments, a protocol it does not speak | permanent `mcp_refused` |
 //! | the tool answered `isError: true` | permanent `tool_error` (its text) |
 //! | sent, and no answer came (timeout, connection lost, a task) | unknown `mcp_no_answer` |
-//! | an answer over 1 MiB | permanent `limit_exceeded` |
+//! | an answer over 1 MiB | `limit_exceeded`: permanent where a repeat is harmless (`pure`, `idempotent`, `keyed`: it would answer the same); unknown for `reconcilable` and `unsafe`, whose call happened (an operator records what it did) |
 
 use serde::Deserialize;
 use serde_json::Value;
+
+use sortie_wire::records::SideEffectClass;
 
 use super::config;
 use crate::handler::{Call, HandlerError, StepHandler};
@@ -60,7 +62,7 @@ impl StepHandler for Mcp {
         };
         let outcome = sortie_mcp::call_tool(&endpoint, &request, call.timeout)
             .await
-            .map_err(handler_error)?;
+            .map_err(|e| handler_error(e, call.side_effect))?;
         if outcome.is_error {
             let text = outcome.text();
             return Err(HandlerError::permanent(
@@ -102,7 +104,7 @@ fn endpoint(config: &McpConfig) -> Result<sortie_mcp::Endpoint, HandlerError> {
     })
 }
 
-fn handler_error(error: sortie_mcp::Error) -> HandlerError {
+fn handler_error(error: sortie_mcp::Error, class: SideEffectClass) -> HandlerError {
     use sortie_mcp::Error as E;
     match error {
         E::NotSent(message) => HandlerError::retryable("mcp_unavailable", message),
@@ -116,7 +118,12 @@ fn handler_error(error: sortie_mcp::Error) -> HandlerError {
         },
         E::Refused(message) => HandlerError::permanent("mcp_refused", message),
         E::Lost(message) => HandlerError::unknown("mcp_no_answer", message),
-        E::TooLarge(message) => HandlerError::permanent("limit_exceeded", message),
+        E::TooLarge(message) => match class {
+            SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+                HandlerError::unknown("limit_exceeded", message)
+            }
+            _ => HandlerError::permanent("limit_exceeded", message),
+        },
     }
 }
 
@@ -142,7 +149,7 @@ mod tests {
             (E::TooLarge("x".into()), "limit_exceeded", "permanent"),
         ];
         for (error, code, kind) in cases {
-            let mapped = handler_error(error);
+            let mapped = handler_error(error, SideEffectClass::Keyed);
             assert_eq!(mapped.code(), code);
             let actual = if mapped.is_retryable() {
                 "retryable"
@@ -153,6 +160,9 @@ mod tests {
             };
             assert_eq!(actual, kind, "{code}");
         }
+        // The call of an unsafe tool happened: an answer too large to keep is unknown.
+        let mapped = handler_error(E::TooLarge("x".into()), SideEffectClass::Unsafe);
+        assert!(mapped.is_unknown());
     }
 
     #[test]
