@@ -737,8 +737,10 @@ function inboxPage(main) {
         el("span", { class: "muted", text: `${item.graph_id} v${item.graph_version}` })),
       el("dl", { class: "facts" },
         fact("Why it needs approval", item.reason || "not given"),
-        fact("Agent's rationale", item.rationale ? el("span", { class: "rationale", text: item.rationale })
-          : el("span", { class: "rationale not-given", text: "not given" })),
+        // The model message below says it already when it is the rationale.
+        item.model_message && item.model_message.text === item.rationale ? null
+          : fact("Agent's rationale", item.rationale ? el("span", { class: "rationale", text: item.rationale })
+            : el("span", { class: "rationale not-given", text: "not given" })),
         item.model_message ? fact("Model message", el("div", { class: "model-message" },
           el("div", { class: "model-text", text: item.model_message.text || "(no text, only the call)" }),
           item.model_message.tool_call ? el("code", { class: "model-call",
