@@ -689,6 +689,11 @@ async fn an_agents_conversation_reads_in_order_and_the_inbox_shows_the_asking_me
         call.starts_with("refund(") && call.contains("\"amount\":1"),
         "{call}"
     );
+    assert_eq!(
+        browser.text(&format!("{item} .on-reject")).await.as_deref(),
+        Some("The call does not run; the model is told an approver rejected it, and goes on."),
+        "a rejected tool call is told to the model; the run does not fail"
+    );
     browser
         .screenshot(&screenshot_path(&stack, "inbox-agent"))
         .await;

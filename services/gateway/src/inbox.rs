@@ -8,6 +8,7 @@ use axum::http::HeaderMap;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use sortie_core::event::StepRole;
 use sortie_core::graph::OnReject;
 use sortie_core::state::Interrupt;
 use sortie_core::{EventBody, RunState, RunStatus};
@@ -142,11 +143,27 @@ fn item(
     let precheck = context
         .and_then(|c| c.get("precheck"))
         .and_then(Value::as_str);
+    // A call a model asked for is not skipped or failed on rejection: the fold tells the
+    // model the call was rejected, and the model goes on (the tool node's on_reject does
+    // not apply).
+    let asked_by_a_model = match &interrupt.role {
+        StepRole::Requested { by } => state.steps.get(by).is_some_and(|step| {
+            app.inner
+                .graphs
+                .is_tool_loop(&state.graph_id, state.graph_version, &step.node)
+                == Some(true)
+        }),
+        _ => false,
+    };
     let on_reject = app
         .inner
         .graphs
         .on_reject(&state.graph_id, state.graph_version, &interrupt.node)
         .map(|o| match o {
+            _ if asked_by_a_model => {
+                "The call does not run; the model is told an approver rejected it, and goes on."
+                    .to_owned()
+            }
             OnReject::Fail => {
                 "The run fails; completed steps that declare a compensation are undone.".to_owned()
             }
