@@ -543,3 +543,37 @@ fn mcp_graphs_are_checked_where_they_are_defined() {
     let api = GRAPH.replace("api: anthropic", "api: gemini");
     assert!(problems(&api, listed()).contains("config.api"));
 }
+
+/// The same server offered on the OpenAI API: functions with the pinned schemas as their
+/// parameters, and each MCP result's text as the `role: tool` message.
+#[test]
+fn on_the_openai_api_mcp_tools_are_functions_and_results_tool_messages() {
+    let text = GRAPH
+        .replace("config: {api: anthropic, ", "config: {")
+        .replace("      system: Be brief.\n", "");
+    let mut run = Run::start(pinned(&text, listed()));
+    let first = run.next("assistant");
+    let tools = first.args["tools"].as_array().unwrap();
+    assert_eq!(tools[0]["type"], "function");
+    assert_eq!(tools[0]["function"]["name"], "lookup_order");
+    assert_eq!(tools[0]["function"]["parameters"], listed()[0].input_schema);
+    run.succeed(
+        &first,
+        json!({
+            "content": null,
+            "tool_calls": [{"id": "call_1", "type": "function",
+                            "function": {"name": "lookup_order", "arguments": "{\"order_id\":\"7\"}"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            "model": "fake",
+        }),
+    );
+    let lookup = run.next("lookup_order");
+    assert_eq!(lookup.tool, "mcp");
+    run.succeed(&lookup, mcp_result("Order 7: 30 EUR."));
+    let second = run.next("assistant");
+    let messages = second.args["messages"].as_array().unwrap();
+    assert_eq!(
+        messages[2],
+        json!({"role": "tool", "tool_call_id": "call_1", "content": "Order 7: 30 EUR."})
+    );
+}
