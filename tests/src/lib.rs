@@ -409,13 +409,24 @@ impl ServedRegistry {
 /// The Python interpreter of the tests' virtualenv (`target/py`, built once from
 /// `tests/python/requirements.txt` and reused; safe across parallel tests). Blocking.
 pub fn python_venv() -> anyhow::Result<String> {
+    python_venv_of("py", "requirements.txt")
+}
+
+/// The Python interpreter of the MCP server's virtualenv (`target/py-mcp`, from
+/// `tests/python/mcp-requirements.txt`: the official MCP Python SDK). Its own venv, so
+/// the SDK's dependencies never meet the other suites' pins. Blocking.
+pub fn python_mcp_venv() -> anyhow::Result<String> {
+    python_venv_of("py-mcp", "mcp-requirements.txt")
+}
+
+fn python_venv_of(dir: &str, requirements: &str) -> anyhow::Result<String> {
     let root = workspace_root();
     let output = std::process::Command::new(
         std::env::var("SORTIE_PYTHON").unwrap_or_else(|_| "python3".into()),
     )
     .arg(root.join("tests/python/ensure_venv.py"))
-    .arg(root.join("target/py"))
-    .arg(root.join("tests/python/requirements.txt"))
+    .arg(root.join("target").join(dir))
+    .arg(root.join("tests/python").join(requirements))
     .output()
     .context("running python3 tests/python/ensure_venv.py")?;
     anyhow::ensure!(
@@ -438,4 +449,78 @@ pub fn python_venv() -> anyhow::Result<String> {
 pub fn say(line: &str) {
     use std::io::Write as _;
     let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// A shop's MCP server of the official Python SDK (`tests/python/mcp_server.py`) on a
+/// free loopback port, its ledger of calls in `ledger`. Killed when dropped.
+#[derive(Debug)]
+pub struct McpServer {
+    pub url: String,
+    pub base: String,
+    child: std::process::Child,
+}
+
+impl McpServer {
+    /// Starts the server and waits until it answers.
+    pub async fn start(ledger: &Path, log: &Path) -> McpServer {
+        let python = tokio::task::spawn_blocking(python_mcp_venv)
+            .await
+            .expect("join")
+            .expect("the MCP venv");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let out = std::fs::File::create(log).expect("log file");
+        let child = std::process::Command::new(python)
+            .arg(workspace_root().join("tests/python/mcp_server.py"))
+            .args(["--port", &port.to_string(), "--ledger"])
+            .arg(ledger)
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .expect("the MCP server starts");
+        let base = format!("http://127.0.0.1:{port}");
+        let server = McpServer {
+            url: format!("{base}/mcp"),
+            base,
+            child,
+        };
+        let client = reqwest::Client::new();
+        wait_until("the MCP server to answer", Duration::from_secs(60), || {
+            let request = client.get(format!("{}/ledger", server.base)).send();
+            async move { request.await.is_ok_and(|r| r.status().is_success()) }
+        })
+        .await;
+        server
+    }
+
+    /// Every call the server recorded, oldest first.
+    pub async fn ledger(&self) -> Vec<serde_json::Value> {
+        reqwest::Client::new()
+            .get(format!("{}/ledger", self.base))
+            .send()
+            .await
+            .expect("ledger")
+            .json()
+            .await
+            .expect("ledger json")
+    }
+
+    /// Changes the tools the server lists (see the server's doc).
+    pub async fn change_tools(&self) {
+        let answer = reqwest::Client::new()
+            .post(format!("{}/control/change", self.base))
+            .send()
+            .await
+            .expect("change");
+        assert!(answer.status().is_success(), "{answer:?}");
+    }
+}
+
+impl Drop for McpServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

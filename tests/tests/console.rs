@@ -599,3 +599,216 @@ async fn an_approver_decides_in_the_console_and_a_viewer_is_told_why_not() {
         "the console breaks its own policy: {errors:?}"
     );
 }
+
+/// An agent on the Anthropic API (the scripted fake model) that looks an order up and asks
+/// to refund it, behind an approval.
+fn agent_graph(model: &str) -> Value {
+    json!({
+        "id": "agent",
+        "version": 1,
+        "max_steps": 20,
+        "nodes": [
+            {
+                "id": "assistant", "tool": "llm", "side_effect": "pure",
+                "args": {"system": "Look the order up first.", "messages": [{"role": "user", "content": "$input.request"}]},
+                "config": {"api": "anthropic", "base_url": format!("{model}/v1"), "model": "fake-agent"},
+                "timeout": "10s",
+                "may_request": ["lookup_order", "refund"],
+                "tools": ["lookup_order", "refund"]
+            },
+            {"id": "lookup_order", "tool": "echo", "side_effect": "pure", "description": "Reads an order.",
+             "args": {"order_id": "The order's id."}},
+            {"id": "refund", "tool": "echo", "side_effect": "keyed",
+             "args": {"order_id": "The order's id.", "amount": {"type": "number"}},
+             "interrupt_before": {"reason": "Moves money.", "required_role": "approver", "timeout": "1h"}}
+        ]
+    })
+}
+
+/// The conversation, readable: the inbox shows the model message that asked for the call
+/// being approved, and the run page shows the agent's conversation in order — what it was
+/// told, each model answer and the tool it called, the approval as asked and decided, and
+/// each tool's result; `sortie run get --conversation` prints the same.
+///
+/// Seen red with the fix reverted once: with `sortie_core::conversation::of` keeping a
+/// decision only when it is not the final one (the quorum test inverted), the run page
+/// showed the approval as requested and never as approved, and the order below did not
+/// hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_conversation_reads_in_order_and_the_inbox_shows_the_asking_message() {
+    let fake = sortie_devkit::model::FakeModel::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let model_url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(sortie_devkit::model::serve(
+        listener,
+        fake.clone(),
+        std::future::pending::<()>(),
+    ));
+    let stack = Stack::start("console-agent", &[]).await;
+    stack.publish(&agent_graph(&model_url).to_string()).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), &[ALICE])
+        .await;
+    let client = reqwest::Client::new();
+    let answer = client
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth("tok-alice")
+        .json(&json!({"graph_id": "agent", "run_id": "agent-1", "input": {"request": "refund order 7"}}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(answer.status().as_u16(), 201, "{:?}", answer.text().await);
+    sortie_tests::wait_until("the run to wait for approval", LONG, || async {
+        run_status(&client, &url, "agent-1").await == "waiting_approval"
+    })
+    .await;
+
+    let browser = Browser::start(&stack.dir.join("chromedriver.log"), 1280, 1000).await;
+    sign_in(&browser, &url, "tok-alice").await;
+    let item = ".inbox-item[data-run-id='agent-1']";
+    browser
+        .wait_for("the refund in the inbox", item, LONG)
+        .await;
+    assert_eq!(
+        browser
+            .text(&format!("{item} .model-message .model-text"))
+            .await
+            .as_deref(),
+        Some("I will call refund."),
+        "the model message that asked for the call"
+    );
+    let call = browser
+        .text(&format!("{item} .model-message .model-call"))
+        .await
+        .unwrap_or_default();
+    assert!(
+        call.starts_with("refund(") && call.contains("\"amount\":1"),
+        "{call}"
+    );
+    assert_eq!(
+        browser.text(&format!("{item} .on-reject")).await.as_deref(),
+        Some("The call does not run; the model is told an approver rejected it, and goes on."),
+        "a rejected tool call is told to the model; the run does not fail"
+    );
+    browser
+        .screenshot(&screenshot_path(&stack, "inbox-agent"))
+        .await;
+    browser
+        .click(&format!("{item} button.approve"), SHORT)
+        .await;
+    browser
+        .wait_text(
+            "the approval to be answered",
+            "#inbox-flash .decided",
+            LONG,
+            |t| t.starts_with("Approved refund"),
+        )
+        .await;
+
+    browser.goto(&format!("{url}/ui/#/runs/agent-1")).await;
+    browser
+        .wait_for(
+            "the run page to show succeeded",
+            "#run-status [data-status='succeeded']",
+            LONG,
+        )
+        .await;
+    browser
+        .wait_text(
+            "the conversation's last answer",
+            "#conversation-list",
+            LONG,
+            |t| t.contains(sortie_devkit::model::FINAL_ANSWER),
+        )
+        .await;
+    let turns = browser.all("#conversation-list > li").await.len();
+    let mut read = Vec::new();
+    for i in 1..=turns {
+        let turn = format!("#conversation-list > li:nth-child({i})");
+        let who = browser
+            .text(&format!("{turn} .who"))
+            .await
+            .unwrap_or_default()
+            .to_lowercase();
+        let body = browser
+            .text(&format!("{turn} .turn-body"))
+            .await
+            .unwrap_or_default();
+        read.push(format!(
+            "{who}: {}",
+            body.lines().next().unwrap_or_default()
+        ));
+    }
+    assert_eq!(
+        read,
+        [
+            "system: Look the order up first.",
+            "user: refund order 7",
+            "model: I will call lookup_order.",
+            "tool: lookup_order succeeded",
+            "model: I will call refund.",
+            "approval: refund requested",
+            "approval: refund approved by user:alice",
+            "tool: refund succeeded",
+            &format!("model: {}", sortie_devkit::model::FINAL_ANSWER),
+        ],
+        "the conversation in order"
+    );
+    let result = browser
+        .text("#conversation-list > li:nth-child(4) .result")
+        .await
+        .unwrap_or_default();
+    assert_eq!(
+        result, r#"{"order_id":"fake-order_id"}"#,
+        "what the tool answered"
+    );
+    browser
+        .screenshot(&screenshot_path(&stack, "conversation"))
+        .await;
+    assert!(
+        browser.console_errors().await.is_empty(),
+        "{:?}",
+        browser.console_errors().await
+    );
+
+    // The CLI prints the same conversation.
+    let printed = std::process::Command::new(sortie_tests::stack::sortie_bin())
+        .args([
+            "run",
+            "--gateway",
+            &url,
+            "--token",
+            "tok-alice",
+            "get",
+            "agent-1",
+            "--conversation",
+        ])
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("sortie run get");
+    assert!(printed.status.success(), "{printed:?}");
+    let text = String::from_utf8_lossy(&printed.stdout);
+    let order = [
+        "system",
+        "user",
+        "→ lookup_order(",
+        "tool lookup_order",
+        "→ refund(",
+        "refund: requested",
+        "refund: approved by user:alice",
+        "tool refund",
+        sortie_devkit::model::FINAL_ANSWER,
+    ];
+    let mut from = 0;
+    for needle in order {
+        let at = text[from..]
+            .find(needle)
+            .unwrap_or_else(|| panic!("{needle:?} after byte {from} of:\n{text}"));
+        from += at + needle.len();
+    }
+    assert_eq!(fake.exchanges().len(), 3);
+}

@@ -169,6 +169,20 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
     );
 }
 
+/// The MCP example ran the fake model's script on the Anthropic API: three model calls,
+/// two tool calls, charged as the chat-completions example is.
+fn mcp_agent_spent(run: &Value) {
+    let spend = &run["spend"];
+    assert_eq!(spend["llm_calls"], 3, "{run}");
+    assert_eq!(spend["tool_calls"], 2, "{run}");
+    assert!(spend["cost_usd"].as_f64().unwrap_or(0.0) > 0.0, "{run}");
+    assert_eq!(
+        run["output"]["summarize"]["answer"],
+        sortie_devkit::model::FINAL_ANSWER,
+        "{run}"
+    );
+}
+
 /// The agent example ran the fake model's script (two tool calls, then an answer) under
 /// the dev budgets file: its budget and spend are in the run's state.
 fn agent_spent(run: &Value) {
@@ -256,6 +270,10 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
                     agent_spent(&run);
                     break;
                 }
+                "succeeded" if file.ends_with("mcp.yaml") => {
+                    mcp_agent_spent(&run);
+                    break;
+                }
                 "succeeded" => break,
                 "failed" | "cancelled" => panic!("{file}: run {run_id} ended {run}"),
                 _ => {}
@@ -309,6 +327,31 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
             .as_deref()
             .expect("a refund carries its key");
         assert_eq!(snapshot.effects(key), 1, "refund {key}: {snapshot:?}");
+    }
+
+    // The MCP example: its tools' calls reached the dev MCP server with their operation
+    // ids in `_meta`, each refund once.
+    if files.iter().any(|f| f.ends_with("mcp.yaml")) {
+        let lookups = snapshot
+            .calls
+            .iter()
+            .filter(|e| e.name == sortie_devkit::mcp::LOOKUP_ORDER)
+            .count();
+        let mcp_refunds: Vec<&Entry> = snapshot
+            .calls
+            .iter()
+            .filter(|e| e.name == sortie_devkit::mcp::REFUND)
+            .collect();
+        assert!(lookups >= 1, "{snapshot:?}");
+        assert_eq!(mcp_refunds.len(), 1, "{snapshot:?}");
+        assert!(
+            mcp_refunds[0]
+                .operation_id
+                .as_deref()
+                .is_some_and(|op| op.starts_with("op_")),
+            "the operation id came in _meta: {:?}",
+            mcp_refunds[0]
+        );
     }
 
     reversal_undoes_a_refund(&client, gateway, receiver, token).await;

@@ -73,6 +73,24 @@ pub enum Error {
     /// The runtime shut down while the table was being read.
     #[error("reading {0} was cancelled")]
     Cancelled(String),
+    /// An MCP server's tools could not be listed for pinning.
+    #[error("{key}: listing the tools of MCP server {server} failed: {source}")]
+    McpList {
+        key: String,
+        server: String,
+        source: sortie_mcp::Error,
+    },
+    /// The environment variable an MCP server's auth names is not set for the publisher.
+    #[error("{key}: MCP server {server} needs the environment variable {env} (its auth) to list its tools")]
+    McpSecret {
+        key: String,
+        server: String,
+        env: String,
+    },
+    /// The pinned list does not make a valid graph (a tool the graph offers is missing,
+    /// a name clashes with a node, a listing over the bounds).
+    #[error("{key}: with the tools its MCP servers list: {source}")]
+    McpPinned { key: String, source: InvalidGraph },
 }
 
 fn kafka_error(doing: impl Into<String>) -> impl FnOnce(KafkaError) -> Error {
@@ -130,7 +148,91 @@ pub fn definition_record(
     })
 }
 
-/// Publishes `graph` unless that exact definition is already published.
+/// How long listing one MCP server's tools may take when pinning.
+const MCP_LIST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `graph` with the tool list of every MCP server it offers pinned (see
+/// `sortie_core::mcp`): `tools/list` is read now, bounded, and the offered tools'
+/// names, descriptions and input schemas are written into the definition with their hash.
+/// A graph with nothing to pin comes back as it is. The auth header's value is read from
+/// the publisher's environment, as the executor reads it from its own.
+pub async fn pin(graph: &Graph) -> Result<Graph, Error> {
+    let key = graph.key();
+    let mut pinned = graph.clone();
+    for (server_name, wanted) in graph.mcp_tools_to_pin() {
+        let Some(server) = graph
+            .mcp_servers
+            .iter()
+            .find(|s| s.name == server_name && s.pinned.is_none())
+        else {
+            continue;
+        };
+        let mut headers = Vec::new();
+        if let Some(auth) = &server.auth {
+            let secret = std::env::var(&auth.env).map_err(|_| Error::McpSecret {
+                key: key.clone(),
+                server: server.name.clone(),
+                env: auth.env.clone(),
+            })?;
+            let value = match &auth.scheme {
+                Some(scheme) => format!("{scheme} {secret}"),
+                None => secret,
+            };
+            headers.push((auth.header.clone(), value));
+        }
+        let endpoint = sortie_mcp::Endpoint {
+            url: server.url.clone(),
+            headers,
+        };
+        let listed = sortie_mcp::list_tools(
+            &endpoint,
+            sortie_core::mcp::MAX_PINNED_TOOLS,
+            MCP_LIST_TIMEOUT,
+        )
+        .await
+        .map_err(|source| Error::McpList {
+            key: key.clone(),
+            server: server.name.clone(),
+            source,
+        })?;
+        // Only the offered tools are pinned, in the server's order.
+        let tools: Vec<_> = listed
+            .into_iter()
+            .filter(|t| wanted.as_ref().is_none_or(|w| w.contains(&t.name)))
+            .collect();
+        if let Some(wanted) = &wanted {
+            if let Some(missing) = wanted.iter().find(|w| !tools.iter().any(|t| &t.name == *w)) {
+                return Err(Error::McpPinned {
+                    key,
+                    source: InvalidGraph(vec![sortie_core::GraphError {
+                        node: None,
+                        problem: format!(
+                            "mcp server {:?} does not list the offered tool {missing:?}",
+                            server.name
+                        ),
+                    }]),
+                });
+            }
+        }
+        tracing::info!(
+            graph = %key,
+            server = %server.name,
+            tools = tools.len(),
+            "Pinned an MCP server's tools into the graph version."
+        );
+        pinned = pinned
+            .with_pinned(&server.name, sortie_core::mcp::Pinned::new(tools))
+            .map_err(|source| Error::McpPinned {
+                key: key.clone(),
+                source,
+            })?;
+    }
+    Ok(pinned)
+}
+
+/// Publishes `graph` unless that exact definition is already published. The tool lists
+/// of the MCP servers it offers are pinned first ([`pin`]), so what is compared and
+/// written is the pinned definition.
 ///
 /// Reads the whole table first: the same definition → [`Published::AlreadyPublished`]
 /// (nothing produced); another definition of the same version → [`Error::VersionExists`].
@@ -143,6 +245,8 @@ pub async fn publish(
     published_by: &str,
     now_ms: i64,
 ) -> Result<Published, Error> {
+    let pinned = pin(graph).await?;
+    let graph = &pinned;
     let topic = topics.graphs();
     let key = graph.key();
     let record = definition_record(graph, published_by, now_ms)?;
@@ -315,6 +419,13 @@ impl Table {
         }
         let graph = Graph::parse(&record.definition)
             .map_err(|e| format!("its definition is refused: {e}"))?;
+        if let Some(server) = graph.unpinned_mcp_servers().first() {
+            // The fold would offer the model none of the server's tools: a version is
+            // published pinned, by `publish`, or not at all.
+            return Err(format!(
+                "it offers the tools of MCP server {server} without their pinned list"
+            ));
+        }
         if graph.id != record.graph_id || i64::from(graph.version) != i64::from(record.version) {
             return Err(format!(
                 "the record names {}@{} but its definition is {}",

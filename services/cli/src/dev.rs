@@ -302,15 +302,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let topics = Topics::default();
     let now = sortie_kafka::clock::now_ms();
     let receiver_url = format!("http://{}", args.ledger_addr);
-    for mut graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
-        for node in &mut graph.nodes {
-            receiver::rebase_urls(&mut node.config, &receiver_url);
-        }
-        sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
-        say!("  graph     {} published", graph.key());
-    }
 
-    // 5. The services, each its own process.
+    // 5. The services, each its own process; the dev receiver first: it serves the MCP
+    // server whose tools publishing the MCP example pins.
     let ledger_file = data_dir.join("ledger.jsonl").display().to_string();
     stack.spawn(
         "ledger",
@@ -325,6 +319,23 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "--dev-routes",
         ],
     )?;
+    wait_http(
+        "the dev receiver",
+        &format!("{receiver_url}/ledger"),
+        None,
+        &mut stack,
+    )
+    .await?;
+    for mut graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
+        for node in &mut graph.nodes {
+            receiver::rebase_urls(&mut node.config, &receiver_url);
+        }
+        for server in &mut graph.mcp_servers {
+            receiver::rebase_url(&mut server.url, &receiver_url);
+        }
+        sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
+        say!("  graph     {} published", graph.key());
+    }
     let keys = dev_keys(&data_dir)?;
     let keyring = keys.keyring.display().to_string();
     let gateway_key = keys.gateway.display().to_string();

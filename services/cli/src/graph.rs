@@ -107,8 +107,26 @@ async fn publish(
 ) -> anyhow::Result<()> {
     let mut refused = 0;
     for graph in loaded {
+        // The MCP servers it offers are listed now and their tools pinned into the version.
+        let graph = &graphs::pin(graph)
+            .await
+            .with_context(|| format!("publishing {}", graph.key()))?;
         match graphs::publish(kafka, codec, topics, graph, by, now_ms()).await {
-            Ok(Published::Published { .. }) => println!("published {}", graph.key()),
+            Ok(Published::Published { .. }) => {
+                println!("published {}", graph.key());
+                for server in &graph.mcp_servers {
+                    if let Some(pinned) = &server.pinned {
+                        let names: Vec<&str> =
+                            pinned.tools.iter().map(|t| t.name.as_str()).collect();
+                        println!(
+                            "  mcp server {}: pinned {} (tools hash {})",
+                            server.name,
+                            names.join(", "),
+                            &pinned.hash[..16.min(pinned.hash.len())]
+                        );
+                    }
+                }
+            }
             Ok(Published::AlreadyPublished) => {
                 println!("{} already published (same definition)", graph.key());
             }

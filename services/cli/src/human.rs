@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::io::IsTerminal as _;
 
 use serde_json::Value;
+use sortie_core::conversation::{Body, Entry};
 use sortie_core::event::StepRole;
 use sortie_core::{Event, EventBody, RunStatus};
 
@@ -432,6 +433,69 @@ fn visible_len(text: &str) -> usize {
     len
 }
 
+/// One entry of a run's conversation (`run get|watch --conversation`): time, who speaks,
+/// then what was said, the tool calls asked for, an approval or a result, indented when
+/// it runs over several lines.
+pub fn conversation_line(style: Style, entry: &Entry) -> String {
+    let time = style.paint(DIM, &clock(entry.at));
+    let (who, colour, text) = match &entry.body {
+        Body::Message { role, text } => (role.clone(), BOLD, text.clone()),
+        Body::Model {
+            text, tool_calls, ..
+        } => {
+            let mut lines: Vec<String> = text.iter().cloned().collect();
+            for call in tool_calls {
+                lines.push(format!(
+                    "→ {}({}){}",
+                    call.tool,
+                    compact(&call.arguments, 200),
+                    call.id
+                        .as_deref()
+                        .map(|id| format!("  [{id}]"))
+                        .unwrap_or_default()
+                ));
+            }
+            ("model".to_owned(), CYAN, lines.join("\n"))
+        }
+        Body::Approval {
+            tool,
+            state,
+            by,
+            comment,
+            ..
+        } => {
+            let mut text = format!("{tool}: {state}");
+            if let Some(by) = by {
+                text.push_str(&format!(" by {by}"));
+            }
+            if let Some(comment) = comment {
+                text.push_str(&format!(" — “{comment}”"));
+            }
+            let colour = match state.as_str() {
+                "approved" => GREEN,
+                "rejected" | "expired" => RED,
+                _ => YELLOW,
+            };
+            ("approval".to_owned(), colour, text)
+        }
+        Body::ToolResult {
+            tool, status, text, ..
+        } => {
+            let colour = if status.starts_with("succeeded") {
+                GREEN
+            } else if status.starts_with("failed") {
+                RED
+            } else {
+                YELLOW
+            };
+            (format!("tool {tool}"), colour, format!("[{status}] {text}"))
+        }
+    };
+    let indent = " ".repeat(12 + 2 + 18 + 1);
+    let text = text.replace('\n', &format!("\n{indent}"));
+    format!("{time}  {:<18} {}", style.paint(colour, &who), text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,6 +513,67 @@ mod tests {
             hash: None,
             body,
         }
+    }
+
+    #[test]
+    fn a_conversation_prints_who_speaks_the_calls_and_the_results() {
+        use sortie_core::conversation::{Body, Entry, ToolCall};
+        let style = Style { colour: false };
+        let entry = |body| Entry {
+            seq: 1,
+            at: 1_796_054_645_123,
+            node: "assistant".into(),
+            body,
+        };
+        let model = conversation_line(
+            style,
+            &entry(Body::Model {
+                step_id: "assistant#1".into(),
+                text: Some("Let me look.".into()),
+                tool_calls: vec![ToolCall {
+                    id: Some("toolu_1".into()),
+                    tool: "lookup_order".into(),
+                    arguments: serde_json::json!({"order_id": "7"}),
+                }],
+                model: None,
+                usage: None,
+            }),
+        );
+        assert!(model.starts_with("16:04:05.123  model"), "{model}");
+        assert!(model.contains("Let me look.\n"), "{model}");
+        assert!(
+            model.ends_with(r#"→ lookup_order({"order_id":"7"})  [toolu_1]"#),
+            "{model}"
+        );
+        let approval = conversation_line(
+            style,
+            &entry(Body::Approval {
+                call_id: None,
+                tool: "refund".into(),
+                step_id: "refund#1".into(),
+                interrupt_id: "int_1".into(),
+                state: "approved".into(),
+                by: Some("alice".into()),
+                comment: Some("ok".into()),
+            }),
+        );
+        assert!(
+            approval.ends_with("refund: approved by alice — “ok”"),
+            "{approval}"
+        );
+        let result = conversation_line(
+            style,
+            &entry(Body::ToolResult {
+                call_id: None,
+                tool: "refund".into(),
+                step_id: "refund#1".into(),
+                status: "succeeded".into(),
+                text: "Refunded 30.".into(),
+            }),
+        );
+        assert!(result.contains("tool refund"), "{result}");
+        assert!(result.ends_with("[succeeded] Refunded 30."), "{result}");
+        assert!(!result.contains('\x1b'), "no colour");
     }
 
     #[test]

@@ -56,7 +56,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Handle::current();
     let candidate_file = match &shadow_args.graph_file {
         Some(path) => {
-            Some(sortie_catalog::load_file(path).with_context(|| path.display().to_string())?)
+            let graph =
+                sortie_catalog::load_file(path).with_context(|| path.display().to_string())?;
+            // A candidate offering MCP tools is judged with the tools its servers list now,
+            // pinned as publishing it would pin them.
+            Some(
+                sortie_catalog::pin(&graph)
+                    .await
+                    .with_context(|| path.display().to_string())?,
+            )
         }
         None => None,
     };

@@ -74,6 +74,10 @@ enum Sub {
         /// Print the gateway's JSON for the run instead (for scripts).
         #[arg(long)]
         json: bool,
+        /// Print the run's agent conversation instead of its timeline: the opening
+        /// messages, each model answer and the tools it called, approvals, tool results.
+        #[arg(long, conflicts_with = "json")]
+        conversation: bool,
     },
     /// Follow a run's events live until it ends, one timeline line per event.
     Watch {
@@ -81,6 +85,9 @@ enum Sub {
         /// Print each event as one JSON line instead (for scripts).
         #[arg(long)]
         json: bool,
+        /// Follow the run's agent conversation instead of its timeline.
+        #[arg(long, conflicts_with = "json")]
+        conversation: bool,
     },
     /// List the tenant's runs as a table.
     List {
@@ -245,17 +252,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             }
             client.send(request).await?
         }
-        Sub::Get { run_id, json } => {
+        Sub::Get {
+            run_id,
+            json,
+            conversation,
+        } => {
             let run = client
                 .send(client.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}")))
                 .await?;
             if json {
                 run
             } else {
-                return get(&client, &run_id, &run).await;
+                return get(&client, &run_id, &run, conversation).await;
             }
         }
-        Sub::Watch { run_id, json } => return watch(&client, &run_id, json).await,
+        Sub::Watch {
+            run_id,
+            json,
+            conversation,
+        } => return watch(&client, &run_id, json, conversation).await,
         Sub::List {
             status,
             graph,
@@ -297,9 +312,40 @@ async fn decide(client: &Client, d: Decision, decision: &str) -> anyhow::Result<
         .await
 }
 
+/// What `watch --conversation` has read so far: the events, and how many conversation
+/// entries it printed (the entries only grow as events come).
+#[derive(Default)]
+struct Talk {
+    events: Vec<sortie_core::Event>,
+    printed: usize,
+}
+
+impl Talk {
+    fn take(&mut self, event: &Value) -> anyhow::Result<()> {
+        if let Ok(event) = serde_json::from_value::<sortie_core::Event>(event.clone()) {
+            self.events.push(event);
+        }
+        let entries = sortie_core::conversation::of(&self.events);
+        let style = Style::for_stdout();
+        let mut stdout = std::io::stdout().lock();
+        for entry in entries.iter().skip(self.printed) {
+            writeln!(stdout, "{}", human::conversation_line(style, entry))?;
+        }
+        stdout.flush()?;
+        self.printed = entries.len();
+        Ok(())
+    }
+}
+
 /// Prints each event from the SSE stream until the run ends: a timeline line, or (with
-/// `--json`) the event as one JSON line.
-async fn watch(client: &Client, run_id: &str, as_json: bool) -> anyhow::Result<()> {
+/// `--json`) the event as one JSON line, or (with `--conversation`) what each event adds
+/// to the run's conversation.
+async fn watch(
+    client: &Client,
+    run_id: &str,
+    as_json: bool,
+    conversation: bool,
+) -> anyhow::Result<()> {
     let response = client
         .request(
             reqwest::Method::GET,
@@ -316,6 +362,7 @@ async fn watch(client: &Client, run_id: &str, as_json: bool) -> anyhow::Result<(
         );
     }
     let mut timeline = Timeline::new(Style::for_stdout());
+    let mut talk = Talk::default();
     let mut response = response;
     let mut buffer = String::new();
     while let Some(chunk) = response.chunk().await? {
@@ -329,6 +376,8 @@ async fn watch(client: &Client, run_id: &str, as_json: bool) -> anyhow::Result<(
                 let event: Value = serde_json::from_str(data.trim()).unwrap_or(Value::Null);
                 if as_json {
                     println!("{}", serde_json::to_string(&event)?);
+                } else if conversation {
+                    talk.take(&event)?;
                 } else {
                     print_event(&mut timeline, &event)?;
                 }
@@ -367,8 +416,9 @@ fn print_event(timeline: &mut Timeline, event: &Value) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `run get`: a header (run, graph, status, steps, open interrupts), then the timeline.
-async fn get(client: &Client, run_id: &str, run: &Value) -> anyhow::Result<()> {
+/// `run get`: a header (run, graph, status, steps, open interrupts), then the timeline
+/// (or, with `--conversation`, the run's conversation).
+async fn get(client: &Client, run_id: &str, run: &Value, conversation: bool) -> anyhow::Result<()> {
     let style = Style::for_stdout();
     println!(
         "{}  {}@{}  {}  ({} steps done)",
@@ -394,6 +444,7 @@ async fn get(client: &Client, run_id: &str, run: &Value) -> anyhow::Result<()> {
         println!("ended: {reason}");
     }
     let mut timeline = Timeline::new(style);
+    let mut talk = Talk::default();
     let mut after = 0i64;
     loop {
         let page = client
@@ -403,10 +454,25 @@ async fn get(client: &Client, run_id: &str, run: &Value) -> anyhow::Result<()> {
             ))
             .await?;
         for event in page["events"].as_array().into_iter().flatten() {
-            print_event(&mut timeline, event)?;
+            if conversation {
+                if let Ok(event) = serde_json::from_value::<sortie_core::Event>(event.clone()) {
+                    talk.events.push(event);
+                }
+            } else {
+                print_event(&mut timeline, event)?;
+            }
         }
         let next = page["next_after"].as_i64().unwrap_or(after);
         if !page["has_more"].as_bool().unwrap_or(false) || next <= after {
+            if conversation {
+                let entries = sortie_core::conversation::of(&talk.events);
+                if entries.is_empty() {
+                    println!("(no agent conversation in this run)");
+                }
+                for entry in &entries {
+                    println!("{}", human::conversation_line(style, entry));
+                }
+            }
             return Ok(());
         }
         after = next;

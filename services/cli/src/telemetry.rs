@@ -53,6 +53,17 @@ pub fn init_logging(args: &LogArgs) {
         .and_then(|level| EnvFilter::try_new(level).ok())
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new("info"));
+    // The MCP SDK logs every session it opens at info, and executors open one per tool
+    // call: warnings only, unless the filter names it.
+    let named = args
+        .log_level
+        .clone()
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .is_some_and(|spec| spec.contains("rmcp"));
+    let filter = match "rmcp=warn".parse() {
+        Ok(directive) if !named => filter.add_directive(directive),
+        _ => filter,
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{duration::Millis, json};
+use crate::{duration::Millis, json, mcp};
 
 /// What retrying a node's call may mean for its receiver (SPEC §4.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -67,9 +67,16 @@ pub struct Graph {
     /// summary (`RunForgotten`). Absent: kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<Millis>,
+    /// MCP servers whose tools nodes call or offer their models (see [`crate::mcp`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp_servers: Vec<mcp::McpServer>,
     pub nodes: Vec<Node>,
     #[serde(default)]
     pub edges: Vec<Edge>,
+    /// The nodes of the offered MCP tools, derived from `mcp_servers`' pinned lists when the
+    /// definition is parsed; never written in it (see [`crate::mcp`]).
+    #[serde(skip)]
+    mcp_nodes: Vec<Node>,
 }
 
 /// `access: {start: [roles], cancel: [roles]}`: a command needs one of the listed roles
@@ -182,9 +189,37 @@ pub struct Node {
     /// [`Graph::tool_specs`]) and the model's `tool_calls` become their steps.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<String>,
+    /// MCP servers whose tools are offered to the model too (all of a server's, or the
+    /// listed ones): a tool loop, as `tools`, over the tools pinned at publication.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp: Vec<mcp::McpOffer>,
     /// What the node does, in a sentence; a tool's description for the model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// The JSON schema of the arguments a model passes when it calls this node as a tool;
+    /// absent: derived from the declared `args` (see [`Graph::tool_specs`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_schema: Option<Value>,
+}
+
+/// The model API an `llm` node speaks (`config.api`), which decides the shape of its
+/// messages, tool specs and tool results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelApi {
+    /// OpenAI chat completions (the default).
+    OpenAi,
+    /// Anthropic Messages: `tool_use` / `tool_result` content blocks.
+    Anthropic,
+}
+
+impl Node {
+    /// `config.api`: `anthropic`, else OpenAI chat completions.
+    pub fn model_api(&self) -> ModelApi {
+        match self.config.get("api").and_then(Value::as_str) {
+            Some("anthropic") => ModelApi::Anthropic,
+            _ => ModelApi::OpenAi,
+        }
+    }
 }
 
 fn default_queue() -> String {
@@ -392,61 +427,174 @@ pub const MAX_EDGES: usize = 10_000;
 impl Graph {
     /// Parses a graph from YAML or JSON (JSON is YAML) and validates it.
     pub fn parse(text: &str) -> Result<Graph, InvalidGraph> {
-        let graph: Graph = serde_yaml::from_str(text).map_err(|e| {
+        let mut graph: Graph = serde_yaml::from_str(text).map_err(|e| {
             InvalidGraph(vec![GraphError {
                 node: None,
                 problem: e.to_string(),
             }])
         })?;
         graph.validate()?;
+        graph.mcp_nodes = graph.derive_mcp_nodes();
         Ok(graph)
     }
 
+    /// A node of the graph, an offered MCP tool's node included.
     pub fn node(&self, id: &str) -> Option<&Node> {
-        self.nodes.iter().find(|n| n.id == id)
+        self.nodes
+            .iter()
+            .chain(self.mcp_nodes.iter())
+            .find(|n| n.id == id)
     }
 
-    /// The OpenAI-style `tools` a tool-loop node offers its model: one function per name
-    /// in its `tools`, named after the node, with JSON-schema parameters from that node's
-    /// declared `args`: an object value is the property's schema as written, a string its
-    /// description (a string property), any other literal gives its type. Every declared
-    /// argument is required.
+    /// Every node, the offered MCP tools' nodes after the declared ones.
+    pub fn all_nodes(&self) -> impl Iterator<Item = &Node> {
+        self.nodes.iter().chain(self.mcp_nodes.iter())
+    }
+
+    /// One node per pinned tool some node offers (each once, whoever offers it).
+    fn derive_mcp_nodes(&self) -> Vec<Node> {
+        let wanted = mcp::wanted(&self.mcp_servers, &self.nodes);
+        let mut out = Vec::new();
+        for server in &self.mcp_servers {
+            let (Some(want), Some(pinned)) = (wanted.get(&server.name), &server.pinned) else {
+                continue;
+            };
+            for tool in &pinned.tools {
+                if want.as_ref().is_none_or(|set| set.contains(&tool.name)) {
+                    out.push(mcp::tool_node(server, tool));
+                }
+            }
+        }
+        out
+    }
+
+    /// The tools `node` offers its model, in order: its `tools`, then each offered MCP
+    /// server's (listed or pinned order). Empty: the node is not a tool loop.
+    pub fn offers(&self, node: &Node) -> Vec<String> {
+        let mut out = node.tools.clone();
+        for offer in &node.mcp {
+            let Some(server) = self.mcp_servers.iter().find(|s| s.name == offer.server) else {
+                continue;
+            };
+            for tool in mcp::offered(server, offer) {
+                let id = mcp::node_id(server, tool);
+                if !out.contains(&id) {
+                    out.push(id);
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether `node` is a tool loop: it offers its model tools (nodes or MCP tools).
+    pub fn is_tool_loop(&self, node: &Node) -> bool {
+        !node.tools.is_empty() || !node.mcp.is_empty()
+    }
+
+    /// Whether `node` may ask for a step of `target`: one of its `may_request`, or an MCP
+    /// tool it offers.
+    pub fn may_request(&self, node: &Node, target: &str) -> bool {
+        node.may_request.iter().any(|m| m == target)
+            || (!node.mcp.is_empty() && self.offers(node).iter().any(|o| o == target))
+    }
+
+    /// Whether `node` may ask for any step at all.
+    pub fn requests_steps(&self, node: &Node) -> bool {
+        !node.may_request.is_empty() || !node.mcp.is_empty()
+    }
+
+    /// The config an intent of `node` carries: the node's, and for an `mcp` node the
+    /// server's url and auth reference from `mcp_servers`.
+    pub fn step_config(&self, node: &Node) -> Value {
+        if node.tool == mcp::MCP_TOOL {
+            mcp::step_config(&self.mcp_servers, &node.config)
+        } else {
+            node.config.clone()
+        }
+    }
+
+    /// MCP servers some node offers whose tool lists are not pinned yet (publishing pins
+    /// them; a graph on the graphs topic must have none).
+    pub fn unpinned_mcp_servers(&self) -> Vec<&str> {
+        mcp::unpinned(&self.mcp_servers, &self.nodes)
+    }
+
+    /// Which tools of which server publishing must pin: every tool (`None`) or the listed
+    /// ones, by server name.
+    pub fn mcp_tools_to_pin(&self) -> BTreeMap<String, Option<BTreeSet<String>>> {
+        mcp::wanted(&self.mcp_servers, &self.nodes)
+    }
+
+    /// This graph with `server`'s pinned list set (and its tools' nodes derived), checked
+    /// as any definition.
+    pub fn with_pinned(&self, server: &str, pinned: mcp::Pinned) -> Result<Graph, InvalidGraph> {
+        let mut graph = self.clone();
+        if let Some(s) = graph.mcp_servers.iter_mut().find(|s| s.name == server) {
+            s.pinned = Some(pinned);
+        }
+        graph.validate()?;
+        graph.mcp_nodes = graph.derive_mcp_nodes();
+        Ok(graph)
+    }
+
+    /// The `tools` a tool-loop node offers its model, in its API's shape (OpenAI
+    /// functions, or Anthropic `{name, description, input_schema}`): one per name in
+    /// [`Graph::offers`], named after the tool's node. The parameters are the node's
+    /// `input_schema` (an MCP tool's pinned schema), else derived from its declared `args`:
+    /// an object value is the property's schema as written, a string its description (a
+    /// string property), any other literal gives its type. Every declared argument is
+    /// required.
     pub fn tool_specs(&self, node: &Node) -> Value {
-        let specs = node
-            .tools
+        let api = node.model_api();
+        let specs = self
+            .offers(node)
             .iter()
             .filter_map(|name| self.node(name))
             .map(|tool| {
-                let mut properties = serde_json::Map::new();
-                let mut required = Vec::new();
-                if let Value::Object(args) = &tool.args {
-                    for (name, declared) in args {
-                        let schema = match declared {
-                            Value::Object(_) => declared.clone(),
-                            Value::String(text) => {
-                                serde_json::json!({"type": "string", "description": text})
-                            }
-                            Value::Bool(_) => serde_json::json!({"type": "boolean"}),
-                            Value::Number(_) => serde_json::json!({"type": "number"}),
-                            Value::Array(_) => serde_json::json!({"type": "array"}),
-                            Value::Null => serde_json::json!({}),
-                        };
-                        properties.insert(name.clone(), schema);
-                        required.push(Value::String(name.clone()));
+                let parameters = tool.input_schema.clone().unwrap_or_else(|| {
+                    let mut properties = serde_json::Map::new();
+                    let mut required = Vec::new();
+                    if let Value::Object(args) = &tool.args {
+                        for (name, declared) in args {
+                            let schema = match declared {
+                                Value::Object(_) => declared.clone(),
+                                Value::String(text) => {
+                                    serde_json::json!({"type": "string", "description": text})
+                                }
+                                Value::Bool(_) => serde_json::json!({"type": "boolean"}),
+                                Value::Number(_) => serde_json::json!({"type": "number"}),
+                                Value::Array(_) => serde_json::json!({"type": "array"}),
+                                Value::Null => serde_json::json!({}),
+                            };
+                            properties.insert(name.clone(), schema);
+                            required.push(Value::String(name.clone()));
+                        }
                     }
-                }
-                serde_json::json!({
-                    "type": "function",
-                    "function": {
-                        "name": tool.id,
-                        "description": tool.description.clone().unwrap_or_else(|| format!("Runs step {}.", tool.id)),
-                        "parameters": {
-                            "type": "object",
-                            "properties": properties,
-                            "required": required,
+                    serde_json::json!({
+                        "type": "object",
+                        "properties": properties,
+                        "required": required,
+                    })
+                });
+                let description = tool
+                    .description
+                    .clone()
+                    .unwrap_or_else(|| format!("Runs step {}.", tool.id));
+                match api {
+                    ModelApi::OpenAi => serde_json::json!({
+                        "type": "function",
+                        "function": {
+                            "name": tool.id,
+                            "description": description,
+                            "parameters": parameters,
                         },
-                    },
-                })
+                    }),
+                    ModelApi::Anthropic => serde_json::json!({
+                        "name": tool.id,
+                        "description": description,
+                        "input_schema": parameters,
+                    }),
+                }
             })
             .collect();
         Value::Array(specs)
@@ -633,6 +781,49 @@ impl Graph {
                         Some(&node.id),
                         format!("precheck {check:?} must name another node of the graph"),
                     );
+                }
+            }
+        }
+        mcp::check(&self.mcp_servers, &self.nodes, &mut problem);
+        let mut derived_ids = BTreeSet::new();
+        for derived in self.derive_mcp_nodes() {
+            let id = derived.id.as_str();
+            if !valid_id(id) {
+                problem(
+                    Some(id),
+                    "an MCP tool's name gives no valid node id (give its server a prefix)".into(),
+                );
+            }
+            if self.nodes.iter().any(|n| n.id == id) {
+                problem(
+                    Some(id),
+                    "an offered MCP tool has the name of a node of the graph: give its server a prefix".into(),
+                );
+            }
+            if !derived_ids.insert(derived.id.clone()) {
+                problem(
+                    Some(id),
+                    "two offered MCP tools have this name: give one server a prefix".into(),
+                );
+            }
+        }
+        for node in &self.nodes {
+            if node.tool == crate::budget::LLM_TOOL {
+                if let Some(api) = node.config.get("api") {
+                    if api != "openai" && api != "anthropic" {
+                        problem(
+                            Some(&node.id),
+                            "config.api must be openai or anthropic".into(),
+                        );
+                    }
+                }
+            }
+            if let Some(schema) = &node.input_schema {
+                if !schema.is_object() {
+                    problem(Some(&node.id), "input_schema must be a JSON object".into());
+                }
+                if let Err(e) = crate::limits::check_shape("input_schema", schema) {
+                    problem(Some(&node.id), format!("{e} (limit {})", e.limit.name()));
                 }
             }
         }

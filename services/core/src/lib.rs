@@ -13,6 +13,7 @@
 
 pub mod blob;
 pub mod budget;
+pub mod conversation;
 pub mod decide;
 pub mod duration;
 pub mod effect;
@@ -23,6 +24,7 @@ pub mod ids;
 pub mod input;
 pub mod json;
 pub mod limits;
+pub mod mcp;
 pub mod seal;
 pub mod shadow;
 pub mod state;

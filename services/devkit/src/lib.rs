@@ -11,5 +11,6 @@
 
 pub mod ledger;
 pub mod local;
+pub mod mcp;
 pub mod model;
 pub mod receiver;

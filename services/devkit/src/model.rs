@@ -1,4 +1,8 @@
-//! A scripted, OpenAI-compatible model for dev and tests: `POST /v1/chat/completions`.
+//! A scripted model for dev and tests, in both APIs Sortie speaks: OpenAI chat
+//! completions (`POST /v1/chat/completions`) and Anthropic Messages (`POST /v1/messages`,
+//! tool calls as `tool_use` blocks, results read from `tool_result` blocks, usage as
+//! `input_tokens`/`output_tokens`; before a tool call it says which tool it calls, in a
+//! text block).
 //!
 //! The script is decided by the request alone, so it is deterministic and holds for any
 //! number of concurrent conversations (and for a replay, which never calls it): a request
@@ -51,6 +55,62 @@ impl FakeModel {
     /// Every call so far, oldest first.
     pub fn exchanges(&self) -> Vec<Exchange> {
         self.exchanges.lock().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    /// The answer to one Anthropic Messages request (the same script), recorded.
+    pub fn answer_anthropic(&self, request: &Value) -> Result<Value, String> {
+        let messages = request
+            .get("messages")
+            .and_then(Value::as_array)
+            .ok_or("messages must be an array")?;
+        if request.get("max_tokens").and_then(Value::as_u64).is_none() {
+            return Err("max_tokens is required".into());
+        }
+        let tools = request
+            .get("tools")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let answered = messages
+            .iter()
+            .filter(|m| m["role"] == "user")
+            .filter_map(|m| m["content"].as_array())
+            .flatten()
+            .filter(|b| b["type"] == "tool_result")
+            .count();
+        let (content, stop_reason) = match tools.get(answered).filter(|_| answered < 2) {
+            Some(tool) => {
+                let name = tool["name"].as_str().unwrap_or_default();
+                let input = arguments(&tool["input_schema"]);
+                (
+                    json!([
+                        {"type": "text", "text": format!("I will call {name}.")},
+                        {"type": "tool_use", "id": format!("toolu_{}_{name}", answered + 1), "name": name, "input": input},
+                    ]),
+                    "tool_use",
+                )
+            }
+            None => (json!([{"type": "text", "text": FINAL_ANSWER}]), "end_turn"),
+        };
+        let input_tokens = request.to_string().len() as u64 / 4;
+        let usage = json!({"input_tokens": input_tokens, "output_tokens": COMPLETION_TOKENS});
+        let message = json!({"role": "assistant", "content": content});
+        if let Ok(mut exchanges) = self.exchanges.lock() {
+            exchanges.push(Exchange {
+                request: request.clone(),
+                usage: usage.clone(),
+                message: message.clone(),
+            });
+        }
+        Ok(json!({
+            "id": format!("msg_fake_{}", self.exchanges().len()),
+            "type": "message",
+            "role": "assistant",
+            "model": request.get("model").cloned().unwrap_or(json!("fake")),
+            "content": content,
+            "stop_reason": stop_reason,
+            "usage": usage,
+        }))
     }
 
     /// The answer to one request (the script), with the exchange recorded.
@@ -130,6 +190,7 @@ fn arguments(parameters: &Value) -> Value {
 pub fn router(model: Arc<FakeModel>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(complete))
+        .route("/v1/messages", post(messages))
         .route("/v1/fake/requests", get(requests))
         .with_state(model)
 }
@@ -140,6 +201,17 @@ async fn complete(State(model): State<Arc<FakeModel>>, Json(request): Json<Value
         Err(error) => (
             StatusCode::BAD_REQUEST,
             Json(json!({"error": {"message": error}})),
+        )
+            .into_response(),
+    }
+}
+
+async fn messages(State(model): State<Arc<FakeModel>>, Json(request): Json<Value>) -> Response {
+    match model.answer_anthropic(&request) {
+        Ok(answer) => Json(answer).into_response(),
+        Err(error) => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"type": "error", "error": {"type": "invalid_request_error", "message": error}})),
         )
             .into_response(),
     }

@@ -8,7 +8,8 @@
 //! | `POST /payments/reverse` | `keyed` | `reversal_id`, `refund_id`, `status: reversed`, `amount` |
 //! | `POST /notifications/refund` | `idempotent`: the same request again changes nothing | `notification_id`, `channel`, `status: sent`, `customer_id`; a customer id starting `cus-unreachable` is refused with 422 (nothing recorded), so a refund run can be made to fail after its refund and show the reversal |
 //! | `GET /status/{operation_id}` | `reconcilable` lookups, for any route | 200 `{"status": "succeeded", "output"}` or 404 |
-//! | `POST /v1/chat/completions` | the `llm` nodes' model (`base_url: http://127.0.0.1:8090/v1`) | the scripted fake model ([`crate::model`]): a call to the first tool, then the second, then a text answer; `GET /v1/fake/requests` lists what it was asked |
+//! | `POST /v1/chat/completions`, `POST /v1/messages` | the `llm` nodes' model (`base_url: http://127.0.0.1:8090/v1`), OpenAI or Anthropic | the scripted fake model ([`crate::model`]): a call to the first tool, then the second, then a text answer; `GET /v1/fake/requests` lists what it was asked |
+//! | `POST /mcp` | the MCP server of `topology/graphs/mcp.yaml` | [`crate::mcp`]: `lookup_order` and `refund` (keyed by the `_meta` operation id) |
 //!
 //! plus the ledger's own routes (`/ledger`, `/ledger/{operation_id}`, `/effects/{name}`,
 //! `/faults`). Answers are deterministic: ids and amounts derive from the request (an
@@ -51,7 +52,8 @@ pub fn router(ledger: Arc<Ledger>) -> Router {
         .route("/payments/reverse", post(reverse))
         .route("/notifications/refund", post(notify))
         .route("/status/{operation_id}", get(status))
-        .with_state(ledger)
+        .with_state(ledger.clone())
+        .merge(crate::mcp::router(ledger))
         .merge(crate::model::router(crate::model::FakeModel::new()))
 }
 
@@ -74,10 +76,15 @@ pub fn rebase_urls(config: &mut Value, base: &str) {
     };
     for key in ["url", "status_url", "base_url"] {
         if let Some(Value::String(url)) = map.get_mut(key) {
-            if let Some(rest) = url.strip_prefix(EXAMPLE_BASE) {
-                *url = format!("{}{rest}", base.trim_end_matches('/'));
-            }
+            rebase_url(url, base);
         }
+    }
+}
+
+/// Replaces the [`EXAMPLE_BASE`] prefix of `url` with `base` (no trailing slash).
+pub fn rebase_url(url: &mut String, base: &str) {
+    if let Some(rest) = url.strip_prefix(EXAMPLE_BASE) {
+        *url = format!("{}{rest}", base.trim_end_matches('/'));
     }
 }
 

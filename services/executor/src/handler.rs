@@ -243,13 +243,14 @@ impl Handlers {
         Self::default()
     }
 
-    /// `http`, `llm`, `echo` and `sleep`, sharing one HTTP client.
+    /// `http`, `llm` (sharing one HTTP client), `mcp`, `echo` and `sleep`.
     pub fn builtin() -> Self {
         let client = crate::handlers::http_client();
         let mut handlers = Self::new();
         handlers
             .register("http", crate::handlers::Http::new(client.clone()))
             .register("llm", crate::handlers::Llm::new(client))
+            .register("mcp", crate::handlers::Mcp)
             .register("echo", crate::handlers::Echo)
             .register("sleep", crate::handlers::Sleep);
         handlers

@@ -48,6 +48,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{run_id}/resume", post(resume_run))
         .route("/v1/runs/{run_id}/cancel", post(cancel_run))
         .route("/v1/runs/{run_id}/events", get(events))
+        .route("/v1/runs/{run_id}/conversation", get(conversation))
         .route("/v1/runs/{run_id}/events/stream", get(events_stream))
         .route(
             "/v1/runs/{run_id}/checkpoints/{checkpoint_id}",
@@ -928,6 +929,42 @@ async fn events(
         "has_more": more,
     }))
     .into_response())
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConversationQuery {
+    #[serde(default)]
+    min_position: Option<String>,
+}
+
+/// The run's agent conversations (`sortie_core::conversation`), from its events.
+async fn conversation(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(run_id): Params<String>,
+    QueryParams(query): QueryParams<ConversationQuery>,
+) -> Result<Json<Value>, ApiError> {
+    read_after(&app, &headers, query.min_position.as_deref()).await?;
+    visible_run(&app, &caller, &run_id)?;
+    let mut events = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = app
+            .view()
+            .store
+            .events(&run_id, after, MAX_PAGE)
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        events.extend(page);
+    }
+    Ok(Json(json!({
+        "run_id": run_id,
+        "entries": sortie_core::conversation::of(&events),
+        "last_seq": after,
+    })))
 }
 
 async fn events_stream(

@@ -86,6 +86,14 @@ impl Catalog {
             .map(|n| n.on_reject.clone())
     }
 
+    /// Whether `node` of the graph version is a tool loop (it offers its model tools), when
+    /// the graph version is known here.
+    pub fn is_tool_loop(&self, graph_id: &str, version: u32, node: &str) -> Option<bool> {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        let graph = graphs.get(graph_id, Some(version))?;
+        graph.node(node).map(|n| graph.is_tool_loop(n))
+    }
+
     /// Who may start and cancel runs of the graph (its latest version for `None`), when
     /// the graph is known here.
     pub fn access(&self, graph_id: &str, version: Option<u32>) -> Option<Access> {

@@ -13,6 +13,7 @@ use axum::http::HeaderMap;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use sortie_core::event::StepRole;
 use sortie_core::graph::OnReject;
 
 use crate::api::read_after;
@@ -105,11 +106,35 @@ fn item(app: &AppState, caller: &Caller, entry: &InboxEntry, now: i64) -> Value 
     let precheck = context
         .and_then(|c| c.get("precheck"))
         .and_then(Value::as_str);
+    // The run, for what the index does not keep: which step asked for the call and the
+    // model message that did (one read per item of the page; a run the view cannot read
+    // shows without them).
+    let stored = match &interrupt.role {
+        StepRole::Requested { .. } => app.view().store.run(&entry.run_id).ok().flatten(),
+        _ => None,
+    };
+    let state = stored.as_ref().map(|run| &run.state);
+    // A call a model asked for is not skipped or failed on rejection: the fold tells the
+    // model the call was rejected, and the model goes on (the tool node's on_reject does
+    // not apply).
+    let asked_by_a_model = match (&interrupt.role, state) {
+        (StepRole::Requested { by }, Some(state)) => state.steps.get(by).is_some_and(|step| {
+            app.inner
+                .graphs
+                .is_tool_loop(&state.graph_id, state.graph_version, &step.node)
+                == Some(true)
+        }),
+        _ => false,
+    };
     let on_reject = app
         .inner
         .graphs
         .on_reject(&entry.graph_id, entry.graph_version, &interrupt.node)
         .map(|o| match o {
+            _ if asked_by_a_model => {
+                "The call does not run; the model is told an approver rejected it, and goes on."
+                    .to_owned()
+            }
             OnReject::Fail => {
                 "The run fails; completed steps that declare a compensation are undone.".to_owned()
             }
@@ -138,6 +163,13 @@ fn item(app: &AppState, caller: &Caller, entry: &InboxEntry, now: i64) -> Value 
         "quorum": interrupt.quorum,
         "approvals": interrupt.approvals,
         "rationale": rationale,
+        // The model message that asked for this call: its text and the tool call.
+        "model_message": state.and_then(|state| sortie_core::conversation::asking_message(
+            state,
+            &interrupt.role,
+            &interrupt.node,
+            &interrupt.step_id,
+        )),
         "affects": affects,
         "on_reject": on_reject,
         "precheck": precheck,

@@ -217,6 +217,25 @@ pub fn document() -> Value {
                         "next_after": {"type": ["string", "null"]}
                     }
                 },
+                "Conversation": {
+                    "type": "object",
+                    "required": ["run_id", "entries", "last_seq"],
+                    "properties": {
+                        "run_id": {"type": "string"},
+                        "last_seq": {"type": "integer", "description": "The last event it was derived from."},
+                        "entries": {"type": "array", "items": {
+                            "type": "object",
+                            "required": ["kind", "seq", "at", "node"],
+                            "description": "kind message: role, text; model: step_id, text, tool_calls [{id, tool, arguments}], model, usage; approval: call_id, tool, step_id, interrupt_id, state (requested, approved, rejected, expired), by, comment; tool_result: call_id, tool, step_id, status, text.",
+                            "properties": {
+                                "kind": {"type": "string", "enum": ["message", "model", "approval", "tool_result"]},
+                                "seq": {"type": "integer"},
+                                "at": {"type": "integer", "description": "Unix ms."},
+                                "node": {"type": "string", "description": "The tool-loop node whose conversation it is."}
+                            }
+                        }}
+                    }
+                },
                 "EventPage": {
                     "type": "object",
                     "properties": {
@@ -346,6 +365,14 @@ pub fn document() -> Value {
                         min_position()
                     ],
                     "responses": read_errors(json!({"200": ok("A page of events.", "EventPage")}))
+                }
+            },
+            "/v1/runs/{run_id}/conversation": {
+                "get": {
+                    "summary": "The run's agent conversations, as people read them: opening messages, model answers with their tool calls, approvals asked and decided, tool results, in order",
+                    "security": security,
+                    "parameters": [run_id(), min_position()],
+                    "responses": read_errors(json!({"200": ok("The conversation.", "Conversation")}))
                 }
             },
             "/v1/runs/{run_id}/events/stream": {
@@ -480,6 +507,7 @@ fn inbox_schema() -> Value {
                     "quorum": {"type": "integer"},
                     "approvals": {"type": "array", "items": {"type": "string"}},
                     "rationale": {"type": ["string", "null"], "description": "The agent's rationale: the model message that proposed the call (when an llm step requested it), else `args.rationale` of the proposal."},
+                    "model_message": {"type": ["object", "null"], "description": "The model message that asked for this call: step_id (the model step), text, tool_call {id, tool, arguments}; null when no model asked for it."},
                     "affects": {"type": "object", "description": "What the step affects: node, tool, side_effect, args; edited_from and diff ({field: {from, to}}) when it replaces an edited proposal."},
                     "on_reject": {"type": ["string", "null"], "description": "What a rejection (or a refusing precheck) does, from the graph; null when this gateway does not know the graph."},
                     "precheck": text_or_null,

@@ -9,7 +9,7 @@ use super::Ctx;
 use crate::{
     blob::project,
     event::StepRole,
-    graph::{Graph, Node, OnReject},
+    graph::{Graph, ModelApi, Node, OnReject},
     json::{self as j, Reference},
     state::{Interrupt, InterruptStatus, RunState, Step, StepStatus},
     status::RunStatus,
@@ -254,7 +254,7 @@ fn progress<'g>(
             .any(|i| i.status == InterruptStatus::Approved);
         if !pending_approval {
             let mut args = render(run, None, None, &node.args);
-            if !node.tools.is_empty() {
+            if graph.is_tool_loop(node) {
                 if let Value::Object(map) = &mut args {
                     map.entry("tools").or_insert_with(|| graph.tool_specs(node));
                 }
@@ -272,12 +272,13 @@ fn progress<'g>(
         return Ok(NodeState::Active);
     }
     let output = latest.output.clone().unwrap_or(Value::Null);
-    let requests = if node.tools.is_empty() {
+    let tool_loop = graph.is_tool_loop(node);
+    let requests = if !tool_loop {
         next_steps(&output)
     } else {
         tool_calls(&output).map_err(|e| format!("step {}: {e}", latest.step_id))?
     };
-    if requests.is_empty() || node.may_request.is_empty() {
+    if requests.is_empty() || !graph.requests_steps(node) {
         return Ok(NodeState::Done(output));
     }
 
@@ -290,7 +291,7 @@ fn progress<'g>(
         let mut taken: BTreeMap<String, u32> = BTreeMap::new();
         for request in requests {
             let name = request.node;
-            if !node.may_request.iter().any(|m| m == &name) {
+            if !graph.may_request(node, &name) {
                 return Err(format!(
                     "step {} asked for node {name:?}, which node {} may not request",
                     latest.step_id, node.id
@@ -315,7 +316,7 @@ fn progress<'g>(
     if !slots.values().all(|slot| slot.is_done()) {
         return Ok(NodeState::Active);
     }
-    let args = if node.tools.is_empty() {
+    let args = if !tool_loop {
         let mut ordered: Vec<&Step> = slots.values().filter_map(|slot| slot.step()).collect();
         ordered.sort_by_key(|c| (c.node.clone(), iteration(&c.step_id)));
         let results: Vec<Value> = ordered
@@ -345,12 +346,37 @@ fn progress<'g>(
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        messages.push(json!({
-            "role": "assistant",
-            "content": output.get("content").cloned().unwrap_or(Value::Null),
-            "tool_calls": output.get("tool_calls").cloned().unwrap_or_else(|| json!([])),
-        }));
-        messages.extend(tool_messages(&output, &slots)?);
+        let results = tool_results(&output, &slots)?;
+        match node.model_api() {
+            ModelApi::OpenAi => {
+                messages.push(json!({
+                    "role": "assistant",
+                    "content": output.get("content").cloned().unwrap_or(Value::Null),
+                    "tool_calls": output.get("tool_calls").cloned().unwrap_or_else(|| json!([])),
+                }));
+                messages.extend(results.into_iter().map(
+                    |r| json!({"role": "tool", "tool_call_id": r.call_id, "content": r.content}),
+                ));
+            }
+            ModelApi::Anthropic => {
+                messages.push(json!({"role": "assistant", "content": assistant_blocks(&output)}));
+                let blocks: Vec<Value> = results
+                    .into_iter()
+                    .map(|r| {
+                        let mut block = json!({
+                            "type": "tool_result",
+                            "tool_use_id": r.call_id,
+                            "content": r.content,
+                        });
+                        if r.rejected {
+                            block["is_error"] = json!(true);
+                        }
+                        block
+                    })
+                    .collect();
+                messages.push(json!({"role": "user", "content": blocks}));
+            }
+        }
         if let Value::Object(map) = &mut args {
             map.insert("messages".into(), Value::Array(messages));
         }
@@ -426,7 +452,7 @@ pub(crate) fn is_tool_call(run: &RunState, graph: &Graph, role: &StepRole) -> bo
     run.steps
         .get(by)
         .and_then(|step| graph.node(&step.node))
-        .is_some_and(|node| !node.tools.is_empty())
+        .is_some_and(|node| graph.is_tool_loop(node))
 }
 
 /// The `tool_calls` of a model's answer as requested steps: the function name is the
@@ -461,10 +487,22 @@ fn tool_calls(output: &Value) -> Result<Vec<Request>, String> {
         .collect()
 }
 
-/// One `role: tool` message per tool call of `output`, in the model's order, carrying the
-/// output of the step that answered it (a call's steps of one node are numbered in the
-/// order the model asked), or that an approver rejected it.
-fn tool_messages(output: &Value, slots: &BTreeMap<&str, Slot<'_>>) -> Result<Vec<Value>, String> {
+/// The answer to one tool call of a model's output.
+struct ToolResult {
+    call_id: Value,
+    /// The text the model reads.
+    content: String,
+    /// An approver rejected the call: it did not run.
+    rejected: bool,
+}
+
+/// One result per tool call of `output`, in the model's order, carrying the output of the
+/// step that answered it (a call's steps of one node are numbered in the order the model
+/// asked), or that an approver rejected it.
+fn tool_results(
+    output: &Value,
+    slots: &BTreeMap<&str, Slot<'_>>,
+) -> Result<Vec<ToolResult>, String> {
     let mut by_node: BTreeMap<&str, Vec<(&str, &Slot<'_>)>> = BTreeMap::new();
     for (step_id, slot) in slots {
         let node = step_id.rsplit_once('#').map_or(*step_id, |(n, _)| n);
@@ -479,27 +517,69 @@ fn tool_messages(output: &Value, slots: &BTreeMap<&str, Slot<'_>>) -> Result<Vec
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();
-    let mut messages = Vec::new();
+    let mut results = Vec::new();
     for call in &calls {
         let name = call["function"]["name"].as_str().unwrap_or_default();
         let Some((step_id, slot)) = by_node.get_mut(name).and_then(Vec::pop) else {
             return Err(format!("no step answered the model's call to {name}"));
         };
-        let content = match slot {
-            Slot::Step(step) => j::canonical(step.output.as_ref().unwrap_or(&Value::Null)),
-            Slot::Rejected => j::canonical(&json!({
-                "rejected": true,
-                "message": format!("an approver rejected this call ({step_id}); it did not run"),
-            })),
+        let (content, rejected) = match slot {
+            Slot::Step(step) => (result_text(step), false),
+            Slot::Rejected => (
+                j::canonical(&json!({
+                    "rejected": true,
+                    "message": format!("an approver rejected this call ({step_id}); it did not run"),
+                })),
+                true,
+            ),
             Slot::Waiting => return Err(format!("step {step_id} has not answered")),
         };
-        messages.push(json!({
-            "role": "tool",
-            "tool_call_id": call.get("id").cloned().unwrap_or(Value::Null),
-            "content": content,
+        results.push(ToolResult {
+            call_id: call.get("id").cloned().unwrap_or(Value::Null),
+            content,
+            rejected,
+        });
+    }
+    Ok(results)
+}
+
+/// What the model reads of a tool step's output ([`crate::mcp::model_text`]).
+fn result_text(step: &Step) -> String {
+    crate::mcp::model_text(&step.tool, step.output.as_ref().unwrap_or(&Value::Null))
+}
+
+/// The assistant message's content blocks of an Anthropic answer: as recorded (`blocks`,
+/// what the model sent, which it must be shown again as it was), else made from the
+/// recorded text and tool calls.
+fn assistant_blocks(output: &Value) -> Value {
+    if let Some(blocks) = output.get("blocks").filter(|b| b.is_array()) {
+        return blocks.clone();
+    }
+    let mut blocks = Vec::new();
+    if let Some(text) = output.get("content").and_then(Value::as_str) {
+        if !text.is_empty() {
+            blocks.push(json!({"type": "text", "text": text}));
+        }
+    }
+    for call in output
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let input = match &call["function"]["arguments"] {
+            Value::String(text) => serde_json::from_str(text).unwrap_or_else(|_| json!({})),
+            Value::Null => json!({}),
+            other => other.clone(),
+        };
+        blocks.push(json!({
+            "type": "tool_use",
+            "id": call.get("id").cloned().unwrap_or(Value::Null),
+            "name": call["function"]["name"],
+            "input": input,
         }));
     }
-    Ok(messages)
+    Value::Array(blocks)
 }
 
 /// `next_steps` an agent step asked for: `[{"node": ..., "args": {...}}]`.

@@ -591,7 +591,7 @@ impl<'g> Ctx<'g> {
             queue: node.queue.clone(),
             side_effect: node.side_effect,
             args: args.clone(),
-            config: node.config.clone(),
+            config: graph.step_config(node),
             timeout_ms: node.timeout.map(|t| t.0),
             issued_at: self.at,
             lookup_only,

@@ -287,8 +287,7 @@ fn is_derived(id: &str, prefix: &str, hex: usize) -> bool {
 /// interrupt is registered (round 0: the gate's own group).
 fn may_decide_a_gate(graph: &Graph, command: &Command) -> bool {
     graph
-        .nodes
-        .iter()
+        .all_nodes()
         .filter_map(|n| n.interrupt_before.as_ref())
         .any(|gate| {
             let role = gate

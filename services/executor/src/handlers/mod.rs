@@ -1,9 +1,11 @@
 //! The built-in handlers: `http` and `llm` (which share one client and one way of telling
-//! outcomes apart), `echo` and `sleep` for demos and tests.
+//! outcomes apart), `mcp` (one tool of an MCP server), `echo` and `sleep` for demos and
+//! tests.
 
 mod echo;
 mod http;
 mod llm;
+mod mcp;
 
 use std::time::Duration;
 
@@ -12,6 +14,7 @@ use serde_json::Value;
 pub use echo::{Echo, Sleep};
 pub use http::{Http, HttpConfig};
 pub use llm::{Llm, LlmConfig};
+pub use mcp::{Mcp, McpConfig};
 
 use crate::handler::HandlerError;
 

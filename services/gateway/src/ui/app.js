@@ -439,18 +439,20 @@ function timeline(events) {
 function runPage(main, runId) {
   const events = [];
   let run = null;
+  let turns = [];
   const head = el("div", { class: "page-head" });
   const live = el("span", { class: "live", id: "live-state", text: "connecting…" });
   const summary = el("div", { id: "run-summary" });
   const pending = el("section", { id: "run-pending" });
   const steps = el("section", { id: "run-steps" });
+  const conversation = el("section", { id: "run-conversation" });
   const approvals = el("section", { id: "run-approvals" });
   const compensations = el("section", { id: "run-compensations" });
   const checkpoint = el("section", { id: "run-checkpoint" });
   const log = el("section", { id: "run-events" });
   const messages = el("div", { id: "run-messages" });
   const data = el("section", { id: "run-data" });
-  main.append(head, messages, pending, summary, steps, approvals, compensations, data, checkpoint, log);
+  main.append(head, messages, pending, summary, conversation, steps, approvals, compensations, data, checkpoint, log);
 
   let scheduled = null;
   function refresh() {
@@ -459,6 +461,8 @@ function runPage(main, runId) {
       scheduled = null;
       try {
         run = await api("GET", `/v1/runs/${encodeURIComponent(runId)}`);
+        const talk = await api("GET", `/v1/runs/${encodeURIComponent(runId)}/conversation`);
+        turns = talk.entries;
         render();
       } catch (e) {
         fill(messages, notice("error", e.status === 404 ? `Run ${runId} does not exist.` : e.message));
@@ -496,6 +500,11 @@ function runPage(main, runId) {
           el("p", { text: i.reason }),
           el("pre", { class: "json", text: json(i.proposal.args) }),
           el("a", { href: "#/inbox", text: "Decide in the approval inbox →" }))));
+    }
+    if (turns.length) {
+      fill(conversation, el("h2", { text: "Conversation" }), conversationView(turns));
+    } else {
+      clear(conversation);
     }
     const { attempts, approvals: decided } = timeline(events);
     const now = Date.now();
@@ -583,6 +592,40 @@ function runPage(main, runId) {
   });
   onLeave(stop);
   refresh();
+}
+
+/** An agent's conversation: what it was told, what the model answered and asked for,
+ * approvals as asked and decided, and what each tool answered, in order. */
+function conversationView(entries) {
+  const call = (c) => el("div", { class: "call" },
+    el("code", { class: "call-text", text: `${c.tool}(${JSON.stringify(c.arguments)})` }),
+    c.id ? el("span", { class: "muted small", text: ` ${c.id}` }) : null);
+  return el("ol", { class: "conversation", id: "conversation-list" }, entries.map((e) => {
+    let who; let body;
+    if (e.kind === "message") {
+      who = e.role;
+      body = [el("div", { class: "turn-text", text: e.text })];
+    } else if (e.kind === "model") {
+      who = "model";
+      body = [e.text ? el("div", { class: "turn-text", text: e.text }) : null,
+        ...e.tool_calls.map(call),
+        e.usage && e.usage.prompt_tokens !== undefined ? el("div", { class: "muted small",
+          text: `${e.usage.prompt_tokens} prompt + ${e.usage.completion_tokens} completion tokens` }) : null];
+    } else if (e.kind === "approval") {
+      who = "approval";
+      body = [el("div", { class: "turn-text" }, el("strong", { text: e.tool }), ` ${e.state}`,
+        e.by ? ` by ${e.by}` : "", e.comment ? el("span", { class: "muted", text: ` — “${e.comment}”` }) : null)];
+    } else {
+      who = "tool";
+      body = [el("div", { class: "turn-head" }, el("strong", { text: e.tool }), " ",
+        el("span", { class: `outcome ${e.status.split(/[ ,]/)[0]}`, text: e.status })),
+      el("pre", { class: "turn-text result", text: e.text })];
+    }
+    return el("li", { class: `turn turn-${e.kind}`, "data-kind": e.kind, "data-step": e.step_id || "" },
+      el("span", { class: `who who-${who}`, text: who }),
+      el("div", { class: "turn-body" }, ...body),
+      el("span", { class: "muted small when", text: when(e.at) }));
+  }));
 }
 
 function fact(name, value) {
@@ -694,8 +737,15 @@ function inboxPage(main) {
         el("span", { class: "muted", text: `${item.graph_id} v${item.graph_version}` })),
       el("dl", { class: "facts" },
         fact("Why it needs approval", item.reason || "not given"),
-        fact("Agent's rationale", item.rationale ? el("span", { class: "rationale", text: item.rationale })
-          : el("span", { class: "rationale not-given", text: "not given" })),
+        // The model message below says it already when it is the rationale.
+        item.model_message && item.model_message.text === item.rationale ? null
+          : fact("Agent's rationale", item.rationale ? el("span", { class: "rationale", text: item.rationale })
+            : el("span", { class: "rationale not-given", text: "not given" })),
+        item.model_message ? fact("Model message", el("div", { class: "model-message" },
+          el("div", { class: "model-text", text: item.model_message.text || "(no text, only the call)" }),
+          item.model_message.tool_call ? el("code", { class: "model-call",
+            text: `${item.model_message.tool_call.tool}(${JSON.stringify(item.model_message.tool_call.arguments)})` }) : null,
+          el("span", { class: "muted small", text: ` asked by ${item.model_message.step_id}` }))) : null,
         fact("What it affects", affects(item)),
         fact("If rejected", item.on_reject ? el("span", { class: "on-reject", text: item.on_reject })
           : el("span", { class: "on-reject not-given", text: "not given" })),

@@ -1,0 +1,184 @@
+//! `mcp`: calls one tool of an MCP server over Streamable HTTP (`sortie_mcp`, on the
+//! official Rust SDK). The node's config names the server and the tool; the fold adds the
+//! server's `url` and `auth` (the *name* of the environment variable that holds the
+//! header's value) from the graph's `mcp_servers`, so the secret itself is read here, from
+//! this executor's environment, and never travels in a record.
+//!
+//! The step's operation id goes to the server in the request's `_meta`
+//! (`sortie/operation_id`, with `sortie/run_id` and `sortie/attempt`). Outcomes:
+//!
+//! | what happened | outcome |
+//! |---|---|
+//! | the server could not be reached, or the session not opened | retryable `mcp_unavailable` |
+//! | HTTP 429 / 5xx, a JSON-RPC internal error, an expired session | retryable `mcp_busy` |
+//! | HTTP 4xx, unknown tool, invalid arguments, a protocol it does not speak | permanent `mcp_refused` |
+//! | the tool answered `isError: true` | permanent `tool_error` (its text) |
+//! | sent, and no answer came (timeout, connection lost, a task) | unknown `mcp_no_answer` |
+//! | an answer over 1 MiB | `limit_exceeded`: permanent where a repeat is harmless (`pure`, `idempotent`, `keyed`: it would answer the same); unknown for `reconcilable` and `unsafe`, whose call happened (an operator records what it did) |
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use sortie_wire::records::SideEffectClass;
+
+use super::config;
+use crate::handler::{Call, HandlerError, StepHandler};
+
+/// What an `mcp` step's config holds when it reaches the executor.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpConfig {
+    pub server: String,
+    pub tool: String,
+    pub url: String,
+    #[serde(default)]
+    pub auth: Option<sortie_core::mcp::McpAuth>,
+}
+
+/// The `mcp` handler.
+#[derive(Debug, Clone, Default)]
+pub struct Mcp;
+
+impl StepHandler for Mcp {
+    async fn call(&self, call: &Call) -> Result<Value, HandlerError> {
+        let config: McpConfig = config("mcp", &call.config)?;
+        let endpoint = endpoint(&config)?;
+        let arguments = match &call.args {
+            Value::Object(map) => map.clone(),
+            Value::Null => serde_json::Map::new(),
+            _ => {
+                return Err(HandlerError::permanent(
+                    "bad_args",
+                    "an mcp step's arguments must be a JSON object",
+                ))
+            }
+        };
+        let request = sortie_mcp::ToolCall {
+            tool: config.tool.clone(),
+            arguments,
+            operation_id: call.operation_id.clone(),
+            run_id: call.run_id.clone(),
+            attempt: call.attempt,
+        };
+        let outcome = sortie_mcp::call_tool(&endpoint, &request, call.timeout)
+            .await
+            .map_err(|e| handler_error(e, call.side_effect))?;
+        if outcome.is_error {
+            let text = outcome.text();
+            return Err(HandlerError::permanent(
+                "tool_error",
+                format!(
+                    "tool {} of MCP server {} answered an error: {}",
+                    config.tool,
+                    config.server,
+                    if text.is_empty() { "(no text)" } else { &text }
+                ),
+            ));
+        }
+        Ok(outcome.result)
+    }
+}
+
+/// The server's endpoint, its auth header's value read from this process's environment.
+fn endpoint(config: &McpConfig) -> Result<sortie_mcp::Endpoint, HandlerError> {
+    let mut headers = Vec::new();
+    if let Some(auth) = &config.auth {
+        let secret = std::env::var(&auth.env).map_err(|_| {
+            HandlerError::permanent(
+                "bad_config",
+                format!(
+                    "MCP server {}: environment variable {} (its auth) is not set in this executor",
+                    config.server, auth.env
+                ),
+            )
+        })?;
+        let value = match &auth.scheme {
+            Some(scheme) => format!("{scheme} {secret}"),
+            None => secret,
+        };
+        headers.push((auth.header.clone(), value));
+    }
+    Ok(sortie_mcp::Endpoint {
+        url: config.url.clone(),
+        headers,
+    })
+}
+
+fn handler_error(error: sortie_mcp::Error, class: SideEffectClass) -> HandlerError {
+    use sortie_mcp::Error as E;
+    match error {
+        E::NotSent(message) => HandlerError::retryable("mcp_unavailable", message),
+        E::Busy {
+            message,
+            retry_after,
+        } => HandlerError::Retryable {
+            code: "mcp_busy".into(),
+            message,
+            retry_after,
+        },
+        E::Refused(message) => HandlerError::permanent("mcp_refused", message),
+        E::Lost(message) => HandlerError::unknown("mcp_no_answer", message),
+        E::TooLarge(message) => match class {
+            SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+                HandlerError::unknown("limit_exceeded", message)
+            }
+            _ => HandlerError::permanent("limit_exceeded", message),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_by_what_the_server_can_have_done() {
+        use sortie_mcp::Error as E;
+        let cases = [
+            (E::NotSent("x".into()), "mcp_unavailable", "retryable"),
+            (
+                E::Busy {
+                    message: "x".into(),
+                    retry_after: None,
+                },
+                "mcp_busy",
+                "retryable",
+            ),
+            (E::Refused("x".into()), "mcp_refused", "permanent"),
+            (E::Lost("x".into()), "mcp_no_answer", "unknown"),
+            (E::TooLarge("x".into()), "limit_exceeded", "permanent"),
+        ];
+        for (error, code, kind) in cases {
+            let mapped = handler_error(error, SideEffectClass::Keyed);
+            assert_eq!(mapped.code(), code);
+            let actual = if mapped.is_retryable() {
+                "retryable"
+            } else if mapped.is_unknown() {
+                "unknown"
+            } else {
+                "permanent"
+            };
+            assert_eq!(actual, kind, "{code}");
+        }
+        // The call of an unsafe tool happened: an answer too large to keep is unknown.
+        let mapped = handler_error(E::TooLarge("x".into()), SideEffectClass::Unsafe);
+        assert!(mapped.is_unknown());
+    }
+
+    #[test]
+    fn a_missing_secret_is_a_permanent_bad_config_and_never_printed() {
+        let config = McpConfig {
+            server: "shop".into(),
+            tool: "refund".into(),
+            url: "http://127.0.0.1:1/mcp".into(),
+            auth: Some(sortie_core::mcp::McpAuth {
+                header: "Authorization".into(),
+                env: "SORTIE_TEST_UNSET_MCP_SECRET".into(),
+                scheme: Some("Bearer".into()),
+            }),
+        };
+        let error = endpoint(&config).expect_err("unset");
+        assert_eq!(error.code(), "bad_config");
+        assert!(error.message().contains("SORTIE_TEST_UNSET_MCP_SECRET"));
+    }
+}
