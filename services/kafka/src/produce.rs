@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rdkafka::bindings as rdsys;
 use rdkafka::config::FromClientConfigAndContext;
 use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::producer::{BaseProducer, Producer, ProducerContext};
+use rdkafka::producer::{BaseProducer, Producer, ProducerContext, PurgeConfig};
 use rdkafka::ClientConfig;
 
 /// A `BaseProducer` whose owner serves its events with [`PolledProducer::serve`].
@@ -59,6 +59,28 @@ impl<C: ProducerContext + 'static> PolledProducer<C> {
         }
         self.wakeup.wait(wait);
         self.drain();
+    }
+
+    /// Aborts the open transaction within `timeout`, serving the delivery reports of the
+    /// records it throws away. librdkafka's `abort_transaction` waits until no record is
+    /// outstanding, and with delivery reports on the event queue only the application
+    /// serves them: called bare while a transaction's records were still queued, it
+    /// waited out its whole timeout and failed ("the event queue must be polled"), and
+    /// the caller had to rebuild its clients. So: purge what is still queued locally,
+    /// serve reports until nothing is outstanding, then abort.
+    pub fn abort_transaction(&self, timeout: Duration) -> KafkaResult<()> {
+        let deadline = Instant::now() + timeout;
+        self.producer.purge(PurgeConfig::default().queue());
+        while self.producer.in_flight_count() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            self.serve(left.min(Duration::from_millis(100)));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.producer
+            .abort_transaction(left.max(Duration::from_millis(100)))
     }
 
     /// Serves the events on the queue until it is empty; whether there were any. Bounded,

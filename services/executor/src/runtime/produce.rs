@@ -17,19 +17,26 @@ fn lost_output(intent: &StepIntent, code: &str, message: String) -> HandlerError
 }
 
 /// The output, if it has the shape every payload has (`sortie_core::limits`): checked
-/// here, before it is produced, so the reducer never has to dead-let a result this
-/// executor wrote. One that does not fails the step for good, `limit_exceeded`, as the
-/// fold fails a step whose output is over the record limit.
-fn shaped(output: Value) -> Result<Value, HandlerError> {
+/// here, before it is produced, so the reducer never has to dead-letter a result this
+/// executor wrote. One that does not fails the step, `limit_exceeded`, as the fold fails
+/// a step whose output is over the record limit: for good where the call could be made
+/// again, and as an unknown outcome where the call happened and must not be repeated
+/// blindly (its effect took place; only its answer cannot be kept).
+fn shaped(intent: &StepIntent, output: Value) -> Result<Value, HandlerError> {
     match sortie_core::limits::check_shape("output", &output) {
         Ok(()) => Ok(output),
-        Err(e) => Err(HandlerError::permanent(
-            "limit_exceeded",
-            format!(
+        Err(e) => {
+            let message = format!(
                 "the step's output cannot be kept: {e} (limit {})",
                 e.limit.name()
-            ),
-        )),
+            );
+            Err(match intent.side_effect {
+                SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+                    HandlerError::unknown("limit_exceeded", message)
+                }
+                _ => HandlerError::permanent("limit_exceeded", message),
+            })
+        }
     }
 }
 
@@ -65,7 +72,11 @@ impl Worker {
         // Checked in the form it is produced in: large parts already stored by reference,
         // not yet sealed.
         let outcome = match outcome {
-            Ok(output) => match self.store_large(intent, output).await.and_then(shaped) {
+            Ok(output) => match self
+                .store_large(intent, output)
+                .await
+                .and_then(|o| shaped(intent, o))
+            {
                 Ok(output) => self.seal_output(intent, output).await,
                 failed => failed,
             },
