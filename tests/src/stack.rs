@@ -632,6 +632,16 @@ pub fn succeed(intent: &w::StepIntent) -> Option<w::StepResult> {
     })
 }
 
+/// `base`, or `base-<n>` for the first n that puts it on `source`'s partition among
+/// `partitions`: a fork's run id must share its source's partition.
+pub fn fork_id(base: &str, source: &str, partitions: u32) -> String {
+    let partition = partition_for(source.as_bytes(), partitions);
+    std::iter::once(base.to_owned())
+        .chain((1..).map(|n| format!("{base}-{n}")))
+        .find(|id| partition_for(id.as_bytes(), partitions) == partition)
+        .unwrap_or_default()
+}
+
 pub fn start_run(run_id: &str, graph: &str, input: &str) -> w::RunCommand {
     command(
         run_id,

@@ -10,7 +10,7 @@
 //! `DELETE /v1/runs/{id}` destroys the run's key: from then on its payloads open nowhere
 //! (the records are still in Kafka), the gateway shows its shape only, and
 //! `audit replay --verify` still proves its history, with and without keys.
-//! A fork carries its source's state sealed under its own key.
+//! A fork carries its source's history sealed under its own key.
 //! The fold's checks hold around it: a viewer may not delete, a running run may not be
 //! deleted, a forged sealed payload from a raw producer is refused and stops nothing.
 //!
@@ -201,23 +201,26 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
         "and its events: {events}"
     );
 
-    // A fork carries its source's state sealed with the fork's own key.
+    // A fork carries its source's history sealed with the fork's own key (on its
+    // source's partition: the reducer holds the source's chain head there).
+    let forked_id = sortie_tests::stack::fork_id("run-forked", "run-sealed", stack.partitions);
     let (code, body) = call(
         &client,
         reqwest::Method::POST,
         &format!("{url}/v1/runs/run-sealed/fork"),
         "tok-ops",
-        Some(json!({"at_version": 1, "run_id": "run-forked"})),
+        Some(json!({"at_version": 1, "run_id": forked_id})),
     )
     .await;
     assert_eq!(code, 201, "{body}");
     sortie_tests::wait_until("the fork to wait for its approval", LONG, || {
         let client = client.clone();
         let url = url.clone();
-        async move { status_of(&client, &url, "run-forked").await["status"] == "waiting_approval" }
+        let id = forked_id.clone();
+        async move { status_of(&client, &url, &id).await["status"] == "waiting_approval" }
     })
     .await;
-    let forked = status_of(&client, &url, "run-forked").await;
+    let forked = status_of(&client, &url, &forked_id).await;
     assert!(
         forked.to_string().contains(CARD),
         "the fork opens with its key: {forked}"

@@ -275,3 +275,168 @@ async fn the_gateway_signs_for_the_principals_it_authenticates() {
         )
         .await;
 }
+
+/// The answer to `command_id` once it is on the events topic: (code, reason, seq);
+/// `None` for code means accepted.
+async fn answer(stack: &Stack, run: &str, command_id: &str) -> (Option<String>, String, i64) {
+    sortie_tests::wait_for(&format!("the answer to {command_id}"), LONG, || async {
+        let events = stack.events().await;
+        events.get(run).and_then(|history| {
+            history.iter().find_map(|e| match &e.body {
+                EventBody::CommandRejected {
+                    command_id: id,
+                    code,
+                    reason,
+                    ..
+                } if id == command_id => Some((Some(code.clone()), reason.clone(), e.seq)),
+                EventBody::CommandAccepted { command_id: id, .. } if id == command_id => {
+                    Some((None, String::new(), e.seq))
+                }
+                _ => None,
+            })
+        })
+    })
+    .await
+}
+
+/// A `StartRun{fork}` of `source` at `version` carrying `fork` fields (`state`,
+/// `history`), issued by the starter service.
+fn fork_command(
+    run: &str,
+    source: &str,
+    version: i64,
+    carried: serde_json::Value,
+) -> w::RunCommand {
+    let mut fork = json!({"run_id": source, "version": version});
+    if let (Some(fork), Some(carried)) = (fork.as_object_mut(), carried.as_object()) {
+        fork.extend(carried.clone());
+    }
+    let mut command = sortie_tests::stack::command(
+        run,
+        &format!("start-{run}"),
+        w::CommandBody::StartRun(w::StartRun {
+            graph_id: "gated".into(),
+            graph_version: Some(1),
+            input: r#"{"amount": 5}"#.into(),
+            labels: Default::default(),
+            budget: None,
+            fork: Some(fork.to_string()),
+        }),
+    );
+    command.issuer = starter_issuer();
+    command
+}
+
+fn starter_issuer() -> w::Issuer {
+    w::Issuer {
+        principal: "svc:starter".into(),
+        roles: vec![],
+        groups: vec![],
+    }
+}
+
+/// Issue #36 item 1: a key that may only start runs signs a `StartRun{fork}` whose
+/// carried state claims the gated refund is a `pure` step in flight with the amount it
+/// likes. Seen red: before the reducer read the source itself, the fold took the carried
+/// state and dispatched that refund at once (an intent for `refund` with amount 10000) —
+/// the right to start was the right to approve. Now the claimed state is never read: a
+/// fork of the source's latest version starts from the reducer's own state of it (the
+/// refund waits for a fresh approval), one of an older version without the source's
+/// history, or from another partition, is refused `bad_fork`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_fork_cannot_carry_a_forged_source_state() {
+    let stack = Stack::start("signed-fork", &[GATED]).await;
+    let starter = Signer::generate("starter-1").expect("key");
+    let keyring = stack.dir.join("keyring.yaml");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[starter.entry("svc:starter", &roles(&["acme"]), &[], false)]),
+    )
+    .expect("keyring");
+    let _reducer = stack.reducer_with(
+        "0",
+        &[
+            "--keyring",
+            keyring.to_str().expect("path"),
+            "--require-signatures",
+        ],
+    );
+    let _executor = stack.executor("default", succeed);
+
+    let source = "run-fork-source".to_owned();
+    let mut start = start_run(&source, "gated", r#"{"amount": 5}"#);
+    start.issuer = starter_issuer();
+    stack.send_signed(&start, &starter).await;
+    let waiting = stack
+        .wait_for_states(
+            "the source to wait for its approval",
+            std::slice::from_ref(&source),
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    let head = waiting[&source].clone();
+
+    // The forged state: the gated refund as a pure step in flight, no approval anywhere.
+    let mut forged = head.clone();
+    let mut refund = forged.steps["prepare#1"].clone();
+    refund.step_id = "refund#1".into();
+    refund.node = "refund".into();
+    refund.side_effect = sortie_core::SideEffect::Pure;
+    refund.status = sortie_core::state::StepStatus::InFlight;
+    refund.args = json!({"amount": 10000});
+    refund.output = None;
+    forged.steps.insert("refund#1".into(), refund);
+    forged.interrupts.clear();
+    let forged = json!({"state": forged});
+
+    let partitions = stack.partitions;
+    let current = sortie_tests::stack::fork_id("fork-current", &source, partitions);
+    let old = sortie_tests::stack::fork_id("fork-old", &source, partitions);
+    let away = (0..)
+        .map(|n| format!("fork-away-{n}"))
+        .find(|id| {
+            sortie_wire::partition_for(id.as_bytes(), partitions)
+                != sortie_wire::partition_for(source.as_bytes(), partitions)
+        })
+        .expect("an id on another partition");
+    for command in [
+        fork_command(&current, &source, head.version, forged.clone()),
+        fork_command(&old, &source, 1, forged.clone()),
+        fork_command(&away, &source, head.version, forged.clone()),
+    ] {
+        stack.send_signed(&command, &starter).await;
+    }
+    let (code, reason, _) = answer(&stack, &old, &format!("start-{old}")).await;
+    assert_eq!(code.as_deref(), Some("bad_fork"), "{reason}");
+    assert!(reason.contains("must carry the run's history"), "{reason}");
+    let (code, reason, seq) = answer(&stack, &away, &format!("start-{away}")).await;
+    assert_eq!(code.as_deref(), Some("bad_fork"), "{reason}");
+    assert!(reason.contains("partition"), "{reason}");
+    assert_eq!(seq, 0, "a refused fork leaves no history");
+    let (code, reason, _) = answer(&stack, &current, &format!("start-{current}")).await;
+    assert_eq!(code, None, "{reason}");
+
+    // The fork started from the reducer's own state of the source: the refund waits for
+    // an approval given in the fork.
+    let forked = stack
+        .wait_for_states(
+            "the fork to wait for a fresh approval",
+            std::slice::from_ref(&current),
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval,
+        )
+        .await;
+    let fork = &forked[&current];
+    assert!(!fork.steps.contains_key("refund#1"), "{:?}", fork.steps);
+    assert_eq!(fork.open_interrupts().count(), 1);
+    let refunds: Vec<_> = stack
+        .intents("default")
+        .await
+        .into_iter()
+        .filter(|i| i.node == "refund")
+        .collect();
+    assert!(refunds.is_empty(), "no refund was sent: {refunds:?}");
+    let states = stack.states().await;
+    assert!(!states.contains_key(&old) && !states.contains_key(&away));
+}

@@ -221,6 +221,9 @@ impl Input {
                                 fork.state = value;
                             }
                         }
+                        for event in fork.history.iter_mut().flatten() {
+                            event.map_payloads(f);
+                        }
                     }
                 }
                 CommandBody::ResumeRun {

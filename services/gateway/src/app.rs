@@ -207,6 +207,11 @@ impl AppState {
         self.inner.stop.subscribe()
     }
 
+    /// The partition of the co-partitioned topics `run_id` lives on.
+    pub(crate) fn partition_of(&self, run_id: &str) -> i32 {
+        partition_for(run_id.as_bytes(), self.inner.partitions)
+    }
+
     pub(crate) fn view(&self) -> &View {
         &self.inner.view
     }

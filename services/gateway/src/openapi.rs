@@ -141,7 +141,7 @@ pub fn document() -> Value {
                     "properties": {
                         "at_version": {"type": "integer", "description": "The source's state version (ckpt_<run>_<version>)."},
                         "input_patch": {"description": "A JSON merge patch (RFC 7386) applied to the source's input."},
-                        "run_id": {"type": "string", "description": "The new run's id; derived from Idempotency-Key, else run_<ulid>."},
+                        "run_id": {"type": "string", "description": "The new run's id, on the source's partition (422 fork_partition otherwise: the reducer that owns that partition checks the fork against the source's chain head); derived from Idempotency-Key, else run_<ulid>, on that partition."},
                         "labels": {"type": "object", "additionalProperties": {"type": "string"}, "description": "The new run's labels; the source's when absent."}
                     }
                 },
@@ -298,7 +298,8 @@ pub fn document() -> Value {
                     "requestBody": body("Fork", true),
                     "responses": write_errors(json!({
                         "201": ok("The new run: run_id, status, forked_from {run_id, version}.", "Written"),
-                        "410": error_response("run_forgotten: the run's retention passed and its payloads are gone (its checkpoints keep its shape only).")
+                        "410": error_response("run_forgotten: the run's retention passed and its payloads are gone (its checkpoints keep its shape only)."),
+                        "422": error_response("fork_partition: the chosen run_id is not on the source's partition.")
                     }))
                 }
             },

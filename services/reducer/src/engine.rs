@@ -168,6 +168,12 @@ impl Engine {
         self.state_before(run_id).map(|state| (state, false))
     }
 
+    /// The run as this batch sees it, left where it was (a copy).
+    pub(crate) fn peek_state(&mut self, run_id: &str) -> Result<Option<RunState>, Error> {
+        let (state, from_batch) = self.take_state(run_id)?;
+        Ok(state.inspect(|state| self.put_back(run_id, state.clone(), from_batch)))
+    }
+
     /// Hands a state [`Engine::take_state`] gave out back to the batch unchanged.
     fn put_back(&mut self, run_id: &str, state: RunState, from_batch: bool) {
         match from_batch {
@@ -320,6 +326,22 @@ impl Engine {
                         return self
                             .finish_apply(&run_id, input, refused, None, false, &seal, trace);
                     }
+                };
+                let input = match &input {
+                    Input::Command(c) => match self.verify_fork(state.is_some(), c)? {
+                        Ok(command) => Input::Command(command),
+                        Err(reason) => {
+                            tracing::warn!(run_id, command_id = %c.command_id, reason, "Refusing a fork whose source does not hold.");
+                            let refused =
+                                sortie_core::refuse(c, "bad_fork", reason, self.graphs.graphs());
+                            if let Some(state) = state {
+                                self.put_back(&run_id, state, from_batch);
+                            }
+                            return self
+                                .finish_apply(&run_id, &input, refused, None, false, &seal, trace);
+                        }
+                    },
+                    _ => input,
                 };
                 let input = &input;
                 if let Input::Command(c) = input {

@@ -6,7 +6,7 @@ mod budget;
 mod cancel;
 mod context;
 mod forget;
-pub(crate) mod fork;
+pub mod fork;
 pub mod reconcile;
 mod report;
 mod resume;
