@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use sortie_core::{EventBody, RunState, RunStatus};
-use sortie_tests::stack::{start_run, succeed, Stack};
+use sortie_tests::stack::{publisher_entry, start_run, succeed, Stack};
 use sortie_tests::GATED;
 use sortie_wire::records as w;
 use sortie_wire::signing::{keyring_text, KeyEntry, Signer};
@@ -73,7 +73,11 @@ async fn only_commands_signed_by_a_key_that_may_sign_them_are_taken() {
     let service = Signer::generate("svc-test-1").expect("key");
     let stranger = Signer::generate("stranger").expect("key");
     let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(&keyring, keyring_text(&[service_entry(&service)])).expect("keyring");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[service_entry(&service), publisher_entry()]),
+    )
+    .expect("keyring");
     let reducer = stack.reducer_with(
         "0",
         &[
@@ -166,7 +170,11 @@ async fn only_commands_signed_by_a_key_that_may_sign_them_are_taken() {
 
     // Rotation without a restart: the keyring now has a new key and not the old one.
     let rotated = Signer::generate("svc-test-2").expect("key");
-    std::fs::write(&keyring, keyring_text(&[service_entry(&rotated)])).expect("keyring");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[service_entry(&rotated), publisher_entry()]),
+    )
+    .expect("keyring");
     let reloaded = reducer.own_log_text().matches("keyring changed").count() + 1;
     sortie_tests::wait_until("the reducer to reload its keyring", LONG, || {
         let seen = reducer.own_log_text().matches("keyring changed").count();
@@ -203,7 +211,10 @@ async fn the_gateway_signs_for_the_principals_it_authenticates() {
     let keyring = stack.dir.join("keyring.yaml");
     std::fs::write(
         &keyring,
-        keyring_text(&[gateway_key.entry("gateway", &roles(&["acme"]), &[], true)]),
+        keyring_text(&[
+            gateway_key.entry("gateway", &roles(&["acme"]), &[], true),
+            publisher_entry(),
+        ]),
     )
     .expect("keyring");
     let secret = stack.dir.join("gateway.key");
@@ -350,7 +361,10 @@ async fn a_signed_fork_cannot_carry_a_forged_source_state() {
     let keyring = stack.dir.join("keyring.yaml");
     std::fs::write(
         &keyring,
-        keyring_text(&[starter.entry("svc:starter", &roles(&["acme"]), &[], false)]),
+        keyring_text(&[
+            starter.entry("svc:starter", &roles(&["acme"]), &[], false),
+            publisher_entry(),
+        ]),
     )
     .expect("keyring");
     let _reducer = stack.reducer_with(

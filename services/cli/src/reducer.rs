@@ -66,12 +66,13 @@ pub struct Args {
     /// Largest record value accepted; larger ones are dead-lettered.
     #[arg(long, env = "SORTIE__REDUCER__MAX_PAYLOAD_BYTES", default_value_t = 1024 * 1024)]
     max_payload_bytes: usize,
-    /// The keyring command signatures are checked against (YAML `keys: [...]`, see
-    /// `sortie keys new`); re-read when the file changes.
+    /// The keyring command and graph signatures are checked against (YAML `keys: [...]`,
+    /// see `sortie keys new`); re-read when the file changes.
     #[arg(long, env = "SORTIE_KEYRING")]
     keyring: Option<PathBuf>,
-    /// Refuse unsigned commands (`CommandRejected{code: unauthenticated}`). Production
-    /// sets it; without it unsigned commands are taken as before, signed ones are checked.
+    /// Refuse unsigned commands (`CommandRejected{code: unauthenticated}`) and unsigned
+    /// graphs (not taken as published). Production sets it; without it unsigned ones are
+    /// taken as before, signed ones are checked.
     #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
     require_signatures: bool,
     #[command(flatten)]

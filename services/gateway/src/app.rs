@@ -139,12 +139,24 @@ impl AppState {
         )
         .await?;
         let stop_graphs = Arc::new(AtomicBool::new(false));
+        if config.require_signatures && config.keyring.is_none() {
+            return Err(Error::SigningKey(sortie_wire::signing::KeyError::Invalid {
+                what: "--require-signatures".into(),
+                reason: "signed graphs are required but no keyring is given (--keyring)".into(),
+            }));
+        }
+        let keyring = config
+            .keyring
+            .as_deref()
+            .map(sortie_wire::signing::KeyringFile::load)
+            .transpose()?;
         let graphs = Catalog::start(
             config.kafka.clone(),
             topics.clone(),
             codec.clone(),
             tokio::runtime::Handle::current(),
             stop_graphs.clone(),
+            keyring.map(|file| (file, config.require_signatures)),
         );
         tokio::spawn(auth::watch(auth.clone(), stop.subscribe()));
         Ok(AppState {

@@ -1,6 +1,8 @@
 //! Which graphs are published, so a start naming an unknown graph is answered 422 without
 //! publishing anything. The reducer's [`GraphTable`] is blocking: it runs on its own thread
-//! and shares a snapshot of `graph_id → versions`.
+//! and shares a snapshot of `graph_id → versions`. With a keyring it takes only graphs a
+//! publisher key signed (and, with `--require-signatures`, no unsigned one), as the
+//! reducers do (`sortie_catalog::Trust`); the keyring file is read again when it changes.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,15 +10,18 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use sortie_catalog::GraphTable;
+use sortie_catalog::{GraphTable, Trust};
 use sortie_core::graph::{Access, OnReject};
 use sortie_core::Graphs;
 use sortie_kafka::KafkaConfig;
+use sortie_wire::signing::KeyringFile;
 use sortie_wire::{Codec, Topics};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 const POLL: Duration = Duration::from_millis(500);
+/// How often the keyring file is looked at for a change.
+const KEYRING_RECHECK: Duration = Duration::from_secs(2);
 
 /// The published graphs as far as this gateway knows.
 #[derive(Debug)]
@@ -37,6 +42,7 @@ impl Catalog {
         codec: Arc<Codec>,
         runtime: Handle,
         stop: Arc<AtomicBool>,
+        keyring: Option<(KeyringFile, bool)>,
     ) -> Arc<Catalog> {
         let (refresh, requests) = mpsc::channel();
         let catalog = Arc::new(Catalog {
@@ -48,7 +54,11 @@ impl Catalog {
         let shared = catalog.clone();
         std::thread::Builder::new()
             .name("gateway-graphs".into())
-            .spawn(move || follow(&shared, &kafka, &topics, codec, runtime, &stop, &requests))
+            .spawn(move || {
+                follow(
+                    &shared, &kafka, &topics, codec, runtime, &stop, &requests, keyring,
+                )
+            })
             .map_err(|error| tracing::error!(%error, "Cannot start the graph table thread."))
             .ok();
         catalog
@@ -106,6 +116,7 @@ impl Catalog {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn follow(
     catalog: &Catalog,
     kafka: &KafkaConfig,
@@ -114,13 +125,23 @@ fn follow(
     runtime: Handle,
     stop: &AtomicBool,
     requests: &mpsc::Receiver<oneshot::Sender<()>>,
+    mut keyring: Option<(KeyringFile, bool)>,
 ) {
+    let trust = |keyring: &Option<(KeyringFile, bool)>| {
+        keyring.as_ref().map(|(file, require)| Trust {
+            keyring: file.ring().clone(),
+            require: *require,
+        })
+    };
     let mut table = loop {
         if stop.load(Ordering::Relaxed) {
             return;
         }
         match GraphTable::open(kafka, topics, codec.clone(), runtime.clone()) {
-            Ok(table) => break table,
+            Ok(mut table) => {
+                table.set_trust(trust(&keyring));
+                break table;
+            }
             Err(error) => {
                 tracing::warn!(%error, "The graph table does not open yet; retrying.");
                 std::thread::sleep(Duration::from_secs(1));
@@ -141,6 +162,19 @@ fn follow(
         }
     }
     while !stop.load(Ordering::Relaxed) {
+        if let Some((file, _)) = &mut keyring {
+            match file.refresh(KEYRING_RECHECK) {
+                Ok(true) => {
+                    tracing::info!(path = %file.path().display(), "Graph keyring changed; reloaded.");
+                    table.set_trust(trust(&keyring));
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    tracing::warn!(%error, "The graph keyring changed but does not load; keeping the last good one.");
+                }
+            }
+        }
+        crate::metrics::graphs_untrusted(table.untrusted());
         match requests.recv_timeout(POLL) {
             Ok(reply) => {
                 if let Err(error) = table.catch_up(Duration::from_secs(3)) {

@@ -28,6 +28,8 @@ pub const HTTP_REQUESTS: &str = "sortie_http_requests_total";
 pub const HTTP_SECONDS: &str = "sortie_http_request_duration_seconds";
 /// Commands published, by `command` kind.
 pub const COMMANDS_PUBLISHED: &str = "sortie_gateway_commands_published_total";
+/// Graph records refused for their signature since the process started (gauge).
+pub const GRAPHS_UNTRUSTED: &str = "sortie_gateway_graph_records_untrusted";
 
 /// Explicit buckets: without them the exporter renders histograms as summaries.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[(
@@ -53,6 +55,14 @@ pub fn describe() {
         COMMANDS_PUBLISHED,
         "RunCommands published to sortie.commands, by command kind."
     );
+    metrics::describe_gauge!(
+        GRAPHS_UNTRUSTED,
+        "Graph records refused for their signature (unsigned where signatures are required, or one that does not hold) since the process started."
+    );
+}
+
+pub(crate) fn graphs_untrusted(count: usize) {
+    metrics::gauge!(GRAPHS_UNTRUSTED).set(count as f64);
 }
 
 static EXPORTER: OnceLock<PrometheusHandle> = OnceLock::new();

@@ -281,8 +281,16 @@ impl Reducer {
             let graphs = GraphTable::open(&graphs_kafka, topics, codec.clone(), runtime.clone())
                 .map_err(Error::from)
                 .and_then(|mut graphs| {
+                    // A graph's gates and classes are a trust root: with a keyring, only
+                    // graphs its publisher keys signed (see `sortie_catalog::Trust`).
+                    graphs.set_trust(keys.graph_trust());
                     let loaded = graphs.catch_up(Duration::from_secs(30))?;
-                    tracing::info!(graphs = loaded, "Graph table loaded.");
+                    tracing::info!(
+                        graphs = loaded,
+                        untrusted = graphs.untrusted(),
+                        "Graph table loaded."
+                    );
+                    crate::metrics::graphs_untrusted(graphs.untrusted());
                     Ok(graphs)
                 });
             let producer = init
@@ -463,7 +471,11 @@ impl Reducer {
             let mut housekept = false;
             if engine.batch.is_empty() || idle || overdue {
                 engine.graphs.poll();
-                engine.keys.refresh();
+                crate::metrics::graphs_untrusted(engine.graphs.untrusted());
+                if engine.keys.refresh() {
+                    let trust = engine.keys.graph_trust();
+                    engine.graphs.set_trust(trust);
+                }
                 if overdue && engine.sending.is_some() {
                     rewinding(&mut engine, &self.consumer, Engine::settle)?;
                 }

@@ -51,6 +51,9 @@ pub const RUNS_QUARANTINED: &str = "sortie_reducer_runs_quarantined";
 /// Commands refused before the fold: unsigned where required, or a signature that does
 /// not hold.
 pub const COMMANDS_REFUSED: &str = "sortie_reducer_commands_refused_total";
+/// Graph records the graph table refused for their signature (unsigned where signatures
+/// are required, or a signature that does not hold) since the process started (gauge).
+pub const GRAPHS_UNTRUSTED: &str = "sortie_reducer_graph_records_untrusted";
 /// Records sent to the dead-letter topic, by `reason`.
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
 /// Runs by `status` in the partitions this instance owns (gauge).
@@ -110,6 +113,7 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
 /// Describes every metric (call once, after the recorder is installed).
 pub fn describe() {
     describe_counter!(COMMANDS_REFUSED, "Commands refused before the fold (unsigned where signatures are required, or a signature that does not hold), counted as they are seen.");
+    describe_gauge!(GRAPHS_UNTRUSTED, "Graph records the graph table refused for their signature (unsigned where signatures are required, or one that does not hold) since the process started.");
     describe_counter!(INPUTS_APPLIED, "Inputs applied by the fold, by kind (command, step_result, timer); counted when their transaction commits.");
     describe_counter!(
         INPUTS_IGNORED,
@@ -378,6 +382,10 @@ pub(crate) fn runs_quarantined(runs: usize) {
 
 pub(crate) fn command_refused() {
     counter!(COMMANDS_REFUSED).increment(1);
+}
+
+pub(crate) fn graphs_untrusted(count: usize) {
+    gauge!(GRAPHS_UNTRUSTED).set(count as f64);
 }
 
 pub(crate) fn transaction_failed() {
