@@ -454,3 +454,151 @@ async fn a_signed_fork_cannot_carry_a_forged_source_state() {
     let states = stack.states().await;
     assert!(!states.contains_key(&old) && !states.contains_key(&away));
 }
+
+/// Every answer to `command_id` on `run`'s events so far, in order: its code
+/// (`accepted` for an acceptance) and seq.
+async fn answers(stack: &Stack, run: &str, command_id: &str) -> Vec<(String, i64)> {
+    let events = stack.events().await;
+    events
+        .get(run)
+        .map(|history| {
+            history
+                .iter()
+                .filter_map(|e| match &e.body {
+                    EventBody::CommandRejected {
+                        command_id: id,
+                        code,
+                        ..
+                    } if id == command_id => Some((code.clone(), e.seq)),
+                    EventBody::CommandAccepted {
+                        command_id: id,
+                        duplicate,
+                        ..
+                    } if id == command_id => Some((
+                        if *duplicate { "duplicate" } else { "accepted" }.to_owned(),
+                        e.seq,
+                    )),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn wait_answers(stack: &Stack, run: &str, command_id: &str, n: usize) -> Vec<String> {
+    sortie_tests::wait_for(&format!("{n} answers to {command_id}"), LONG, || async {
+        let found = answers(stack, run, command_id).await;
+        (found.len() >= n).then(|| found.into_iter().map(|(code, _)| code).collect())
+    })
+    .await
+}
+
+const LATER: &str = r#"
+id: later
+version: 1
+nodes:
+  - {id: pay, tool: echo, side_effect: pure, args: {amount: $input.amount}}
+edges: []
+"#;
+
+/// Issue #36 item 3: a signed StartRun refused because its graph was not published yet
+/// leaves nothing in any run. Seen red: produced again verbatim once the graph existed,
+/// the same signed bytes started the run under the signer's name. Now the command id is
+/// remembered (refused ones included) for the command's validity window, read back from
+/// the commands topic by a reducer that restarts with no cache, so the copy is refused
+/// `replayed`; a command issued outside [broker time − window, broker time + skew] is
+/// refused `outside_window`; `issued_at` is inside the signed bytes; and a retry of an
+/// accepted command still gets the fold's one answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_command_is_taken_once_and_only_within_its_window() {
+    let stack = Stack::start("signed-replay", &[GATED]).await;
+    let service = Signer::generate("svc-test-1").expect("key");
+    let keyring = stack.dir.join("keyring.yaml");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[service_entry(&service), publisher_entry()]),
+    )
+    .expect("keyring");
+    let ring = keyring.to_str().expect("path").to_owned();
+    let flags = |ring: &str| -> Vec<String> {
+        [
+            "--keyring",
+            ring,
+            "--require-signatures",
+            "--command-window-ms",
+            "120000",
+            "--command-skew-ms",
+            "5000",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    };
+    let args = flags(&ring);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut reducer = stack.reducer_with("0", &args);
+    let _executor = stack.executor("default", succeed);
+
+    // Refused: its graph is not published yet. Kept: its exact bytes and signature.
+    let run = "run-replayed".to_owned();
+    let early = start_run(&run, "later", r#"{"amount": 5}"#);
+    let bytes = stack.encode_command(&early).await;
+    let headers = service.headers(&bytes);
+    stack.send_command_bytes(&run, &bytes, &headers).await;
+    let first = wait_answers(&stack, &run, "start-run-replayed", 1).await;
+    assert_eq!(first, ["unknown_graph"]);
+
+    // The graph is published; the same bytes again are a replay.
+    stack.publish(LATER).await;
+    stack.send_command_bytes(&run, &bytes, &headers).await;
+    let codes = wait_answers(&stack, &run, "start-run-replayed", 2).await;
+    assert_eq!(codes[1], "replayed", "{codes:?}");
+
+    // issued_at is inside what the signature covers.
+    let mut moved = early.clone();
+    moved.issued_at += 1;
+    let moved = stack.encode_command(&moved).await;
+    stack.send_command_bytes(&run, &moved, &headers).await;
+    let codes = wait_answers(&stack, &run, "start-run-replayed", 3).await;
+    assert_eq!(codes[2], "unauthenticated", "{codes:?}");
+
+    // Outside the window, either way.
+    for (id, shift) in [("stale", -600_000), ("future", 600_000)] {
+        let mut command = start_run(&format!("run-{id}"), "later", r#"{"amount": 5}"#);
+        command.issued_at += shift;
+        stack.send_signed(&command, &service).await;
+        let codes = wait_answers(&stack, &format!("run-{id}"), &format!("start-run-{id}"), 1).await;
+        assert_eq!(codes, ["outside_window"], "{id}");
+    }
+
+    // An accepted command produced again is the fold's: the same answer, applied once.
+    let ok = "run-ok".to_owned();
+    let start = start_run(&ok, "later", r#"{"amount": 5}"#);
+    let ok_bytes = stack.encode_command(&start).await;
+    let ok_headers = service.headers(&ok_bytes);
+    stack.send_command_bytes(&ok, &ok_bytes, &ok_headers).await;
+    assert_eq!(
+        wait_answers(&stack, &ok, "start-run-ok", 1).await,
+        ["accepted"]
+    );
+    stack.send_command_bytes(&ok, &ok_bytes, &ok_headers).await;
+    assert_eq!(
+        wait_answers(&stack, &ok, "start-run-ok", 2).await[1],
+        "duplicate"
+    );
+
+    // A reducer with no cache at all remembers: the window is read back from the topic.
+    reducer.kill();
+    let _reducer = stack.reducer_with("1", &args);
+    stack.send_command_bytes(&run, &bytes, &headers).await;
+    let codes = wait_answers(&stack, &run, "start-run-replayed", 4).await;
+    assert_eq!(codes[3], "replayed", "{codes:?}");
+    assert!(
+        !stack.states().await.contains_key(&run),
+        "the replayed start never started the run"
+    );
+    stack.send_command_bytes(&ok, &ok_bytes, &ok_headers).await;
+    assert_eq!(
+        wait_answers(&stack, &ok, "start-run-ok", 3).await[2],
+        "duplicate"
+    );
+}

@@ -75,6 +75,22 @@ pub struct Args {
     /// taken as before, signed ones are checked.
     #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
     require_signatures: bool,
+    /// A signed command is refused (`outside_window`) unless it was issued at most this
+    /// long before the broker took it; its command id is remembered that long, and a copy
+    /// is refused (`replayed`).
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__COMMAND_WINDOW_MS",
+        default_value_t = 300_000
+    )]
+    command_window_ms: u64,
+    /// How far after the broker's time a signed command's `issued_at` may be (clocks).
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__COMMAND_SKEW_MS",
+        default_value_t = 30_000
+    )]
+    command_skew_ms: u64,
     #[command(flatten)]
     seal: crate::seal::SealArgs,
     /// How long past its own timeout a Kafka transactional call may block before the
@@ -122,6 +138,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_payload_bytes = args.max_payload_bytes;
     config.keyring = args.keyring;
     config.require_signatures = args.require_signatures;
+    config.command_window = Duration::from_millis(args.command_window_ms);
+    config.command_skew = Duration::from_millis(args.command_skew_ms);
     config.seal = args.seal.config();
     config.stall_grace = Duration::from_millis(args.stall_grace_ms);
     config.fault = args.fault;

@@ -95,6 +95,10 @@ pub struct ReducerConfig {
     pub keyring: Option<PathBuf>,
     /// Refuse unsigned commands (production); without it they are taken as before.
     pub require_signatures: bool,
+    /// How long before the broker's time a signed command may have been issued, and how
+    /// far after it (clock skew); its id is remembered that long (see `replay`).
+    pub command_window: Duration,
+    pub command_skew: Duration,
     /// Seal run payloads with per-run data keys (see `sortie_seal`); `None`: plaintext.
     pub seal: Option<sortie_seal::SealConfig>,
     pub session_timeout: Duration,
@@ -131,6 +135,8 @@ impl ReducerConfig {
             max_payload_bytes: 1024 * 1024,
             keyring: None,
             require_signatures: false,
+            command_window: Duration::from_secs(300),
+            command_skew: Duration::from_secs(30),
             seal: None,
             session_timeout: Duration::from_secs(10),
             stall_grace: Duration::from_secs(30),
@@ -377,6 +383,12 @@ impl Reducer {
             health,
             watchdog,
             hot: Default::default(),
+            replays: crate::replay::Replays::new(config.keyring.as_ref().map(|_| {
+                crate::replay::Window {
+                    before_ms: config.command_window.as_millis() as i64,
+                    skew_ms: config.command_skew.as_millis() as i64,
+                }
+            })),
             sending: None,
             fatal: None,
             source: None,

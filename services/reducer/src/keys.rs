@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::message::Headers;
 use rdkafka::Message;
 use sortie_wire::records as w;
 use sortie_wire::signing::{Claim, Keyring, KeyringFile};
@@ -79,11 +79,13 @@ impl Keys {
         }
     }
 
-    /// Why `command` (decoded from `message`) is refused, if it is.
-    pub fn refusal(&self, message: &OwnedMessage, command: &w::RunCommand) -> Option<String> {
+    /// What the signature of `command` (decoded from `message`) says.
+    pub fn verdict<M: Message>(&self, message: &M, command: &w::RunCommand) -> Verdict {
         // No keyring: nothing to check against, signatures are not read (so gateways can
         // start signing before the reducers get their keyring).
-        let ring = self.ring()?;
+        let Some(ring) = self.ring() else {
+            return Verdict::Unsigned;
+        };
         let headers = message.headers();
         let pairs = headers
             .into_iter()
@@ -95,12 +97,23 @@ impl Keys {
             groups: &command.issuer.groups,
         };
         match ring.check(pairs, message.payload().unwrap_or_default(), claim) {
-            Ok(Some(_)) => None,
-            Ok(None) if self.require => Some(
+            Ok(Some(_)) => Verdict::Signed,
+            Ok(None) if self.require => Verdict::Refused(
                 "the command is not signed, and this deployment requires signed commands".into(),
             ),
-            Ok(None) => None,
-            Err(reason) => Some(reason),
+            Ok(None) => Verdict::Unsigned,
+            Err(reason) => Verdict::Refused(reason),
         }
     }
+}
+
+/// What a command's signature says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// A key of the keyring signed it and may sign what it claims.
+    Signed,
+    /// Not signed, and that is allowed (no keyring, or signatures not required).
+    Unsigned,
+    /// Why it is refused (`unauthenticated`).
+    Refused(String),
 }

@@ -24,6 +24,7 @@ mod input;
 mod keys;
 pub mod metrics;
 pub mod pack;
+mod replay;
 pub mod restore;
 mod sealing;
 pub mod store;

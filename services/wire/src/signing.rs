@@ -24,7 +24,10 @@
 //! Rotation: a principal may have several keys at once (add the new one, move the
 //! signers, remove the old); the reducer re-reads the keyring file when it changes.
 //! A signature covers one value: replaying it elsewhere changes nothing — the run id and
-//! command id are inside the value, and a command id is answered once per run.
+//! command id are inside the value. Replaying it *later* is refused by the reducer: a
+//! signed command is valid only for a window around its `issued_at` (inside the signed
+//! bytes), and its command id is remembered for that window, refused ones included
+//! (`sortie-reducer`'s `replay`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
