@@ -8,8 +8,8 @@
 //! opens events and state with the run's key when the auditor has the keys; without them
 //! (or once the key is destroyed) it compares the sealed forms, which agree except for
 //! what the fold derives from payloads (a run's spend, from its outputs' token usage; its
-//! limits, from a budget approval's payload): those two are taken as written and the
-//! report says the run was compared sealed.
+//! limits, from a budget approval's payload; a step's error, from its sealed message):
+//! those are taken as written and the report says the run was compared sealed.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -220,9 +220,18 @@ pub fn replay(
         let history = history.as_slice();
         let mut folded = history.iter().fold(None, evolve);
         if let (true, Some(f), Some(t)) = (sealed, folded.as_mut(), written.as_ref()) {
-            // Derived from payloads the fold could not read: taken as written.
+            // Derived from payloads the fold could not read: taken as written. A step's
+            // error is `<code>: <message>` (or `outcome unknown: <message>`), one text
+            // built from a sealed one, and sealed again as a whole.
             f.spend = t.spend.clone();
             f.budget = t.budget.clone();
+            for (id, step) in &mut f.steps {
+                if let Some(written) = t.steps.get(id) {
+                    if step.error.is_some() && written.error.is_some() {
+                        step.error.clone_from(&written.error);
+                    }
+                }
+            }
         }
         let written = written.as_ref();
         match (&folded, written) {
