@@ -59,6 +59,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
             post(reconcile),
         )
+        .route(
+            "/v1/runs/{run_id}/operations/{operation_id}/why",
+            get(crate::why::why),
+        )
         .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -176,7 +180,11 @@ fn known_run(app: &AppState, caller: &Caller, run_id: &str) -> Result<Option<Sto
     }
 }
 
-fn visible_run(app: &AppState, caller: &Caller, run_id: &str) -> Result<StoredRun, ApiError> {
+pub(crate) fn visible_run(
+    app: &AppState,
+    caller: &Caller,
+    run_id: &str,
+) -> Result<StoredRun, ApiError> {
     known_run(app, caller, run_id)?.ok_or_else(|| ApiError::unknown_run(run_id))
 }
 
@@ -1063,7 +1071,7 @@ async fn blob(
 /// The run's state after `version`: every version is recoverable from history, by
 /// folding the events up to it.
 /// Every event of `run_id`'s history in the view, in order.
-fn history(app: &AppState, run_id: &str) -> Result<Vec<sortie_core::Event>, ApiError> {
+pub(crate) fn history(app: &AppState, run_id: &str) -> Result<Vec<sortie_core::Event>, ApiError> {
     let mut out: Vec<sortie_core::Event> = Vec::new();
     loop {
         let page = app

@@ -232,6 +232,11 @@ impl AppState {
         &self.inner.config
     }
 
+    /// The registry codec, and the partition count of the co-partitioned topics.
+    pub(crate) fn codec(&self) -> (Arc<Codec>, u32) {
+        (self.inner.codec.clone(), self.inner.partitions)
+    }
+
     /// `value` as a command carries it: with a blob store, the parts over its threshold are
     /// stored (before anything is published, so the command never references a blob
     /// that is not there) and referenced; a store that fails is 503 `blob_store_unavailable`

@@ -10,9 +10,9 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use sortie_catalog::{GraphTable, Trust};
+use sortie_catalog::{GraphTable, Publication, Trust};
 use sortie_core::graph::{Access, OnReject};
-use sortie_core::Graphs;
+use sortie_core::{Graph, Graphs};
 use sortie_kafka::KafkaConfig;
 use sortie_wire::signing::KeyringFile;
 use sortie_wire::{Codec, Topics};
@@ -29,6 +29,8 @@ pub struct Catalog {
     known: RwLock<BTreeMap<String, BTreeSet<u32>>>,
     /// The published definitions (the inbox tells what rejecting a proposal does).
     graphs: RwLock<Graphs>,
+    /// Who published each version, and the key whose signature the table verified.
+    publications: RwLock<BTreeMap<String, Publication>>,
     /// The table caught up at least once; before that nothing is refused for its graph.
     loaded: AtomicBool,
     refresh: mpsc::Sender<oneshot::Sender<()>>,
@@ -48,6 +50,7 @@ impl Catalog {
         let catalog = Arc::new(Catalog {
             known: RwLock::new(BTreeMap::new()),
             graphs: RwLock::new(Graphs::new()),
+            publications: RwLock::new(BTreeMap::new()),
             loaded: AtomicBool::new(false),
             refresh,
         });
@@ -103,6 +106,16 @@ impl Catalog {
         graphs.get(graph_id, version).map(|g| g.access.clone())
     }
 
+    /// A graph version as published, and its publication (`audit why`'s graph link).
+    pub fn version(&self, graph_id: &str, version: u32) -> (Option<Graph>, Option<Publication>) {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        let publications = self.publications.read().unwrap_or_else(|e| e.into_inner());
+        (
+            graphs.get(graph_id, Some(version)).cloned(),
+            publications.get(&format!("{graph_id}@{version}")).cloned(),
+        )
+    }
+
     fn update(&self, table: &GraphTable) {
         let mut known = BTreeMap::<String, BTreeSet<u32>>::new();
         for graph in table.graphs().all() {
@@ -113,6 +126,12 @@ impl Catalog {
         }
         *self.known.write().unwrap_or_else(|e| e.into_inner()) = known;
         *self.graphs.write().unwrap_or_else(|e| e.into_inner()) = table.graphs().clone();
+        let publications = table
+            .graphs()
+            .all()
+            .filter_map(|g| table.publication(&g.key()).map(|p| (g.key(), p.clone())))
+            .collect();
+        *self.publications.write().unwrap_or_else(|e| e.into_inner()) = publications;
     }
 }
 
