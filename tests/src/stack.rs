@@ -118,9 +118,7 @@ impl Stack {
         let topics = Topics::new(prefix.clone());
         for text in graphs {
             let graph = Graph::parse(text).expect("test graph is valid");
-            sortie_catalog::publish(&kafka, &codec, &topics, &graph, "test", now_ms())
-                .await
-                .expect("publish graph");
+            publish_signed(&kafka, &codec, &topics, &graph).await;
         }
         let dir = crate::workspace_root()
             .join("target")
@@ -632,6 +630,47 @@ pub fn succeed(intent: &w::StepIntent) -> Option<w::StepResult> {
     })
 }
 
+/// The key the harness signs every graph it publishes with (principal `test`, a
+/// publisher for every tenant). A keyring of a test that should take the harness's graphs
+/// lists [`publisher_entry`].
+pub fn test_publisher() -> sortie_wire::signing::Signer {
+    sortie_wire::signing::Signer::from_seed("test-publisher", [7u8; 32])
+}
+
+/// [`test_publisher`]'s keyring entry.
+pub fn publisher_entry() -> sortie_wire::signing::KeyEntry {
+    let mut entry = test_publisher().entry("test", &["*".to_owned()], &[], false);
+    entry.publisher = true;
+    entry
+}
+
+/// Publishes `graph` as the harness does: signed by [`test_publisher`], as `test`.
+async fn publish_signed(kafka: &KafkaConfig, codec: &Codec, topics: &Topics, graph: &Graph) {
+    let signer = test_publisher();
+    sortie_catalog::publish_signed(
+        kafka,
+        codec,
+        topics,
+        graph,
+        "test",
+        now_ms(),
+        Some(&signer),
+        None,
+    )
+    .await
+    .expect("publish graph");
+}
+
+/// `base`, or `base-<n>` for the first n that puts it on `source`'s partition among
+/// `partitions`: a fork's run id must share its source's partition.
+pub fn fork_id(base: &str, source: &str, partitions: u32) -> String {
+    let partition = partition_for(source.as_bytes(), partitions);
+    std::iter::once(base.to_owned())
+        .chain((1..).map(|n| format!("{base}-{n}")))
+        .find(|id| partition_for(id.as_bytes(), partitions) == partition)
+        .unwrap_or_default()
+}
+
 pub fn start_run(run_id: &str, graph: &str, input: &str) -> w::RunCommand {
     command(
         run_id,
@@ -790,16 +829,7 @@ impl Stack {
     /// stack).
     pub async fn publish(&self, yaml: &str) {
         let graph = Graph::parse(yaml).expect("test graph is valid");
-        sortie_catalog::publish(
-            &self.kafka,
-            &self.codec,
-            &self.topics,
-            &graph,
-            "test",
-            now_ms(),
-        )
-        .await
-        .expect("publish graph");
+        publish_signed(&self.kafka, &self.codec, &self.topics, &graph).await;
     }
 
     /// Starts `sortie ledger --mode <mode>` on a free port, its file under the test's dir,

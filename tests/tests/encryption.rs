@@ -10,7 +10,7 @@
 //! `DELETE /v1/runs/{id}` destroys the run's key: from then on its payloads open nowhere
 //! (the records are still in Kafka), the gateway shows its shape only, and
 //! `audit replay --verify` still proves its history, with and without keys.
-//! A fork carries its source's state sealed under its own key.
+//! A fork carries its source's history sealed under its own key.
 //! The fold's checks hold around it: a viewer may not delete, a running run may not be
 //! deleted, a forged sealed payload from a raw producer is refused and stops nothing.
 //!
@@ -201,23 +201,26 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
         "and its events: {events}"
     );
 
-    // A fork carries its source's state sealed with the fork's own key.
+    // A fork carries its source's history sealed with the fork's own key (on its
+    // source's partition: the reducer holds the source's chain head there).
+    let forked_id = sortie_tests::stack::fork_id("run-forked", "run-sealed", stack.partitions);
     let (code, body) = call(
         &client,
         reqwest::Method::POST,
         &format!("{url}/v1/runs/run-sealed/fork"),
         "tok-ops",
-        Some(json!({"at_version": 1, "run_id": "run-forked"})),
+        Some(json!({"at_version": 1, "run_id": forked_id})),
     )
     .await;
     assert_eq!(code, 201, "{body}");
     sortie_tests::wait_until("the fork to wait for its approval", LONG, || {
         let client = client.clone();
         let url = url.clone();
-        async move { status_of(&client, &url, "run-forked").await["status"] == "waiting_approval" }
+        let id = forked_id.clone();
+        async move { status_of(&client, &url, &id).await["status"] == "waiting_approval" }
     })
     .await;
-    let forked = status_of(&client, &url, "run-forked").await;
+    let forked = status_of(&client, &url, &forked_id).await;
     assert!(
         forked.to_string().contains(CARD),
         "the fork opens with its key: {forked}"
@@ -477,4 +480,110 @@ async fn a_retention_and_a_raw_forget_shred_the_run_too() {
     }
     let (clean, report) = stack.audit_verify().await;
     assert!(clean && report["diverged"] == 0, "audit: {report}");
+}
+
+/// Issue #36 item 5 (crypto-shredding's free texts): an approver's comment, a step's
+/// error message (a receiver's words), the reason the run failed with and a cancel's
+/// reason say as much about a run as its payloads, and `sortie.run-events` keeps them for
+/// ever. Seen red: all four were on the events topic in plaintext, so deleting the run
+/// (destroying its key) left them readable to anyone who reads the topic. Now they are
+/// sealed like payloads; the gateway, which has the keys, shows them until the delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn comments_error_messages_and_reasons_are_sealed_on_run_events() {
+    const COMMENT: &str = "refund-ok-for-jane-roe";
+    const ERROR: &str = "card-declined-for-jane-roe";
+    const REASON: &str = "jane-roe-asked-us-to-stop";
+    let sealed = Sealed::start("sealed-texts", &[GATED]).await;
+    let stack = &sealed.stack;
+    let seal = sealed.args();
+    let seal = seal.as_slice();
+    let _reducer = stack.reducer_with("0", seal);
+    // The refund's receiver refuses it, in words that name the customer.
+    let _executor = stack.executor("default", |intent| {
+        let mut result = sortie_tests::stack::succeed(intent)?;
+        if intent.node == "refund" {
+            result.status = w::StepStatus::Failed;
+            result.output = None;
+            result.error = Some(w::StepError {
+                code: "declined".into(),
+                message: format!("the bank said: {ERROR}"),
+                retry_after_ms: None,
+            });
+        }
+        Some(result)
+    });
+    let (_gateway, url) = stack
+        .gateway_process_with(&stack.dir.join("gateway"), &[OPS], seal)
+        .await;
+    let client = reqwest::Client::new();
+    for run in ["run-failed", "run-cancelled"] {
+        let (code, body) = call(
+            &client,
+            reqwest::Method::POST,
+            &format!("{url}/v1/runs"),
+            "tok-ops",
+            Some(json!({"graph_id": "gated", "run_id": run, "input": {"amount": 5}})),
+        )
+        .await;
+        assert_eq!(code, 201, "{body}");
+        sortie_tests::wait_until("the run to wait for its approval", LONG, || {
+            let client = client.clone();
+            let url = url.clone();
+            async move { status_of(&client, &url, run).await["status"] == "waiting_approval" }
+        })
+        .await;
+    }
+    let (code, body) = call(
+        &client,
+        reqwest::Method::POST,
+        &format!("{url}/v1/runs/run-failed/resume"),
+        "tok-ops",
+        Some(json!({"decision": "approve", "comment": COMMENT})),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = call(
+        &client,
+        reqwest::Method::POST,
+        &format!("{url}/v1/runs/run-cancelled/cancel"),
+        "tok-ops",
+        Some(json!({"reason": REASON})),
+    )
+    .await;
+    assert!(code < 300, "{code}: {body}");
+    for (run, status) in [("run-failed", "failed"), ("run-cancelled", "cancelled")] {
+        sortie_tests::wait_until(&format!("{run} to end {status}"), LONG, || {
+            let client = client.clone();
+            let url = url.clone();
+            async move { status_of(&client, &url, run).await["status"] == status }
+        })
+        .await;
+    }
+    // The gateway opens them for the people who may read the run.
+    let (_, events) = call(
+        &client,
+        reqwest::Method::GET,
+        &format!("{url}/v1/runs/run-failed/events"),
+        "tok-ops",
+        None,
+    )
+    .await;
+    let shown = events.to_string();
+    assert!(shown.contains(COMMENT) && shown.contains(ERROR), "{shown}");
+    // The events topic (kept for ever) and the state table hold none of them in clear.
+    for topic in [stack.topics.run_events(), stack.topics.run_state()] {
+        for message in
+            sortie_tests::read_all(&stack.bootstrap, &topic, Isolation::ReadUncommitted).await
+        {
+            let value = message.payload().unwrap_or_default();
+            for secret in [COMMENT, ERROR, REASON] {
+                assert!(!holds(value, secret), "{topic} holds {secret} in plaintext");
+            }
+        }
+    }
+    // The history still proves itself, with the keys and without them.
+    let (clean, report) = stack.audit_verify().await;
+    assert!(clean && report["diverged"] == 0, "without keys: {report}");
+    let (clean, report) = stack.audit_verify_with(seal).await;
+    assert!(clean && report["diverged"] == 0, "with keys: {report}");
 }

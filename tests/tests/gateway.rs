@@ -350,6 +350,7 @@ async fn a_run_starts_completes_and_its_history_reads_back_in_pages() {
         "/v1/runs/{run_id}/events/stream",
         "/v1/runs/{run_id}/checkpoints/{checkpoint_id}",
         "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
+        "/v1/runs/{run_id}/operations/{operation_id}/why",
         "/healthz",
         "/readyz",
         "/openapi.json",
@@ -913,6 +914,13 @@ async fn tenants_are_isolated_and_bad_requests_publish_nothing() {
         (404, "unknown_run"),
         "stream: {body}"
     );
+    let (status, body) = api
+        .get(
+            &format!("/v1/runs/{run_id}/operations/op_x/why"),
+            "tok-oscar",
+        )
+        .await;
+    assert_eq!((status, code(&body)), (404, "unknown_run"), "why: {body}");
     for (path, payload) in [
         (format!("/v1/runs/{run_id}/fork"), json!({"at_version": 1})),
         (

@@ -470,3 +470,186 @@ async fn cli_publishes_and_lists_graphs() -> anyhow::Result<()> {
     assert_eq!(setup.records().await, 2, "nothing but the two examples");
     setup.registry.stop().await
 }
+
+/// Produces a graph record for `graph` straight to the graphs topic, as any writer of
+/// that topic can, with the signature headers `signer` makes (none without one).
+async fn forge(
+    stack: &sortie_tests::stack::Stack,
+    graph: &Graph,
+    published_by: &str,
+    signer: Option<&sortie_wire::signing::Signer>,
+) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let record = graphs::definition_record(graph, published_by, NOW).expect("record");
+    let value = stack
+        .codec
+        .encode(&stack.topics.graphs(), &record)
+        .await
+        .expect("encode");
+    let mut headers = OwnedHeaders::new();
+    for (name, bytes) in signer.map(|s| s.headers(&value)).into_iter().flatten() {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(&bytes),
+        });
+    }
+    let producer: FutureProducer = stack.kafka.producer().create().expect("producer");
+    let key = graph.key();
+    let topic = stack.topics.graphs();
+    producer
+        .send(
+            FutureRecord::to(&topic)
+                .key(&key)
+                .payload(&value)
+                .headers(headers),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("delivered");
+}
+
+/// Issue #36 item 2: any writer of `sortie.graphs` publishes `gated@2..4` — the refund
+/// without its gate — unsigned, signed by a key the keyring does not know, and signed by
+/// a key it knows that is no publisher. A reducer and a gateway that require signatures
+/// skip all three (logged, counted): a start pinned to `@4` is refused `unknown_graph`,
+/// the gateway answers 422 for it, and the signed `@5` published after them is taken.
+/// Seen red: with the table reading no signatures (`GraphTable::set_trust` ignoring its
+/// trust), the reducer started the run on `gated@4` and the refund ran unapproved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_graph_is_ignored_by_reducer_and_gateway() {
+    use sortie_core::{EventBody, RunStatus};
+    use sortie_tests::stack::{publisher_entry, scrape, start_run, succeed, Stack};
+    use sortie_wire::signing::{keyring_text, Signer};
+    const LONG: Duration = Duration::from_secs(90);
+    let stack = Stack::start("graphs-forged", &[sortie_tests::GATED]).await;
+    let service = Signer::generate("svc-1").expect("key");
+    let keyring = stack.dir.join("keyring.yaml");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[
+            service.entry(
+                "svc:test",
+                &["acme".to_owned()],
+                &["approver".to_owned(), "operator".to_owned()],
+                false,
+            ),
+            publisher_entry(),
+        ]),
+    )
+    .expect("keyring");
+    let ring = keyring.to_str().expect("path");
+    let reducer = stack.reducer_with("0", &["--keyring", ring, "--require-signatures"]);
+    let executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            &["acme:user:alice:approver:tok-alice"],
+            &["--keyring", ring, "--require-signatures"],
+        )
+        .await;
+
+    let version = |version: u32, gated: bool| {
+        let text = sortie_tests::GATED.replace("version: 1", &format!("version: {version}"));
+        let text = match gated {
+            true => text,
+            false => text.replace(
+                "    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}\n",
+                "",
+            ),
+        };
+        Graph::parse(&text).expect("a valid graph")
+    };
+    assert!(version(2, false)
+        .nodes
+        .iter()
+        .all(|n| n.interrupt_before.is_none()));
+    let stranger = Signer::generate("stranger").expect("key");
+    forge(&stack, &version(2, false), "test", None).await;
+    forge(&stack, &version(3, false), "test", Some(&stranger)).await;
+    forge(&stack, &version(4, false), "svc:test", Some(&service)).await;
+    // After them, a version signed by the publisher key.
+    stack
+        .publish(&sortie_tests::GATED.replace("version: 1", "version: 5"))
+        .await;
+
+    let start = |run: &str, graph_version: u32| {
+        let mut command = start_run(run, "gated", r#"{"amount": 5}"#);
+        if let sortie_wire::records::CommandBody::StartRun(start) = &mut command.body {
+            start.graph_version = Some(graph_version as i32);
+        }
+        command
+    };
+    // The signed version is taken (the reducer has read past the forged ones)...
+    stack.send_signed(&start("run-v5", 5), &service).await;
+    let waiting = stack
+        .wait_for_states("the run on @5", &["run-v5".to_owned()], LONG, |s| {
+            s.status != RunStatus::Running
+        })
+        .await;
+    assert_eq!(waiting["run-v5"].status, RunStatus::WaitingApproval);
+    // ...the forged one is not.
+    stack.send_signed(&start("run-v4", 4), &service).await;
+    let code = sortie_tests::wait_for("the answer to the start on @4", LONG, || async {
+        stack.events().await.get("run-v4").and_then(|history| {
+            history.iter().find_map(|e| match &e.body {
+                EventBody::CommandRejected { code, .. } => Some(code.clone()),
+                EventBody::CommandAccepted { .. } => Some("accepted".to_owned()),
+                _ => None,
+            })
+        })
+    })
+    .await;
+    assert_eq!(
+        code, "unknown_graph",
+        "a start on the forged version is refused"
+    );
+    let refunds = executor
+        .seen
+        .lock()
+        .expect("seen")
+        .iter()
+        .filter(|i| i.node == "refund")
+        .count();
+    assert_eq!(refunds, 0, "no refund ran unapproved");
+    let metrics = scrape(&reducer.metrics_url().await).await;
+    assert_eq!(
+        metrics.get("sortie_reducer_graph_records_untrusted"),
+        Some(&3.0)
+    );
+    let log = reducer.own_log_text();
+    for reason in [
+        "it is not signed, and signed graphs are required",
+        "unknown signing key",
+        "may not publish graphs",
+    ] {
+        assert!(log.contains(reason), "the reducer says why: {reason}");
+    }
+
+    // The gateway does not serve the forged versions either.
+    sortie_tests::wait_until(
+        "the gateway to refuse the three forged graphs",
+        LONG,
+        || {
+            let url = url.clone();
+            async move {
+                scrape(&url)
+                    .await
+                    .get("sortie_gateway_graph_records_untrusted")
+                    .copied()
+                    == Some(3.0)
+            }
+        },
+    )
+    .await;
+    let started = reqwest::Client::new()
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth("tok-alice")
+        .json(&serde_json::json!({"graph_id": "gated", "graph_version": 4, "input": {"amount": 5}}))
+        .send()
+        .await
+        .expect("POST /v1/runs");
+    let status = started.status().as_u16();
+    let body = started.text().await.unwrap_or_default();
+    assert_eq!(status, 422, "{body}");
+}

@@ -221,6 +221,12 @@ async fn a_python_service_signs_its_commands_for_a_reducer_that_requires_them() 
         "{}",
         String::from_utf8_lossy(&made.stderr)
     );
+    // The harness's graphs are signed by its publisher key.
+    let mut entries =
+        sortie_wire::signing::keyring_entries(&std::fs::read_to_string(&keyring).expect("keyring"))
+            .expect("keyring entries");
+    entries.push(sortie_tests::stack::publisher_entry());
+    std::fs::write(&keyring, sortie_wire::signing::keyring_text(&entries)).expect("keyring");
     let _reducer = stack.reducer_with(
         "0",
         &[

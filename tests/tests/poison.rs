@@ -268,7 +268,11 @@ edges: []
         )
     };
     let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(&keyring, keyring_text(&[entry(&first)])).expect("keyring");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[entry(&first), sortie_tests::stack::publisher_entry()]),
+    )
+    .expect("keyring");
     let _executor = stack.executor_process("executor", &["default"], &[]);
     let reducer = stack.reducer_with("0", &["--keyring", keyring.to_str().unwrap_or_default()]);
     let expiring = runs_on(&stack, 1, "expiring", 1);
@@ -319,7 +323,15 @@ edges: []
     })
     .await;
     let second = Signer::generate("svc-2").expect("key");
-    std::fs::write(&keyring, keyring_text(&[entry(&first), entry(&second)])).expect("keyring");
+    std::fs::write(
+        &keyring,
+        keyring_text(&[
+            entry(&first),
+            entry(&second),
+            sortie_tests::stack::publisher_entry(),
+        ]),
+    )
+    .expect("keyring");
     let rotated = Instant::now();
     sortie_tests::wait_until("the keyring to be reloaded", LONG, || async {
         reducer.own_log_text().contains("keyring changed; reloaded")

@@ -11,6 +11,17 @@
 //! Two publishers racing on the same new version can both pass the check; the table then
 //! keeps the lower offset, while compaction keeps the latest record per key. Publishing is
 //! an operator action (one CLI at a time), so this is accepted rather than guarded.
+//!
+//! **Signed graphs.** A graph's gates, roles, receiver URLs and side-effect classes are a
+//! trust root: whoever writes `sortie.graphs` decides what runs ungated. A publication is
+//! signed like a command (`sortie_wire::signing`: headers over the record's exact value
+//! bytes) by a key with `publisher: true`, as the record's `published_by`, for its tenant.
+//! With a [`Trust`], a table refuses a record whose signature does not hold, and with
+//! `require` an unsigned one too — skipped, logged and counted like any untrustworthy
+//! record, never fatal. A refused record never takes a version: a signed definition read
+//! later still gets it. The keyring is the one in the table's [`Trust`] when the record is
+//! read; a key withdrawn later refuses its graphs to readers that start afterwards (sign
+//! the versions you keep again with a current key: `publish` does, as the same definition).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::OwnedMessage;
+use rdkafka::message::{Header, Headers, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use sortie_core::graph::InvalidGraph;
@@ -27,6 +38,7 @@ use sortie_core::{Graph, Graphs};
 use sortie_kafka::read::{self, ReaderContext};
 use sortie_kafka::KafkaConfig;
 use sortie_wire::records::GraphDefinition;
+use sortie_wire::signing::{Keyring, Signer};
 use sortie_wire::{Codec, DecodeError, EncodeError, Topics};
 use tokio::runtime::Handle;
 
@@ -68,6 +80,9 @@ pub enum Error {
     /// The schema registry stayed unreachable; the record is kept and decoded again later.
     #[error("cannot decode graph definitions from {topic}: {source}")]
     RegistryUnavailable { topic: String, source: DecodeError },
+    /// The signing key or keyring could not be used.
+    #[error("signing: {0}")]
+    Signing(String),
     #[error("timed out after {timeout:?} reading {topic} up to the offsets captured at the start")]
     Timeout { topic: String, timeout: Duration },
     /// The runtime shut down while the table was being read.
@@ -119,6 +134,43 @@ pub struct Publication {
     pub published_by: String,
     /// Milliseconds since the Unix epoch.
     pub published_at: i64,
+    /// The publisher key whose signature the table verified (`None`: read without a
+    /// keyring, or unsigned where signatures are not required).
+    pub signed_by: Option<String>,
+}
+
+/// Which graph records a table takes: those a publisher key of `keyring` signed; with
+/// `require`, unsigned ones are refused too (a present but bad signature always is).
+#[derive(Debug, Clone, Default)]
+pub struct Trust {
+    pub keyring: Keyring,
+    pub require: bool,
+}
+
+impl Trust {
+    /// The key that signed `message` (decoded as `record`), or why it is not trusted.
+    fn check(
+        &self,
+        message: &OwnedMessage,
+        record: &GraphDefinition,
+    ) -> Result<Option<String>, String> {
+        let headers = message.headers();
+        let pairs = headers
+            .into_iter()
+            .flat_map(|h| h.iter().map(|header| (header.key, header.value)));
+        match self.keyring.check_graph(
+            pairs,
+            message.payload().unwrap_or_default(),
+            record.tenant.as_deref(),
+            &record.published_by,
+        ) {
+            Ok(None) if self.require => {
+                Err("it is not signed, and signed graphs are required".into())
+            }
+            Ok(signed) => Ok(signed),
+            Err(reason) => Err(format!("its signature does not hold: {reason}")),
+        }
+    }
 }
 
 /// Lower-case hex SHA-256 of a definition's text (a record's `definition_hash`).
@@ -230,13 +282,8 @@ pub async fn pin(graph: &Graph) -> Result<Graph, Error> {
     Ok(pinned)
 }
 
-/// Publishes `graph` unless that exact definition is already published. The tool lists
-/// of the MCP servers it offers are pinned first ([`pin`]), so what is compared and
-/// written is the pinned definition.
-///
-/// Reads the whole table first: the same definition → [`Published::AlreadyPublished`]
-/// (nothing produced); another definition of the same version → [`Error::VersionExists`].
-/// Otherwise produces the record keyed `id@version` with `acks=all` and awaits delivery.
+/// Publishes `graph` unsigned unless that exact definition is already published (see
+/// [`publish_signed`]).
 pub async fn publish(
     kafka: &KafkaConfig,
     codec: &Codec,
@@ -245,9 +292,62 @@ pub async fn publish(
     published_by: &str,
     now_ms: i64,
 ) -> Result<Published, Error> {
+    publish_signed(
+        kafka,
+        codec,
+        topics,
+        graph,
+        published_by,
+        now_ms,
+        None,
+        None,
+    )
+    .await
+}
+
+/// Publishes `graph` unless that exact definition is already published.
+///
+/// Reads the whole table first: the same definition → [`Published::AlreadyPublished`]
+/// (nothing produced); another definition of the same version → [`Error::VersionExists`].
+/// Otherwise produces the record keyed `id@version` with `acks=all` and awaits delivery.
+///
+/// With `signer` the record is signed (it must be a publisher key whose principal is
+/// `published_by`), and the table is read as a reader requiring signatures reads it:
+/// with `trust`'s keyring, else trusting the signer's own key only — so an unsigned or
+/// forged record of the version neither counts as published nor blocks the real one.
+#[allow(clippy::too_many_arguments)]
+pub async fn publish_signed(
+    kafka: &KafkaConfig,
+    codec: &Codec,
+    topics: &Topics,
+    graph: &Graph,
+    published_by: &str,
+    now_ms: i64,
+    signer: Option<&Signer>,
+    trust: Option<&Trust>,
+) -> Result<Published, Error> {
+    // The tool lists of the MCP servers it offers are pinned first, so what is compared,
+    // signed and written is the pinned definition.
     let pinned = pin(graph).await?;
     let graph = &pinned;
     let topic = topics.graphs();
+    let trust = match (signer, trust) {
+        (_, Some(trust)) => Some(Trust {
+            require: trust.require || signer.is_some(),
+            ..trust.clone()
+        }),
+        (Some(signer), None) => {
+            let mut own = signer.entry(published_by, &["*".to_owned()], &[], false);
+            own.publisher = true;
+            let keyring = Keyring::parse(&sortie_wire::signing::keyring_text(&[own]))
+                .map_err(|e| Error::Signing(e.to_string()))?;
+            Some(Trust {
+                keyring,
+                require: true,
+            })
+        }
+        (None, None) => None,
+    };
     let key = graph.key();
     let record = definition_record(graph, published_by, now_ms)?;
     let deadline = Instant::now() + PUBLISH_PATIENCE;
@@ -270,7 +370,10 @@ pub async fn publish(
             Err(_) => return Err(Error::Cancelled(topic)),
         }
     };
-    let mut table = Table::default();
+    let mut table = Table {
+        trust,
+        ..Table::default()
+    };
     for message in &messages {
         let decoded = match codec
             .decode_patiently::<GraphDefinition>(message.payload(), Some(deadline))
@@ -304,11 +407,19 @@ pub async fn publish(
         .create()
         .map_err(kafka_error("creating a producer"))?;
     let remaining = deadline.saturating_duration_since(Instant::now());
+    let mut record = FutureRecord::to(&topic).key(&key).payload(&payload);
+    if let Some(signer) = signer {
+        let mut headers = OwnedHeaders::new();
+        for (name, value) in signer.headers(&payload) {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(&value),
+            });
+        }
+        record = record.headers(headers);
+    }
     producer
-        .send(
-            FutureRecord::to(&topic).key(&key).payload(&payload),
-            remaining,
-        )
+        .send(record, remaining)
         .await
         .map_err(|(error, _)| kafka_error(format!("publishing {key} to {topic}"))(error))?;
     tracing::info!(graph = %key, topic = %topic, published_by, "Published a graph version.");
@@ -363,6 +474,10 @@ struct Table {
     graphs: Graphs,
     publications: BTreeMap<String, Publication>,
     skipped: usize,
+    /// Records skipped because their signature did not hold or was missing.
+    untrusted: usize,
+    /// Whose graphs are taken (`None`: signatures are not read).
+    trust: Option<Trust>,
 }
 
 impl Table {
@@ -375,11 +490,22 @@ impl Table {
         decoded: Result<GraphDefinition, DecodeError>,
     ) -> bool {
         let key = String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned();
-        let checked = decoded
-            .map_err(|e| format!("it does not decode: {e}"))
-            .and_then(|record| self.check(&key, record));
+        let decoded = decoded.map_err(|e| format!("it does not decode: {e}"));
+        let mut signed_by = None;
+        if let (Ok(record), Some(trust)) = (&decoded, &self.trust) {
+            match trust.check(message, record) {
+                Ok(key) => signed_by = key,
+                Err(reason) => {
+                    self.untrusted += 1;
+                    self.skip(topic, message, &key, &reason);
+                    return false;
+                }
+            }
+        }
+        let checked = decoded.and_then(|record| self.check(&key, record));
         match checked {
-            Ok(Some((graph, publication))) => {
+            Ok(Some((graph, mut publication))) => {
+                publication.signed_by = signed_by;
                 if let Err(error) = self.graphs.insert(graph) {
                     // check() already refused redefinitions; kept for safety.
                     self.skip(topic, message, &key, &error.to_string());
@@ -452,6 +578,7 @@ impl Table {
             tenant: record.tenant,
             published_by: record.published_by,
             published_at: record.published_at,
+            signed_by: None,
         };
         Ok(Some((graph, publication)))
     }
@@ -556,9 +683,22 @@ impl GraphTable {
         self.fold.table.publications.get(key)
     }
 
-    /// How many records were skipped (undecodable, invalid, hash mismatch, redefinition).
+    /// How many records were skipped (undecodable, invalid, hash mismatch, redefinition,
+    /// untrusted).
     pub fn skipped(&self) -> usize {
         self.fold.table.skipped
+    }
+
+    /// How many records were skipped because their signature did not hold, or was missing
+    /// where signatures are required.
+    pub fn untrusted(&self) -> usize {
+        self.fold.table.untrusted
+    }
+
+    /// Reads graph records with `trust` from now on (a reloaded keyring); versions already
+    /// taken stay.
+    pub fn set_trust(&mut self, trust: Option<Trust>) {
+        self.fold.table.trust = trust;
     }
 }
 

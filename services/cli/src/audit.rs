@@ -1,5 +1,6 @@
 //! `sortie audit replay`: re-fold histories from Kafka and report any divergence from the
-//! state table; print a run's state at any version.
+//! state table; print a run's state at any version. `sortie audit why`: the verified
+//! authorization chain of one side effect (`sortie_why`).
 
 use anyhow::{bail, Context as _};
 use sortie_reducer::audit;
@@ -15,6 +16,31 @@ enum Sub {
     /// Re-fold every run's history (or one run's) with this build and compare it with
     /// sortie.run-state. Exits non-zero when anything diverges.
     Replay(Replay),
+    /// Why did this side effect happen? The authorization chain of one operation, each
+    /// link verified: the effect, its step and arguments, the signed approvals that
+    /// released it, the proposal, the model's tool call, the signed graph version. Exits
+    /// non-zero when a link is broken or cannot be checked.
+    Why(WhyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct WhyArgs {
+    /// The operation id (what the receiver got as Idempotency-Key).
+    operation_id: String,
+    /// The run that dispatched it (otherwise every history is searched).
+    #[arg(long)]
+    run: Option<String>,
+    /// The keyring signed commands and graphs are checked against (the reducers').
+    #[arg(long, env = "SORTIE_KEYRING")]
+    keyring: Option<std::path::PathBuf>,
+    /// Print the chain as JSON.
+    #[arg(long)]
+    json: bool,
+    /// With the run keys, sealed arguments, proposals and answers are opened and checked.
+    #[command(flatten)]
+    seal: crate::seal::SealArgs,
+    #[command(flatten)]
+    connection: crate::telemetry::Connection,
 }
 
 #[derive(Debug, clap::Args)]
@@ -38,7 +64,10 @@ struct Replay {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let Sub::Replay(replay) = args.command;
+    let replay = match args.command {
+        Sub::Replay(replay) => replay,
+        Sub::Why(why_args) => return why(why_args).await,
+    };
     let kafka = replay.connection.kafka_config()?;
     let topics = replay.connection.topics();
     let codec = replay.connection.reader_codec();
@@ -119,4 +148,59 @@ enum Outcome {
         events: usize,
         diverged: usize,
     },
+}
+
+async fn why(args: WhyArgs) -> anyhow::Result<()> {
+    let kafka = args.connection.kafka_config()?;
+    let topics = args.connection.topics();
+    let codec = std::sync::Arc::new(args.connection.reader_codec());
+    let runtime = tokio::runtime::Handle::current();
+    let keys = args.seal.config().map(|c| c.open()).transpose()?;
+    let keyring = args
+        .keyring
+        .as_deref()
+        .map(sortie_wire::signing::Keyring::load)
+        .transpose()?;
+    let operation = args.operation_id.clone();
+    let work = tokio::task::spawn_blocking(move || {
+        audit::why(
+            &kafka,
+            &topics,
+            codec,
+            &runtime,
+            &operation,
+            args.run.as_deref(),
+            keyring.as_ref(),
+            keys.as_ref(),
+        )
+    });
+    let found =
+        crate::progress::during("audit why: reading the history, graphs and commands", work)
+            .await??;
+    let Some(found) = found else {
+        bail!(
+            "no run dispatched operation {} (or the named run has no history)",
+            args.operation_id
+        );
+    };
+    let chain = found.chain;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&chain)?);
+    } else {
+        print!("{}", sortie_why::render(&chain));
+    }
+    if !chain.verified {
+        let weak: Vec<&str> = chain
+            .links
+            .iter()
+            .filter(|l| l.status != sortie_why::Status::Verified)
+            .map(|l| l.link)
+            .collect();
+        bail!(
+            "the chain of {} does not hold at: {}",
+            chain.operation_id,
+            weak.join(", ")
+        );
+    }
+    Ok(())
 }

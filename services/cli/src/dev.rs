@@ -326,6 +326,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         &mut stack,
     )
     .await?;
+    let keys = dev_keys(&data_dir)?;
+    // Graphs are signed by the dev publisher key: reducers and the gateway take only
+    // graphs a publisher key of the keyring signed.
+    let publisher = sortie_wire::signing::Signer::load(&keys.publisher)?;
     for mut graph in sortie_catalog::load_dir(repo_file("topology/graphs")?)? {
         for node in &mut graph.nodes {
             receiver::rebase_urls(&mut node.config, &receiver_url);
@@ -333,10 +337,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         for server in &mut graph.mcp_servers {
             receiver::rebase_url(&mut server.url, &receiver_url);
         }
-        sortie_catalog::publish(&kafka, &codec, &topics, &graph, "sortie-dev", now).await?;
-        say!("  graph     {} published", graph.key());
+        sortie_catalog::publish_signed(
+            &kafka,
+            &codec,
+            &topics,
+            &graph,
+            DEV_PUBLISHER,
+            now,
+            Some(&publisher),
+            None,
+        )
+        .await?;
+        say!("  graph     {} published (signed)", graph.key());
     }
-    let keys = dev_keys(&data_dir)?;
     let keyring = keys.keyring.display().to_string();
     let gateway_key = keys.gateway.display().to_string();
     let reducer_dir = data_dir.join("reducer").display().to_string();
@@ -398,6 +411,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             &budgets,
             "--signing-key",
             &gateway_key,
+            "--keyring",
+            &keyring,
+            "--require-signatures",
             "--blob-store",
             &blobs,
             "--seal-keyring",
@@ -472,7 +488,12 @@ struct DevKeys {
     examples: PathBuf,
     /// The key-encryption keyring that wraps run data keys (`--seal-keyring`).
     kek: PathBuf,
+    /// The key the dev stack signs its graphs with (principal [`DEV_PUBLISHER`]).
+    publisher: PathBuf,
 }
+
+/// Who publishes the dev stack's graphs.
+const DEV_PUBLISHER: &str = "sortie-dev";
 
 fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
     use sortie_wire::signing::{keyring_text, Signer};
@@ -482,6 +503,7 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
         gateway: dir.join("gateway.key"),
         examples: dir.join("examples.key"),
         kek: dir.join("kek.yaml"),
+        publisher: dir.join("publisher.key"),
     };
     std::fs::create_dir_all(&dir)?;
     if !keys.kek.exists() {
@@ -490,22 +512,33 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
         let text = sortie_seal::kek::Keyring::generate("*", "dev-kek-1")?;
         crate::keys::write_secret(&keys.kek, &text)?;
     }
-    if keys.keyring.exists() && keys.gateway.exists() && keys.examples.exists() {
+    let made = [
+        &keys.keyring,
+        &keys.gateway,
+        &keys.examples,
+        &keys.publisher,
+    ];
+    if made.iter().all(|path| path.exists()) {
         return Ok(keys);
     }
     let gateway = Signer::generate("dev-gateway")?;
     let examples = Signer::generate("dev-examples")?;
+    let publisher = Signer::generate("dev-publisher")?;
     let tenants = ["dev".to_owned()];
     let roles = ["approver".to_owned(), "operator".to_owned()];
+    let mut publishes = publisher.entry(DEV_PUBLISHER, &["*".to_owned()], &[], false);
+    publishes.publisher = true;
     let entries = [
         gateway.entry("gateway", &tenants, &[], true),
         examples.entry("svc:python-example", &tenants, &roles, false),
+        publishes,
     ];
-    for path in [&keys.gateway, &keys.examples] {
+    for path in [&keys.gateway, &keys.examples, &keys.publisher] {
         let _ = std::fs::remove_file(path);
     }
     crate::keys::write_secret(&keys.gateway, &gateway.to_file())?;
     crate::keys::write_secret(&keys.examples, &examples.to_file())?;
+    crate::keys::write_secret(&keys.publisher, &publisher.to_file())?;
     std::fs::write(&keys.keyring, keyring_text(&entries))?;
     Ok(keys)
 }

@@ -148,6 +148,13 @@ pub struct Args {
     /// reducers that require signatures take the gateway's commands only signed.
     #[arg(long, env = "SORTIE_SIGNING_KEY")]
     signing_key: Option<PathBuf>,
+    /// The keyring graph publications are checked against (the reducers' `--keyring`):
+    /// graphs whose signature does not hold are not served as published.
+    #[arg(long, env = "SORTIE_KEYRING")]
+    keyring: Option<PathBuf>,
+    /// Refuse unsigned graphs too (with --keyring), like the reducers.
+    #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
+    require_signatures: bool,
     /// Crash tests only: die on purpose at this point (gateway.after_publish).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
@@ -179,6 +186,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_streams_per_tenant = args.max_streams_per_tenant;
     config.fault = args.fault;
     config.signing_key = args.signing_key;
+    config.keyring = args.keyring;
+    config.require_signatures = args.require_signatures;
     if let Some(path) = &args.budgets_file {
         config.budgets = sortie_gateway::config::Budgets::load(path)?;
     }

@@ -31,12 +31,27 @@ enum Action {
         /// Graph files to publish.
         #[arg(required = true)]
         files: Vec<PathBuf>,
-        /// The principal recorded as the publisher.
+        /// The principal recorded as the publisher (with --signing-key: the key's
+        /// principal).
         #[arg(long, default_value = "cli")]
         by: String,
+        /// Sign each publication with this key file (a keyring entry with
+        /// `publisher: true`, `sortie keys new --publisher`): reducers and gateways that
+        /// require signatures take only signed graphs.
+        #[arg(long, env = "SORTIE_SIGNING_KEY")]
+        signing_key: Option<PathBuf>,
+        /// Check the versions already published against this keyring (the reducers'):
+        /// an unsigned or forged record neither counts as published nor blocks the real
+        /// one. Without it, only the signing key's own signatures are trusted.
+        #[arg(long, env = "SORTIE_KEYRING", requires = "signing_key")]
+        keyring: Option<PathBuf>,
     },
     /// List every published graph version.
-    List,
+    List {
+        /// List only the versions a publisher key of this keyring signed, with the key.
+        #[arg(long, env = "SORTIE_KEYRING")]
+        keyring: Option<PathBuf>,
+    },
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -44,15 +59,29 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let kafka = options.kafka_config()?;
     let topics = Topics::new(options.prefix);
     match args.action {
-        Action::Publish { files, by } => {
+        Action::Publish {
+            files,
+            by,
+            signing_key,
+            keyring,
+        } => {
             // Every file is validated before anything is published.
             let loaded = load(&files)?;
+            let signer = signing_key
+                .as_deref()
+                .map(sortie_wire::signing::Signer::load)
+                .transpose()?;
+            let trust = trust(keyring.as_deref())?;
             let codec = codec(&options.registry_url, &topics).await?;
-            publish(&kafka, &codec, &topics, &loaded, &by).await
+            let signing = Signing {
+                signer: signer.as_ref(),
+                trust: trust.as_ref(),
+            };
+            publish(&kafka, &codec, &topics, &loaded, &by, signing).await
         }
-        Action::List => {
+        Action::List { keyring } => {
             let codec = codec(&options.registry_url, &topics).await?;
-            list(&kafka, codec, &topics).await
+            list(&kafka, codec, &topics, trust(keyring.as_deref())?).await
         }
     }
 }
@@ -98,12 +127,32 @@ fn load(files: &[PathBuf]) -> anyhow::Result<Vec<Graph>> {
     Ok(loaded)
 }
 
+/// The graphs a keyring's publisher keys signed, and no unsigned one.
+fn trust(keyring: Option<&std::path::Path>) -> anyhow::Result<Option<graphs::Trust>> {
+    keyring
+        .map(|path| {
+            Ok(graphs::Trust {
+                keyring: sortie_wire::signing::Keyring::load(path)?,
+                require: true,
+            })
+        })
+        .transpose()
+}
+
+/// How publications are signed and the table read before publishing.
+#[derive(Clone, Copy)]
+struct Signing<'a> {
+    signer: Option<&'a sortie_wire::signing::Signer>,
+    trust: Option<&'a graphs::Trust>,
+}
+
 async fn publish(
     kafka: &KafkaConfig,
     codec: &Codec,
     topics: &Topics,
     loaded: &[Graph],
     by: &str,
+    signing: Signing<'_>,
 ) -> anyhow::Result<()> {
     let mut refused = 0;
     for graph in loaded {
@@ -111,7 +160,18 @@ async fn publish(
         let graph = &graphs::pin(graph)
             .await
             .with_context(|| format!("publishing {}", graph.key()))?;
-        match graphs::publish(kafka, codec, topics, graph, by, now_ms()).await {
+        let published = graphs::publish_signed(
+            kafka,
+            codec,
+            topics,
+            graph,
+            by,
+            now_ms(),
+            signing.signer,
+            signing.trust,
+        )
+        .await;
+        match published {
             Ok(Published::Published { .. }) => {
                 println!("published {}", graph.key());
                 for server in &graph.mcp_servers {
@@ -145,12 +205,18 @@ async fn publish(
     Ok(())
 }
 
-async fn list(kafka: &KafkaConfig, codec: Codec, topics: &Topics) -> anyhow::Result<()> {
+async fn list(
+    kafka: &KafkaConfig,
+    codec: Codec,
+    topics: &Topics,
+    trust: Option<graphs::Trust>,
+) -> anyhow::Result<()> {
     let kafka = kafka.clone();
     let topics = topics.clone();
     let runtime = tokio::runtime::Handle::current();
     let lines = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<String>> {
         let mut table = GraphTable::open(&kafka, &topics, Arc::new(codec), runtime)?;
+        table.set_trust(trust);
         table.catch_up(PATIENCE)?;
         Ok(table
             .graphs()
@@ -160,8 +226,13 @@ async fn list(kafka: &KafkaConfig, codec: Codec, topics: &Topics) -> anyhow::Res
                 let origin = table
                     .publication(&key)
                     .map(|p| {
+                        let signed = p
+                            .signed_by
+                            .as_ref()
+                            .map(|key| format!(", signed by key {key}"))
+                            .unwrap_or_default();
                         format!(
-                            "  published by {} at {}",
+                            "  published by {} at {}{signed}",
                             p.published_by,
                             rfc3339(p.published_at)
                         )

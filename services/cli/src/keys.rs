@@ -1,4 +1,5 @@
-//! `sortie keys new`: a command-signing key (its secret file) and its keyring entry.
+//! `sortie keys new`: a command- (or graph-) signing key (its secret file) and its keyring
+//! entry.
 //! `sortie keys kek`: a tenant key-encryption key for sealed run payloads.
 //!
 //! The secret file goes to the signer (a service's secret, the gateway's
@@ -60,6 +61,10 @@ struct NewArgs {
     /// Signs for principals it authenticated itself (the gateway's key).
     #[arg(long)]
     delegate: bool,
+    /// May sign graph publications (`sortie graph publish --signing-key`) as its
+    /// principal, for its tenants (`*`: graphs of every tenant).
+    #[arg(long)]
+    publisher: bool,
     /// Where to write the secret key file (refused if it exists).
     #[arg(long)]
     secret: PathBuf,
@@ -122,6 +127,7 @@ fn new(args: NewArgs) -> anyhow::Result<()> {
     let signer = Signer::generate(&args.id)?;
     let mut entry = signer.entry(&args.principal, &args.tenants, &args.roles, args.delegate);
     entry.groups = args.groups;
+    entry.publisher = args.publisher;
     entries.push(entry);
     write_secret(&args.secret, &signer.to_file())?;
     std::fs::write(&args.keyring, keyring_text(&entries))

@@ -66,14 +66,31 @@ pub struct Args {
     /// Largest record value accepted; larger ones are dead-lettered.
     #[arg(long, env = "SORTIE__REDUCER__MAX_PAYLOAD_BYTES", default_value_t = 1024 * 1024)]
     max_payload_bytes: usize,
-    /// The keyring command signatures are checked against (YAML `keys: [...]`, see
-    /// `sortie keys new`); re-read when the file changes.
+    /// The keyring command and graph signatures are checked against (YAML `keys: [...]`,
+    /// see `sortie keys new`); re-read when the file changes.
     #[arg(long, env = "SORTIE_KEYRING")]
     keyring: Option<PathBuf>,
-    /// Refuse unsigned commands (`CommandRejected{code: unauthenticated}`). Production
-    /// sets it; without it unsigned commands are taken as before, signed ones are checked.
+    /// Refuse unsigned commands (`CommandRejected{code: unauthenticated}`) and unsigned
+    /// graphs (not taken as published). Production sets it; without it unsigned ones are
+    /// taken as before, signed ones are checked.
     #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
     require_signatures: bool,
+    /// A signed command is refused (`outside_window`) unless it was issued at most this
+    /// long before the broker took it; its command id is remembered that long, and a copy
+    /// is refused (`replayed`).
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__COMMAND_WINDOW_MS",
+        default_value_t = 300_000
+    )]
+    command_window_ms: u64,
+    /// How far after the broker's time a signed command's `issued_at` may be (clocks).
+    #[arg(
+        long,
+        env = "SORTIE__REDUCER__COMMAND_SKEW_MS",
+        default_value_t = 30_000
+    )]
+    command_skew_ms: u64,
     #[command(flatten)]
     seal: crate::seal::SealArgs,
     /// How long past its own timeout a Kafka transactional call may block before the
@@ -121,6 +138,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_payload_bytes = args.max_payload_bytes;
     config.keyring = args.keyring;
     config.require_signatures = args.require_signatures;
+    config.command_window = Duration::from_millis(args.command_window_ms);
+    config.command_skew = Duration::from_millis(args.command_skew_ms);
     config.seal = args.seal.config();
     config.stall_grace = Duration::from_millis(args.stall_grace_ms);
     config.fault = args.fault;

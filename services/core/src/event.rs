@@ -24,8 +24,8 @@ pub struct Event {
 }
 
 impl Event {
-    /// This event as a view shows it once its run was forgotten: every payload it
-    /// carried dropped, as [`crate::RunState::forget`] drops them from the state. The
+    /// This event as a view shows it once its run was forgotten: every payload and free
+    /// text (comment, error message, reason) it carried dropped, as [`crate::RunState::forget`] drops them from the state. The
     /// hashes stay those of the event as written (the history in Kafka is unchanged, and
     /// `audit replay --verify` checks that history, not a view).
     pub fn forget(&mut self) {
@@ -48,23 +48,29 @@ impl Event {
             EventBody::InterruptDecided {
                 payload,
                 edited_args,
+                comment,
                 ..
             }
             | EventBody::DecisionBuffered {
                 payload,
                 edited_args,
+                comment,
                 ..
             } => {
                 *payload = None;
                 *edited_args = None;
+                *comment = None;
             }
-            EventBody::RunStatusChanged { output, .. } => *output = None,
+            EventBody::RunStatusChanged { output, reason, .. } => {
+                *output = None;
+                *reason = None;
+            }
+            EventBody::CancelRequested { reason, .. } => *reason = None,
             EventBody::CommandAccepted { .. }
             | EventBody::CommandRejected { .. }
             | EventBody::StepStarted { .. }
             | EventBody::InterruptEscalated { .. }
             | EventBody::InterruptExpired { .. }
-            | EventBody::CancelRequested { .. }
             | EventBody::RunForgotten { .. } => {}
         }
     }

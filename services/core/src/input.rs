@@ -98,15 +98,23 @@ pub enum CommandBody {
     },
 }
 
-/// Where a forked run starts: the source run's state at one of its versions, as the
-/// sender read it from the source's history (the fold sees one run per input, so the
-/// command carries what the new run needs).
+/// Where a forked run starts: the source run at one of its versions. The fold sees one
+/// run per input, so the command carries what the new run needs: the source's history,
+/// which the reducer holds to the source's chain head and folds up to `version`
+/// ([`crate::decide::fork::verified_source`]) — what a sender claims the state is never
+/// counts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ForkSource {
     pub run_id: String,
     pub version: i64,
-    /// The source's `RunState` at `version`, as JSON.
+    /// The source's `RunState` at `version`, as JSON: set by the reducer from what it
+    /// verified before the fold reads it. A sender's own value is not read by the reducer.
+    #[serde(default)]
     pub state: Value,
+    /// The source's whole history as written (every event, seq 1 to its last), needed to
+    /// fork at any version but the source's latest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<Vec<crate::event::Event>>,
 }
 
 impl CommandBody {

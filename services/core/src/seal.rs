@@ -72,6 +72,39 @@ fn each(value: &mut Option<Value>, f: &mut dyn FnMut(&mut Value)) {
     }
 }
 
+/// The prefix of a sealed free text: `"$sealed:v1.<base64url>"`. A run's free texts — an
+/// approver's comment, a step's error message, a cancel's or a status change's reason —
+/// say as much about the run as its payloads (a refund's reason, a customer's name in an
+/// error), and `sortie.run-events` keeps them for ever; so they are sealed like payloads,
+/// each kept in its own string field (the schema is unchanged). Ids, codes, statuses
+/// and the fold's own rejection sentences stay readable.
+pub const SEALED_TEXT: &str = "$sealed:";
+
+/// Hands a free text to `f` as a payload — a plain text as a JSON string, a sealed text as
+/// its sealed value — and writes back what `f` leaves as text (a sealed value as a sealed
+/// text, a destroyed key's `null` as empty).
+fn text(text: &mut String, f: &mut dyn FnMut(&mut Value)) {
+    let mut value = match text.strip_prefix(SEALED_TEXT) {
+        Some(sealed) => serde_json::json!({ SEALED: sealed }),
+        None => Value::String(std::mem::take(text)),
+    };
+    f(&mut value);
+    *text = match value {
+        Value::String(plain) => plain,
+        Value::Null => String::new(),
+        other => match sealed_text(&other) {
+            Some(sealed) => format!("{SEALED_TEXT}{sealed}"),
+            None => other.to_string(),
+        },
+    };
+}
+
+fn each_text(value: &mut Option<String>, f: &mut dyn FnMut(&mut Value)) {
+    if let Some(value) = value {
+        text(value, f);
+    }
+}
+
 /// The payloads inside a `RunStarted.forked_from`: the carried steps' arguments and
 /// outputs and the carried interrupts' proposals and decisions — each sealed on its own,
 /// like the state they become, so the fork's structure stays readable and `evolve` can
@@ -102,8 +135,29 @@ fn fork_payloads(fork: &mut Value, f: &mut dyn FnMut(&mut Value)) {
 }
 
 impl Event {
-    /// Calls `f` on every payload this event carries.
+    /// Calls `f` on every payload this event carries, its free texts included (each as
+    /// a JSON string, see [`SEALED_TEXT`]).
     pub fn map_payloads(&mut self, f: &mut dyn FnMut(&mut Value)) {
+        self.map_values(f, true);
+    }
+
+    fn map_texts(&mut self, f: &mut dyn FnMut(&mut Value)) {
+        match &mut self.body {
+            EventBody::StepFailed { message, .. }
+            | EventBody::StepOutcomeUnknown { message, .. } => text(message, f),
+            EventBody::OperationReconciled { error, .. } => each_text(error, f),
+            EventBody::InterruptDecided { comment, .. }
+            | EventBody::DecisionBuffered { comment, .. } => each_text(comment, f),
+            EventBody::CancelRequested { reason, .. }
+            | EventBody::RunStatusChanged { reason, .. } => each_text(reason, f),
+            _ => {}
+        }
+    }
+
+    fn map_values(&mut self, f: &mut dyn FnMut(&mut Value), texts: bool) {
+        if texts {
+            self.map_texts(f);
+        }
         match &mut self.body {
             EventBody::RunStarted {
                 input, forked_from, ..
@@ -152,6 +206,13 @@ impl Event {
     pub fn sealed(&self, seal: &dyn Seal) -> Event {
         sealed_copy(self, Event::map_payloads, seal)
     }
+
+    /// This event as a build that did not seal free texts wrote it under `seal` (its
+    /// payloads sealed, its texts plain): what the hash of an event written before texts
+    /// were sealed was taken over.
+    pub fn sealed_before_texts(&self, seal: &dyn Seal) -> Event {
+        sealed_copy(self, |e, f| e.map_values(f, false), seal)
+    }
 }
 
 /// A type's `map_payloads`.
@@ -175,6 +236,10 @@ impl RunState {
         for step in self.steps.values_mut() {
             f(&mut step.args);
             each(&mut step.output, f);
+            each_text(&mut step.error, f);
+        }
+        if let Some(ending) = &mut self.ending {
+            text(&mut ending.reason, f);
         }
         for interrupt in self.interrupts.values_mut() {
             f(&mut interrupt.proposal);
@@ -185,6 +250,7 @@ impl RunState {
         for decision in &mut self.buffered {
             each(&mut decision.payload, f);
             each(&mut decision.edited_args, f);
+            each_text(&mut decision.comment, f);
         }
     }
 
@@ -221,18 +287,28 @@ impl Input {
                                 fork.state = value;
                             }
                         }
+                        for event in fork.history.iter_mut().flatten() {
+                            event.map_payloads(f);
+                        }
                     }
                 }
                 CommandBody::ResumeRun {
                     payload,
                     edited_args,
+                    comment,
                     ..
                 } => {
                     each(payload, f);
                     each(edited_args, f);
+                    each_text(comment, f);
                 }
-                CommandBody::ReconcileOperation { output, .. } => each(output, f),
-                CommandBody::CancelRun { .. } | CommandBody::ForgetRun { .. } => {}
+                CommandBody::ReconcileOperation { output, error, .. } => {
+                    each(output, f);
+                    each_text(error, f);
+                }
+                CommandBody::CancelRun { reason } => each_text(reason, f),
+                // Why a run was forgotten stays readable: it is the audit summary's.
+                CommandBody::ForgetRun { .. } => {}
             },
             Input::StepReport(report) => {
                 if let StepOutcome::Succeeded { output } = &mut report.outcome {
@@ -258,6 +334,53 @@ mod tests {
         fn active(&self) -> bool {
             true
         }
+    }
+
+    #[test]
+    fn free_texts_are_sealed_in_their_string_fields_and_old_hashes_still_derive() {
+        let event = Event {
+            tenant: "t".into(),
+            run_id: "r".into(),
+            seq: 3,
+            state_version: 3,
+            at: 5,
+            command_id: Some("c".into()),
+            operation_id: None,
+            prev_hash: Some("h".into()),
+            hash: None,
+            body: EventBody::InterruptDecided {
+                interrupt_id: "i".into(),
+                proposal_hash: "p".into(),
+                approve: true,
+                decided_by: "user:alice".into(),
+                payload: None,
+                comment: Some("Jane Roe called".into()),
+                is_final: true,
+                edited_args: None,
+            },
+        };
+        let sealed = event.sealed(&Tagged);
+        let EventBody::InterruptDecided { comment, .. } = &sealed.body else {
+            panic!("body changed kind");
+        };
+        assert_eq!(
+            comment.as_deref(),
+            Some("$sealed:t.\"Jane Roe called\""),
+            "sealed in its own field"
+        );
+        // Opening hands the sealed text over as a sealed value, and writes back text.
+        let mut opened = sealed.clone();
+        opened.map_payloads(&mut |v| {
+            if let Some(text) = sealed_text(v) {
+                let inner = text.strip_prefix("t.").unwrap_or_default();
+                *v = serde_json::from_str(inner).unwrap_or(Value::Null);
+            }
+        });
+        assert_eq!(opened, event);
+        // An event written before texts were sealed: its payloads sealed, its texts not.
+        let before = event.sealed_before_texts(&Tagged);
+        assert_eq!(before.body, event.body, "no payload in this one");
+        assert_ne!(before.compute_hash(), sealed.compute_hash());
     }
 
     #[test]

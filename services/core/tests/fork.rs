@@ -123,6 +123,7 @@ fn fork(graphs: &Graphs, from: &RunState, run_id: &str, input: Value) -> Applied
         run_id: from.run_id.clone(),
         version: from.version,
         state: serde_json::to_value(from).unwrap(),
+        history: None,
     };
     let applied = apply(None, &start(run_id, 100, input, Some(source)), graphs);
     // Event-sourced: the new run's history alone rebuilds its state.
@@ -198,6 +199,7 @@ fn a_fork_must_carry_the_named_run_of_its_tenant() {
         run_id: "src".into(),
         version: 3,
         state: serde_json::to_value(&other).unwrap(),
+        history: None,
     };
     let applied = apply(
         None,
@@ -209,4 +211,221 @@ fn a_fork_must_carry_the_named_run_of_its_tenant() {
         &e.body,
         sortie_core::EventBody::CommandRejected { code, .. } if code == "bad_fork"
     )));
+}
+
+// ---------------------------------------------------------------- gates (issue #36 item 1)
+
+/// A payment whose transfer (idempotent) and wire (unsafe) each wait for an approver.
+const PAY: &str = "id: pay
+version: 1
+nodes:
+  - {id: quote, tool: echo, side_effect: pure, args: {amount: $input.amount}}
+  - id: transfer
+    tool: http
+    side_effect: idempotent
+    args: {amount: $steps.quote.output.amount, note: $interrupt.payload.note}
+    interrupt_before: {reason: money moves, required_role: approver, timeout: 1h}
+  - id: wire
+    tool: http
+    side_effect: unsafe
+    args: {amount: $input.amount}
+    interrupt_before: {reason: money moves, required_role: approver, timeout: 1h}
+edges:
+  - {from: quote, to: transfer}
+  - {from: transfer, to: wire}
+";
+
+fn pay_graphs() -> Graphs {
+    let mut graphs = Graphs::new();
+    graphs.insert(Graph::parse(PAY).unwrap()).unwrap();
+    graphs
+}
+
+fn pay_start(run_id: &str, at: i64, amount: i64, fork: Option<ForkSource>) -> Input {
+    let Input::Command(mut command) = start(run_id, at, json!({"amount": amount}), fork) else {
+        unreachable!()
+    };
+    if let CommandBody::StartRun { graph_id, .. } = &mut command.body {
+        *graph_id = "pay".into();
+    }
+    Input::Command(command)
+}
+
+/// The pay run up to its transfer approved (with the approver's note) and in flight:
+/// every version's state, and the whole history.
+fn pay_source(graphs: &Graphs) -> (BTreeMap<i64, RunState>, Vec<Event>) {
+    let mut versions = BTreeMap::new();
+    let mut history = Vec::new();
+    let mut state: Option<RunState> = None;
+    let mut step = |state: &mut Option<RunState>, input: Input| {
+        let applied = apply(state.as_ref(), &input, graphs);
+        history.extend(events(&applied).into_iter().filter(|e| e.seq > 0));
+        *state = applied.state;
+        let s = state.clone().unwrap();
+        versions.insert(s.version, s);
+    };
+    step(&mut state, pay_start("pay-src", 1, 30, None));
+    let quoted = succeed(state.as_ref().unwrap(), "quote#1", 2, json!({"amount": 30}));
+    step(&mut state, quoted);
+    let interrupt = state
+        .as_ref()
+        .unwrap()
+        .interrupts
+        .values()
+        .next()
+        .unwrap()
+        .clone();
+    let approve = Input::Command(Command {
+        command_id: "approve-1".into(),
+        tenant: "acme".into(),
+        run_id: "pay-src".into(),
+        principal: "user:alice".into(),
+        roles: vec!["approver".into()],
+        groups: vec![],
+        at: 3,
+        body: CommandBody::ResumeRun {
+            interrupt_id: interrupt.interrupt_id.clone(),
+            proposal_hash: interrupt.proposal_hash.clone(),
+            approve: true,
+            payload: Some(json!({"note": "checked with the customer"})),
+            comment: None,
+            edited_args: None,
+        },
+    });
+    step(&mut state, approve);
+    let s = state.as_ref().unwrap();
+    assert_eq!(s.steps["transfer#1"].status, StepStatus::InFlight);
+    assert_eq!(
+        s.steps["transfer#1"].args["note"], "checked with the customer",
+        "the approved call carries the approver's payload"
+    );
+    (versions, history)
+}
+
+fn fork_pay(graphs: &Graphs, from: &RunState, run_id: &str, amount: i64) -> Applied {
+    let source = ForkSource {
+        run_id: from.run_id.clone(),
+        version: from.version,
+        state: serde_json::to_value(from).unwrap(),
+        history: None,
+    };
+    apply(None, &pay_start(run_id, 100, amount, Some(source)), graphs)
+}
+
+/// Seen red: before forks took gates from the graph, the approved transfer in flight was
+/// dispatched again at once in the fork, its arguments rendered from the patched input
+/// without the approver's note — a call no approver saw.
+#[test]
+fn an_approved_gated_call_in_flight_is_proposed_again_not_dispatched() {
+    let graphs = pay_graphs();
+    let (versions, _) = pay_source(&graphs);
+    let at = versions.values().last().unwrap();
+    let applied = fork_pay(&graphs, at, "pay-fork", 999);
+    assert!(
+        dispatched(&applied).is_empty(),
+        "nothing gated runs without an approval in the fork: {:?}",
+        dispatched(&applied)
+    );
+    let state = applied.state.unwrap();
+    assert_eq!(state.status, RunStatus::WaitingApproval);
+    assert!(!state.steps.contains_key("transfer#1"));
+    let open: Vec<_> = state.open_interrupts().collect();
+    assert_eq!(open.len(), 1, "{:?}", state.interrupts);
+    assert_eq!(open[0].step_id, "transfer#1");
+    assert!(
+        open[0].approvals.is_empty(),
+        "no decision of the source counts"
+    );
+    assert!(
+        !at.interrupts.contains_key(&open[0].interrupt_id),
+        "a fresh interrupt of the fork"
+    );
+    // The source's approval is not carried: its call had not settled.
+    assert!(state
+        .interrupts
+        .values()
+        .all(|i| i.status != sortie_core::state::InterruptStatus::Approved));
+}
+
+/// Seen red: the fork read the side-effect class from the carried state, so a state
+/// claiming the gated `unsafe` wire is a `pure` step in flight had it dispatched at once.
+#[test]
+fn classes_and_gates_come_from_the_graph_not_the_carried_state() {
+    let graphs = pay_graphs();
+    let (versions, _) = pay_source(&graphs);
+    let mut forged = versions.values().last().unwrap().clone();
+    let mut wire = forged.steps["transfer#1"].clone();
+    wire.step_id = "wire#1".into();
+    wire.node = "wire".into();
+    wire.tool = "http".into();
+    wire.side_effect = sortie_core::SideEffect::Pure;
+    wire.args = json!({"amount": 1_000_000});
+    forged.steps.insert("wire#1".into(), wire);
+    let applied = fork_pay(&graphs, &forged, "pay-forged", 30);
+    assert!(
+        dispatched(&applied).is_empty(),
+        "{:?}",
+        dispatched(&applied)
+    );
+    let state = applied.state.unwrap();
+    assert_eq!(state.steps["wire#1"].status, StepStatus::NeedsOperator);
+    assert_eq!(
+        state.steps["wire#1"].side_effect,
+        sortie_core::SideEffect::Unsafe,
+        "the graph's class"
+    );
+}
+
+/// The reducer's check of a fork's source: the carried history, held to the head the
+/// reducer holds, decides the state — never a state the sender claims.
+#[test]
+fn a_forks_source_is_its_own_history_held_to_its_chain_head() {
+    use sortie_core::decide::fork::verified_source;
+    let graphs = pay_graphs();
+    let (versions, history) = pay_source(&graphs);
+    let head = versions.values().last().unwrap().clone();
+    let at = |version: i64, history: Option<Vec<Event>>| ForkSource {
+        run_id: head.run_id.clone(),
+        version,
+        state: serde_json::to_value(&versions[&1]).unwrap(),
+        history,
+    };
+    let plain = sortie_core::Plain;
+    // The latest version needs no history: the head is the state.
+    assert_eq!(
+        verified_source(&head, &at(head.version, None), &plain),
+        Ok(head.clone())
+    );
+    // An earlier one does, and gets the state the history folds to, whatever was claimed.
+    let err = verified_source(&head, &at(2, None), &plain).unwrap_err();
+    assert!(err.contains("must carry"), "{err}");
+    assert_eq!(
+        verified_source(&head, &at(2, Some(history.clone())), &plain),
+        Ok(versions[&2].clone())
+    );
+    // A cut history, an event changed, a forged history chained anew: refused.
+    let mut cut = history.clone();
+    cut.pop();
+    assert!(verified_source(&head, &at(2, Some(cut)), &plain).is_err());
+    let mut changed = history.clone();
+    let success = changed
+        .iter_mut()
+        .find_map(|e| match &mut e.body {
+            sortie_core::EventBody::StepSucceeded { output, .. } => Some(output),
+            _ => None,
+        })
+        .expect("quote's success");
+    *success = json!({"amount": 1});
+    let err = verified_source(&head, &at(2, Some(changed.clone())), &plain).unwrap_err();
+    assert!(err.contains("does not hash"), "{err}");
+    let mut prev = None;
+    for event in &mut changed {
+        event.prev_hash = prev.clone();
+        event.hash = Some(event.compute_hash());
+        prev = event.hash.clone();
+    }
+    let err = verified_source(&head, &at(2, Some(changed)), &plain).unwrap_err();
+    assert!(err.contains("chain head"), "{err}");
+    let err = verified_source(&head, &at(99, Some(history)), &plain).unwrap_err();
+    assert!(err.contains("no version"), "{err}");
 }

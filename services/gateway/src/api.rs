@@ -60,6 +60,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
             post(reconcile),
         )
+        .route(
+            "/v1/runs/{run_id}/operations/{operation_id}/why",
+            get(crate::why::why),
+        )
         .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -202,7 +206,11 @@ pub(crate) fn read_failed(run_id: &str) -> impl Fn(crate::store::Error) -> ApiEr
     }
 }
 
-fn visible_run(app: &AppState, caller: &Caller, run_id: &str) -> Result<StoredRun, ApiError> {
+pub(crate) fn visible_run(
+    app: &AppState,
+    caller: &Caller,
+    run_id: &str,
+) -> Result<StoredRun, ApiError> {
     known_run(app, caller, run_id)?.ok_or_else(|| ApiError::unknown_run(run_id))
 }
 
@@ -1151,6 +1159,31 @@ async fn blob(
 
 /// The run's state after `version`: every version is recoverable from history, by
 /// folding the events up to it.
+/// Every event of `run_id`'s history in the view, in order.
+pub(crate) fn history(app: &AppState, run_id: &str) -> Result<Vec<sortie_core::Event>, ApiError> {
+    let mut out: Vec<sortie_core::Event> = Vec::new();
+    loop {
+        let page = app
+            .view()
+            .store
+            .events(run_id, out.len() as i64, 512)
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        if page.is_empty() {
+            return Ok(out);
+        }
+        for event in page {
+            if event.seq != out.len() as i64 + 1 {
+                return Err(ApiError::new(
+                    StatusCode::GONE,
+                    "history_incomplete",
+                    format!("the view lacks event {} of this run", out.len() + 1),
+                ));
+            }
+            out.push(event);
+        }
+    }
+}
+
 fn state_at(
     app: &AppState,
     run_id: &str,
@@ -1259,19 +1292,50 @@ async fn fork_run(
         return Err(unknown());
     }
     let source = state_at(&app, &run_id, body.at_version)?.ok_or_else(unknown)?;
-    let new_id =
-        match (body.run_id, &key) {
-            (Some(id), _) if valid_id(&id) && id != run_id => id,
-            (Some(_), _) => return Err(ApiError::bad_request(
+    // The reducer checks a fork against the source's chain head, which only the owner of
+    // the source's partition holds: the fork's run id is on that partition too.
+    let partition = app.partition_of(&run_id);
+    let new_id = match (body.run_id, &key) {
+        (Some(id), _) if valid_id(&id) && id != run_id => {
+            if app.partition_of(&id) != partition {
+                return Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "fork_partition",
+                    format!(
+                        "run_id {id} is on another partition than run {run_id}: a fork's run id must be on its source's partition (leave run_id out and the gateway picks one)"
+                    ),
+                ));
+            }
+            id
+        }
+        (Some(_), _) => {
+            return Err(ApiError::bad_request(
                 "invalid_run_id",
                 "run_id must be 1 to 128 characters of A-Z a-z 0-9 _ - . : @, and not the source's",
-            )),
-            (None, Some(key)) => {
-                let digest = sortie_core::json::sha256_hex(&[&caller.tenant, "fork", key]);
+            ))
+        }
+        (None, Some(key)) => (0u32..)
+            .map(|n| {
+                let digest = match n {
+                    0 => sortie_core::json::sha256_hex(&[&caller.tenant, "fork", key]),
+                    n => sortie_core::json::sha256_hex(&[
+                        &caller.tenant,
+                        "fork",
+                        key,
+                        &n.to_string(),
+                    ]),
+                };
                 format!("run_{}", &digest[..26])
-            }
-            (None, None) => format!("run_{}", Ulid::generate()),
-        };
+            })
+            .find(|id| app.partition_of(id) == partition)
+            .unwrap_or_default(),
+        (None, None) => std::iter::repeat_with(|| format!("run_{}", Ulid::generate()))
+            .find(|id| app.partition_of(id) == partition)
+            .unwrap_or_default(),
+    };
+    // The source's whole history: the reducer re-derives the state at the version from
+    // it, held to the source's chain head (what a command claims a state is never counts).
+    let history = history(&app, &run_id)?;
     let input = match &body.input_patch {
         Some(patch) => merge_patch(source.input.clone(), patch),
         None => source.input.clone(),
@@ -1283,8 +1347,8 @@ async fn fork_run(
         use sortie_seal::Seal as _;
         seal.seal(&input)
     };
-    let sealed_source = source.sealed(&seal);
-    let fork = json!({"run_id": run_id, "version": body.at_version, "state": sealed_source});
+    let history: Vec<sortie_core::Event> = history.iter().map(|e| e.sealed(&seal)).collect();
+    let fork = json!({"run_id": run_id, "version": body.at_version, "history": history});
     let command = command(
         &caller,
         &new_id,

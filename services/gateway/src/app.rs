@@ -140,12 +140,24 @@ impl AppState {
         )
         .await?;
         let stop_graphs = Arc::new(AtomicBool::new(false));
+        if config.require_signatures && config.keyring.is_none() {
+            return Err(Error::SigningKey(sortie_wire::signing::KeyError::Invalid {
+                what: "--require-signatures".into(),
+                reason: "signed graphs are required but no keyring is given (--keyring)".into(),
+            }));
+        }
+        let keyring = config
+            .keyring
+            .as_deref()
+            .map(sortie_wire::signing::KeyringFile::load)
+            .transpose()?;
         let graphs = Catalog::start(
             config.kafka.clone(),
             topics.clone(),
             codec.clone(),
             tokio::runtime::Handle::current(),
             stop_graphs.clone(),
+            keyring.map(|file| (file, config.require_signatures)),
         );
         tokio::spawn(auth::watch(auth.clone(), stop.subscribe()));
         Ok(AppState {
@@ -208,12 +220,22 @@ impl AppState {
         self.inner.stop.subscribe()
     }
 
+    /// The partition of the co-partitioned topics `run_id` lives on.
+    pub(crate) fn partition_of(&self, run_id: &str) -> i32 {
+        partition_for(run_id.as_bytes(), self.inner.partitions)
+    }
+
     pub(crate) fn view(&self) -> &View {
         &self.inner.view
     }
 
     pub(crate) fn config(&self) -> &GatewayConfig {
         &self.inner.config
+    }
+
+    /// The registry codec, and the partition count of the co-partitioned topics.
+    pub(crate) fn codec(&self) -> (Arc<Codec>, u32) {
+        (self.inner.codec.clone(), self.inner.partitions)
     }
 
     /// `value` as a command carries it: with a blob store, the parts over its threshold are

@@ -78,6 +78,13 @@ pub struct GatewayConfig {
     /// reducers' keyring: it signs for the principals its bearer tokens authenticate).
     #[serde(default)]
     pub signing_key: Option<PathBuf>,
+    /// The keyring graph publications are checked against (the reducers'): with one, a
+    /// graph whose signature does not hold is not served as published.
+    #[serde(default)]
+    pub keyring: Option<PathBuf>,
+    /// Refuse unsigned graphs too (the reducers' `--require-signatures`).
+    #[serde(default)]
+    pub require_signatures: bool,
     /// Where a run's large input and large decision payloads are stored (by reference),
     /// and where `GET /v1/runs/{id}/blobs/{sha256}` reads. `None`: payloads stay inline.
     #[serde(default)]
@@ -271,6 +278,8 @@ impl GatewayConfig {
             fault: None,
             budgets: Budgets::default(),
             signing_key: None,
+            keyring: None,
+            require_signatures: false,
             blobs: None,
             seal: None,
         }

@@ -1,6 +1,8 @@
 //! Which graphs are published, so a start naming an unknown graph is answered 422 without
 //! publishing anything. The reducer's [`GraphTable`] is blocking: it runs on its own thread
-//! and shares a snapshot of `graph_id → versions`.
+//! and shares a snapshot of `graph_id → versions`. With a keyring it takes only graphs a
+//! publisher key signed (and, with `--require-signatures`, no unsigned one), as the
+//! reducers do (`sortie_catalog::Trust`); the keyring file is read again when it changes.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,15 +10,18 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use sortie_catalog::GraphTable;
+use sortie_catalog::{GraphTable, Publication, Trust};
 use sortie_core::graph::{Access, OnReject};
-use sortie_core::Graphs;
+use sortie_core::{Graph, Graphs};
 use sortie_kafka::KafkaConfig;
+use sortie_wire::signing::KeyringFile;
 use sortie_wire::{Codec, Topics};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 const POLL: Duration = Duration::from_millis(500);
+/// How often the keyring file is looked at for a change.
+const KEYRING_RECHECK: Duration = Duration::from_secs(2);
 
 /// The published graphs as far as this gateway knows.
 #[derive(Debug)]
@@ -24,6 +29,8 @@ pub struct Catalog {
     known: RwLock<BTreeMap<String, BTreeSet<u32>>>,
     /// The published definitions (the inbox tells what rejecting a proposal does).
     graphs: RwLock<Graphs>,
+    /// Who published each version, and the key whose signature the table verified.
+    publications: RwLock<BTreeMap<String, Publication>>,
     /// The table caught up at least once; before that nothing is refused for its graph.
     loaded: AtomicBool,
     refresh: mpsc::Sender<oneshot::Sender<()>>,
@@ -37,18 +44,24 @@ impl Catalog {
         codec: Arc<Codec>,
         runtime: Handle,
         stop: Arc<AtomicBool>,
+        keyring: Option<(KeyringFile, bool)>,
     ) -> Arc<Catalog> {
         let (refresh, requests) = mpsc::channel();
         let catalog = Arc::new(Catalog {
             known: RwLock::new(BTreeMap::new()),
             graphs: RwLock::new(Graphs::new()),
+            publications: RwLock::new(BTreeMap::new()),
             loaded: AtomicBool::new(false),
             refresh,
         });
         let shared = catalog.clone();
         std::thread::Builder::new()
             .name("gateway-graphs".into())
-            .spawn(move || follow(&shared, &kafka, &topics, codec, runtime, &stop, &requests))
+            .spawn(move || {
+                follow(
+                    &shared, &kafka, &topics, codec, runtime, &stop, &requests, keyring,
+                )
+            })
             .map_err(|error| tracing::error!(%error, "Cannot start the graph table thread."))
             .ok();
         catalog
@@ -101,6 +114,16 @@ impl Catalog {
         graphs.get(graph_id, version).map(|g| g.access.clone())
     }
 
+    /// A graph version as published, and its publication (`audit why`'s graph link).
+    pub fn version(&self, graph_id: &str, version: u32) -> (Option<Graph>, Option<Publication>) {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        let publications = self.publications.read().unwrap_or_else(|e| e.into_inner());
+        (
+            graphs.get(graph_id, Some(version)).cloned(),
+            publications.get(&format!("{graph_id}@{version}")).cloned(),
+        )
+    }
+
     fn update(&self, table: &GraphTable) {
         let mut known = BTreeMap::<String, BTreeSet<u32>>::new();
         for graph in table.graphs().all() {
@@ -111,9 +134,16 @@ impl Catalog {
         }
         *self.known.write().unwrap_or_else(|e| e.into_inner()) = known;
         *self.graphs.write().unwrap_or_else(|e| e.into_inner()) = table.graphs().clone();
+        let publications = table
+            .graphs()
+            .all()
+            .filter_map(|g| table.publication(&g.key()).map(|p| (g.key(), p.clone())))
+            .collect();
+        *self.publications.write().unwrap_or_else(|e| e.into_inner()) = publications;
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn follow(
     catalog: &Catalog,
     kafka: &KafkaConfig,
@@ -122,13 +152,23 @@ fn follow(
     runtime: Handle,
     stop: &AtomicBool,
     requests: &mpsc::Receiver<oneshot::Sender<()>>,
+    mut keyring: Option<(KeyringFile, bool)>,
 ) {
+    let trust = |keyring: &Option<(KeyringFile, bool)>| {
+        keyring.as_ref().map(|(file, require)| Trust {
+            keyring: file.ring().clone(),
+            require: *require,
+        })
+    };
     let mut table = loop {
         if stop.load(Ordering::Relaxed) {
             return;
         }
         match GraphTable::open(kafka, topics, codec.clone(), runtime.clone()) {
-            Ok(table) => break table,
+            Ok(mut table) => {
+                table.set_trust(trust(&keyring));
+                break table;
+            }
             Err(error) => {
                 tracing::warn!(%error, "The graph table does not open yet; retrying.");
                 std::thread::sleep(Duration::from_secs(1));
@@ -149,6 +189,19 @@ fn follow(
         }
     }
     while !stop.load(Ordering::Relaxed) {
+        if let Some((file, _)) = &mut keyring {
+            match file.refresh(KEYRING_RECHECK) {
+                Ok(true) => {
+                    tracing::info!(path = %file.path().display(), "Graph keyring changed; reloaded.");
+                    table.set_trust(trust(&keyring));
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    tracing::warn!(%error, "The graph keyring changed but does not load; keeping the last good one.");
+                }
+            }
+        }
+        crate::metrics::graphs_untrusted(table.untrusted());
         match requests.recv_timeout(POLL) {
             Ok(reply) => {
                 if let Err(error) = table.catch_up(Duration::from_secs(3)) {

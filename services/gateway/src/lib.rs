@@ -26,6 +26,7 @@ mod render;
 pub mod store;
 mod ui;
 pub mod view;
+mod why;
 
 /// Epoch milliseconds as the API's RFC 3339 timestamps (`ts`, a checkpoint's `created_at`).
 pub use render::rfc3339;

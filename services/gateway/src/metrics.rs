@@ -33,6 +33,8 @@ pub const COMMANDS_PUBLISHED: &str = "sortie_gateway_commands_published_total";
 /// Runs the view has quarantined: it could not read, fold or store them (see
 /// `crate::view`). Every other run is served; these answer `run_unreadable`.
 pub const QUARANTINED_RUNS: &str = "sortie_gateway_view_quarantined_runs";
+/// Graph records refused for their signature since the process started (gauge).
+pub const GRAPHS_UNTRUSTED: &str = "sortie_gateway_graph_records_untrusted";
 
 /// Explicit buckets: without them the exporter renders histograms as summaries.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[(
@@ -62,6 +64,14 @@ pub fn describe() {
         QUARANTINED_RUNS,
         "Runs the gateway's view could not read, fold or store and set aside (their reads answer run_unreadable); every other run is served."
     );
+    describe_gauge!(
+        GRAPHS_UNTRUSTED,
+        "Graph records refused for their signature (unsigned where signatures are required, or one that does not hold) since the process started."
+    );
+}
+
+pub(crate) fn graphs_untrusted(count: usize) {
+    metrics::gauge!(GRAPHS_UNTRUSTED).set(count as f64);
 }
 
 static EXPORTER: OnceLock<PrometheusHandle> = OnceLock::new();

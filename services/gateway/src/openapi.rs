@@ -155,6 +155,29 @@ pub fn document() -> Value {
                         "comment": {"type": "string"}
                     }
                 },
+                "Why": {
+                    "type": "object",
+                    "required": ["operation_id", "run_id", "tenant", "verified", "links"],
+                    "properties": {
+                        "operation_id": {"type": "string"},
+                        "run_id": {"type": "string"},
+                        "tenant": {"type": "string"},
+                        "verified": {"type": "boolean", "description": "Every link verified."},
+                        "links": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["link", "status", "facts"],
+                                "properties": {
+                                    "link": {"type": "string", "enum": ["history", "effect", "graph", "approval", "proposal", "request"]},
+                                    "status": {"type": "string", "enum": ["verified", "broken", "unchecked"]},
+                                    "facts": {"type": "object", "description": "What the link is about, as read and recomputed."},
+                                    "problems": {"type": "array", "items": {"type": "string"}, "description": "Why it is broken or cannot be checked."}
+                                }
+                            }
+                        }
+                    }
+                },
                 "Fork": {
                     "type": "object",
                     "required": ["at_version"],
@@ -162,7 +185,7 @@ pub fn document() -> Value {
                     "properties": {
                         "at_version": {"type": "integer", "description": "The source's state version (ckpt_<run>_<version>)."},
                         "input_patch": {"description": "A JSON merge patch (RFC 7386) applied to the source's input."},
-                        "run_id": {"type": "string", "description": "The new run's id; derived from Idempotency-Key, else run_<ulid>."},
+                        "run_id": {"type": "string", "description": "The new run's id, on the source's partition (422 fork_partition otherwise: the reducer that owns that partition checks the fork against the source's chain head); derived from Idempotency-Key, else run_<ulid>, on that partition."},
                         "labels": {"type": "object", "additionalProperties": {"type": "string"}, "description": "The new run's labels; the source's when absent."}
                     }
                 },
@@ -341,7 +364,8 @@ pub fn document() -> Value {
                     "requestBody": body("Fork", true),
                     "responses": write_errors(json!({
                         "201": ok("The new run: run_id, status, forked_from {run_id, version}.", "Written"),
-                        "410": error_response("run_forgotten: the run's retention passed and its payloads are gone (its checkpoints keep its shape only).")
+                        "410": error_response("run_forgotten: the run's retention passed and its payloads are gone (its checkpoints keep its shape only)."),
+                        "422": error_response("fork_partition: the chosen run_id is not on the source's partition.")
                     }))
                 }
             },
@@ -416,6 +440,22 @@ pub fn document() -> Value {
                     ],
                     "requestBody": body("Reconcile", true),
                     "responses": write_errors(json!({"200": ok("Accepted by the reducer.", "Written")}))
+                }
+            },
+            "/v1/runs/{run_id}/operations/{operation_id}/why": {
+                "get": {
+                    "summary": "Why did this side effect happen? The authorization chain of one operation, each link verified: history, effect (operation id, attempts, class, arguments' SHA-256), graph (version, publisher key), approval (each approver's signed command: partition, offset, key id, proposal hash), proposal, request (the model's tool call)",
+                    "security": security,
+                    "parameters": [
+                        run_id(),
+                        param("operation_id", "path", "The operation (the receiver's Idempotency-Key).", json!({"type": "string"}))
+                    ],
+                    "responses": read_errors(json!({
+                        "200": ok("The chain; verified is true only when every link is.", "Why"),
+                        "404": error_response("unknown_run, or unknown_operation: the run dispatched no such operation."),
+                        "410": error_response("run_forgotten: its arguments and proposals are gone."),
+                        "503": error_response("kafka_unavailable: sortie.commands could not be read.")
+                    }))
                 }
             },
             "/healthz": {

@@ -8,8 +8,8 @@
 //! opens events and state with the run's key when the auditor has the keys; without them
 //! (or once the key is destroyed) it compares the sealed forms, which agree except for
 //! what the fold derives from payloads (a run's spend, from its outputs' token usage; its
-//! limits, from a budget approval's payload): those two are taken as written and the
-//! report says the run was compared sealed.
+//! limits, from a budget approval's payload; a step's error, from its sealed message):
+//! those are taken as written and the report says the run was compared sealed.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -220,9 +220,18 @@ pub fn replay(
         let history = history.as_slice();
         let mut folded = history.iter().fold(None, evolve);
         if let (true, Some(f), Some(t)) = (sealed, folded.as_mut(), written.as_ref()) {
-            // Derived from payloads the fold could not read: taken as written.
+            // Derived from payloads the fold could not read: taken as written. A step's
+            // error is `<code>: <message>` (or `outcome unknown: <message>`), one text
+            // built from a sealed one, and sealed again as a whole.
             f.spend = t.spend.clone();
             f.budget = t.budget.clone();
+            for (id, step) in &mut f.steps {
+                if let Some(written) = t.steps.get(id) {
+                    if step.error.is_some() && written.error.is_some() {
+                        step.error.clone_from(&written.error);
+                    }
+                }
+            }
         }
         let written = written.as_ref();
         match (&folded, written) {
@@ -321,4 +330,119 @@ fn open_run(
         ));
     }
     Ok((history, written, false))
+}
+
+/// What `sortie audit why` found for one operation.
+#[derive(Debug)]
+pub struct Why {
+    pub chain: sortie_why::Chain,
+}
+
+/// The authorization chain of `operation_id` (`sortie_why`): the run that dispatched it
+/// (`run` when given, else found in every history), its history (opened with the run's
+/// key when `keys` are given), its graph version as a table trusting `keyring` reads it,
+/// and the commands that carried its approvals, looked up on `sortie.commands`.
+#[allow(clippy::too_many_arguments)]
+pub fn why(
+    kafka: &KafkaConfig,
+    topics: &Topics,
+    codec: std::sync::Arc<Codec>,
+    runtime: &Handle,
+    operation_id: &str,
+    run: Option<&str>,
+    keyring: Option<&sortie_wire::signing::Keyring>,
+    keys: Option<&sortie_seal::RunKeys>,
+) -> Result<Option<Why>, Error> {
+    let histories = histories(kafka, topics, &codec, runtime)?;
+    let dispatched = |history: &Vec<Event>| {
+        history.iter().any(|e| {
+            e.operation_id.as_deref() == Some(operation_id)
+                && matches!(e.body, sortie_core::EventBody::StepDispatched { .. })
+        })
+    };
+    let found = match run {
+        Some(run) => histories.get(run).map(|h| (run.to_owned(), h.clone())),
+        None => histories
+            .iter()
+            .find(|(_, h)| dispatched(h))
+            .map(|(run, h)| (run.clone(), h.clone())),
+    };
+    let Some((run_id, mut history)) = found else {
+        return Ok(None);
+    };
+    let tenant = history
+        .first()
+        .map(|e| e.tenant.clone())
+        .unwrap_or_default();
+    let mut any_sealed = false;
+    for event in &mut history {
+        event.map_payloads(&mut |v| any_sealed |= sortie_seal::is_sealed(v));
+    }
+    // Opened with the run's key, each event is sealed again to check its hash; without
+    // it, the hashes are checked as written and the payloads stay unread.
+    let (seal, readable) = match (keys, any_sealed) {
+        (_, false) => (sortie_seal::RunSeal::Plain, true),
+        (None, true) => (sortie_seal::RunSeal::Plain, false),
+        (Some(keys), true) => {
+            let seal = runtime
+                .block_on(keys.seal(&tenant, &run_id))
+                .map_err(|e| Error::Setup(format!("the data key of run {run_id}: {e}")))?;
+            let opened = !seal.is_destroyed()
+                && history
+                    .iter_mut()
+                    .all(|event| seal.open_all(|f| event.map_payloads(f)).is_ok());
+            if opened {
+                (seal, true)
+            } else {
+                // Read the history again as written: what opened is not what was hashed.
+                let written = histories.get(&run_id).cloned().unwrap_or_default();
+                history = written;
+                (sortie_seal::RunSeal::Plain, false)
+            }
+        }
+    };
+    let state = history.iter().fold(None, evolve);
+    let mut table = crate::graphs::GraphTable::open(kafka, topics, codec.clone(), runtime.clone())?;
+    table.set_trust(keyring.map(|ring| crate::graphs::Trust {
+        keyring: ring.clone(),
+        require: true,
+    }));
+    table.catch_up(Duration::from_secs(60))?;
+    let (graph, publication) = match &state {
+        Some(state) => (
+            table
+                .graphs()
+                .get(&state.graph_id, Some(state.graph_version))
+                .cloned(),
+            table
+                .publication(&format!("{}@{}", state.graph_id, state.graph_version))
+                .cloned(),
+        ),
+        None => (None, None),
+    };
+    let consumer: BaseConsumer = kafka.client().create()?;
+    let partitions = read::partition_ids(
+        consumer.client(),
+        &topics.commands(),
+        Duration::from_secs(10),
+    )?;
+    let mut commands = sortie_why::KafkaCommands::open(
+        kafka,
+        topics.commands(),
+        partitions.len() as u32,
+        codec.clone(),
+        runtime.clone(),
+    )
+    .map_err(Error::Setup)?;
+    let chain = sortie_why::why(sortie_why::Inputs {
+        operation_id,
+        history: &history,
+        seal: &seal,
+        readable,
+        graph: graph.as_ref(),
+        publication: publication.as_ref(),
+        keyring,
+        commands: &mut commands,
+    });
+    Ok(Some(Why { chain }))
 }

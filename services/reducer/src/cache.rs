@@ -17,6 +17,11 @@ use crate::txn::Committed;
 impl Engine {
     /// Writes a committed batch to sled and publishes its metrics; the batch is consumed.
     pub fn write_cache(&mut self, batch: PendingBatch, committed: Committed) -> Result<(), Error> {
+        // Committed: the command ids it took are taken (see `replay`).
+        for r in &batch.remembered {
+            self.replays
+                .remember(r.partition, r.key.clone(), r.issued_at, r.at);
+        }
         let mut sled = store::Batch::default();
         for (run_id, bytes) in committed.states {
             let Some(state) = batch.after.get(&run_id) else {

@@ -95,6 +95,10 @@ pub struct ReducerConfig {
     pub keyring: Option<PathBuf>,
     /// Refuse unsigned commands (production); without it they are taken as before.
     pub require_signatures: bool,
+    /// How long before the broker's time a signed command may have been issued, and how
+    /// far after it (clock skew); its id is remembered that long (see `replay`).
+    pub command_window: Duration,
+    pub command_skew: Duration,
     /// Seal run payloads with per-run data keys (see `sortie_seal`); `None`: plaintext.
     pub seal: Option<sortie_seal::SealConfig>,
     pub session_timeout: Duration,
@@ -131,6 +135,8 @@ impl ReducerConfig {
             max_payload_bytes: 1024 * 1024,
             keyring: None,
             require_signatures: false,
+            command_window: Duration::from_secs(300),
+            command_skew: Duration::from_secs(30),
             seal: None,
             session_timeout: Duration::from_secs(10),
             stall_grace: Duration::from_secs(30),
@@ -281,8 +287,16 @@ impl Reducer {
             let graphs = GraphTable::open(&graphs_kafka, topics, codec.clone(), runtime.clone())
                 .map_err(Error::from)
                 .and_then(|mut graphs| {
+                    // A graph's gates and classes are a trust root: with a keyring, only
+                    // graphs its publisher keys signed (see `sortie_catalog::Trust`).
+                    graphs.set_trust(keys.graph_trust());
                     let loaded = graphs.catch_up(Duration::from_secs(30))?;
-                    tracing::info!(graphs = loaded, "Graph table loaded.");
+                    tracing::info!(
+                        graphs = loaded,
+                        untrusted = graphs.untrusted(),
+                        "Graph table loaded."
+                    );
+                    crate::metrics::graphs_untrusted(graphs.untrusted());
                     Ok(graphs)
                 });
             let producer = init
@@ -369,6 +383,12 @@ impl Reducer {
             health,
             watchdog,
             hot: Default::default(),
+            replays: crate::replay::Replays::new(config.keyring.as_ref().map(|_| {
+                crate::replay::Window {
+                    before_ms: config.command_window.as_millis() as i64,
+                    skew_ms: config.command_skew.as_millis() as i64,
+                }
+            })),
             sending: None,
             fatal: None,
             source: None,
@@ -463,7 +483,11 @@ impl Reducer {
             let mut housekept = false;
             if engine.batch.is_empty() || idle || overdue {
                 engine.graphs.poll();
-                engine.keys.refresh();
+                crate::metrics::graphs_untrusted(engine.graphs.untrusted());
+                if engine.keys.refresh() {
+                    let trust = engine.keys.graph_trust();
+                    engine.graphs.set_trust(trust);
+                }
                 if overdue && engine.sending.is_some() {
                     rewinding(&mut engine, &self.consumer, Engine::settle)?;
                 }

@@ -49,6 +49,8 @@ pub(crate) struct Engine {
     pub batch: PendingBatch,
     pub gauges: RunGauges,
     pub health: Health,
+    /// The signed command ids of the replay window, per owned partition (see `replay`).
+    pub replays: crate::replay::Replays,
     /// Bounds the producer's blocking calls (see `watchdog`).
     pub watchdog: crate::watchdog::Watchdog,
     /// Committed states of recently changed, unfinished runs of the owned partitions, so
@@ -168,6 +170,12 @@ impl Engine {
         self.state_before(run_id).map(|state| (state, false))
     }
 
+    /// The run as this batch sees it, left where it was (a copy).
+    pub(crate) fn peek_state(&mut self, run_id: &str) -> Result<Option<RunState>, Error> {
+        let (state, from_batch) = self.take_state(run_id)?;
+        Ok(state.inspect(|state| self.put_back(run_id, state.clone(), from_batch)))
+    }
+
     /// Hands a state [`Engine::take_state`] gave out back to the batch unchanged.
     fn put_back(&mut self, run_id: &str, state: RunState, from_batch: bool) {
         match from_batch {
@@ -229,7 +237,7 @@ impl Engine {
     /// records are encoded before any is added, so an input is in the batch whole or not
     /// at all.
     pub fn apply(&mut self, input: &Input, trace: &TraceContext) -> Result<(), Error> {
-        if let Some((code, reason)) = self.apply_or_refuse(input, None, trace)? {
+        if let Some((code, reason)) = self.apply_or_refuse(input, None, None, trace)? {
             // A timer of a quarantined run (its state is not in the cache, so it has no
             // armed timers) or a step result's payload: neither comes this way.
             tracing::error!(
@@ -244,8 +252,10 @@ impl Engine {
 
     /// [`Engine::apply`], or — with `refusal` (code, reason) — the command's answer
     /// outside the run's history instead of the fold (`sortie_core::refuse`):
-    /// `unauthenticated` (its signature does not hold) or `limit_exceeded` (a payload
-    /// breaks the shape rule).
+    /// `unauthenticated` (its signature does not hold, or it is outside its validity
+    /// window) or `limit_exceeded` (a payload breaks the shape rule). `signed`: the
+    /// command's signature held and it was issued then; its id is remembered, and refused
+    /// `replayed` if it was taken already and the run does not know it (see `replay`).
     /// `Ok(Some((code, reason)))`: not applied, the caller dead-letters it — a step
     /// result whose payload does not open (`unsealable`), or any input of a quarantined
     /// run (`quarantined`: its changelog record does not read back, see `restore`).
@@ -253,6 +263,7 @@ impl Engine {
         &mut self,
         input: &Input,
         refusal: Option<(&'static str, String)>,
+        signed: Option<i64>,
         trace: &TraceContext,
     ) -> Result<Option<(&'static str, String)>, Error> {
         let run_id = input.run_id().to_owned();
@@ -300,6 +311,36 @@ impl Engine {
             }
             _ => {
                 let (state, from_batch) = self.take_state(&run_id)?;
+                if let (Some(issued_at), Input::Command(c)) = (signed, input) {
+                    let partition = self.partition_of(&run_id);
+                    let key = (c.tenant.clone(), c.run_id.clone(), c.command_id.clone());
+                    // A command id the run knows is the fold's to answer (once, the same
+                    // answer); one it does not know was answered outside it, or long ago.
+                    let known = state.as_ref().is_some_and(|s| {
+                        s.tenant == c.tenant && s.commands.contains_key(&c.command_id)
+                    });
+                    if !known && self.replayed(partition, &key) {
+                        tracing::warn!(run_id, command_id = %c.command_id, tenant = %c.tenant, principal = %c.principal, "Refusing a signed command whose id was taken already.");
+                        crate::metrics::command_refused("replayed");
+                        if let Some(state) = state {
+                            self.put_back(&run_id, state, from_batch);
+                        }
+                        let reason = format!(
+                            "command {} was answered already; a signed command is taken once (send a new command id)",
+                            sortie_core::limits::shown_id(&c.command_id)
+                        );
+                        let refused =
+                            sortie_core::refuse(c, "replayed", reason, self.graphs.graphs());
+                        return self
+                            .finish_apply(&run_id, input, refused, None, false, &seal, trace);
+                    }
+                    self.batch.remembered.push(crate::replay::Remembered {
+                        partition,
+                        key,
+                        issued_at,
+                        at: c.at,
+                    });
+                }
                 let input = match self.sealing(state.as_ref(), input)? {
                     Ok((run_seal, opened)) => {
                         seal = run_seal;
@@ -322,6 +363,22 @@ impl Engine {
                         return self
                             .finish_apply(&run_id, input, refused, None, false, &seal, trace);
                     }
+                };
+                let input = match &input {
+                    Input::Command(c) => match self.verify_fork(state.is_some(), c)? {
+                        Ok(command) => Input::Command(command),
+                        Err(reason) => {
+                            tracing::warn!(run_id, command_id = %c.command_id, reason, "Refusing a fork whose source does not hold.");
+                            let refused =
+                                sortie_core::refuse(c, "bad_fork", reason, self.graphs.graphs());
+                            if let Some(state) = state {
+                                self.put_back(&run_id, state, from_batch);
+                            }
+                            return self
+                                .finish_apply(&run_id, &input, refused, None, false, &seal, trace);
+                        }
+                    },
+                    _ => input,
                 };
                 let input = &input;
                 if let Input::Command(c) = input {

@@ -14,7 +14,9 @@
 //! 3. a record on another partition than its run's canonical one is forwarded there, once,
 //!    inside the transaction;
 //! 4. a command whose signature does not hold (or is missing where required, see
-//!    `keys`) is answered `unauthenticated` outside its run's history;
+//!    `keys`) is answered `unauthenticated` outside its run's history; a signed one
+//!    issued outside its validity window, or whose command id was taken already and the
+//!    run does not know, `outside_window` or `replayed` (see `replay`);
 //! 5. everything else is applied by the fold ([`Engine::apply`]).
 //!
 //! Cases 2 and 3 still consume the offset: the partition keeps moving. Every dead letter
@@ -35,6 +37,7 @@ use crate::batch::{InputRef, Output, Source};
 use crate::convert;
 use crate::driver::Error;
 use crate::engine::Engine;
+use crate::keys::Verdict;
 
 /// How many times an input's records may be refused by Kafka before the input is
 /// dead-lettered by reference: once to rule out a passing refusal, then set aside.
@@ -46,6 +49,16 @@ const MAX_INPUT_KEY_BYTES: usize = sortie_core::limits::MAX_ID_BYTES;
 /// Most headers on an input record, and most bytes in all of them.
 const MAX_INPUT_HEADERS: usize = 64;
 const MAX_INPUT_HEADER_BYTES: usize = 64 * 1024;
+
+/// What the signature check before the fold found.
+enum Check {
+    /// Refused before the fold, with this code.
+    Refuse(&'static str, String),
+    /// Signed by a key that may sign it, issued at this time.
+    Signed { issued_at: i64 },
+    /// Not signed (allowed), or not a command.
+    Plain,
+}
 
 /// Encodes with the registry, waiting out a short registry outage.
 pub(crate) fn encode_patiently<R: Record>(
@@ -180,22 +193,27 @@ impl Engine {
                             format!("record key {key:?} is not the command's run id {run_id:?}");
                         return Err(("invalid", reason));
                     }
-                    let refusal = self
-                        .keys
-                        .refusal(message, &command)
-                        .map(|reason| ("unauthenticated", reason));
+                    let issued_at = command.issued_at;
+                    let check = match self.keys.verdict(message, &command) {
+                        Verdict::Refused(reason) => Check::Refuse("unauthenticated", reason),
+                        Verdict::Signed => Check::Signed { issued_at },
+                        Verdict::Unsigned => Check::Plain,
+                    };
                     match convert::command_from_wire(command) {
                         Ok(mut command) => {
                             command.at = at;
-                            Ok((run_id, Input::Command(command), refusal))
+                            Ok((run_id, Input::Command(command), check))
                         }
                         // Only a payload broke the shape rule: answered, as the gateway
                         // answers it, not dead-lettered (an unsigned one is still
                         // refused as that first).
                         Err(convert::Invalid(reason, Some(mut command))) => {
                             command.at = at;
-                            let refusal = refusal.or(Some(("limit_exceeded", reason)));
-                            Ok((run_id, Input::Command(*command), refusal))
+                            let check = match check {
+                                Check::Refuse(..) => check,
+                                _ => Check::Refuse("limit_exceeded", reason),
+                            };
+                            Ok((run_id, Input::Command(*command), check))
                         }
                         Err(invalid) => Err(("invalid", invalid.0)),
                     }
@@ -210,11 +228,11 @@ impl Engine {
                 .and_then(|result| {
                     let run_id = result.run_id.clone();
                     convert::report_from_wire(result, at)
-                        .map(|report| (run_id, Input::StepReport(report), None))
+                        .map(|report| (run_id, Input::StepReport(report), Check::Plain))
                         .map_err(|e| ("invalid", e.0))
                 })
         };
-        let (run_id, input, refusal) = match decoded {
+        let (run_id, input, check) = match decoded {
             Ok(decoded) => decoded,
             Err((code, reason)) => {
                 self.dead_letter(message, code, reason)?;
@@ -248,7 +266,18 @@ impl Engine {
             .headers()
             .and_then(|h| TraceContext::from_headers(h.iter().map(|h| (h.key, h.value))))
             .unwrap_or_else(|| TraceContext::for_run(&run_id));
-        if let Some((code, reason)) = self.apply_or_refuse(&input, refusal, &trace)? {
+        // A signed command is valid for a window around the broker's time (see `replay`).
+        let (refusal, signed) = match check {
+            Check::Refuse(code, reason) => (Some((code, reason)), None),
+            Check::Signed { issued_at } => {
+                match self.replays.window_refusal(canonical, issued_at, at) {
+                    Some(reason) => (Some(("outside_window", reason)), None),
+                    None => (None, Some(issued_at)),
+                }
+            }
+            Check::Plain => (None, None),
+        };
+        if let Some((code, reason)) = self.apply_or_refuse(&input, refusal, signed, &trace)? {
             self.dead_letter(message, code, reason)?;
         }
         Ok(())

@@ -11,12 +11,12 @@
 //! outside the run's history and changes nothing (`sortie_core::refuse`).
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
-use rdkafka::message::{Headers, OwnedMessage};
+use rdkafka::message::Headers;
 use rdkafka::Message;
 use sortie_wire::records as w;
-use sortie_wire::signing::{Claim, Keyring};
+use sortie_wire::signing::{Claim, Keyring, KeyringFile};
 
 use crate::driver::Error;
 
@@ -25,11 +25,8 @@ const RECHECK: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 pub(crate) struct Keys {
-    path: Option<PathBuf>,
+    file: Option<KeyringFile>,
     require: bool,
-    ring: Keyring,
-    modified: Option<SystemTime>,
-    checked: Instant,
 }
 
 impl Keys {
@@ -39,55 +36,56 @@ impl Keys {
                 "signed commands are required but no keyring is given (--keyring)".into(),
             ));
         }
-        let (ring, modified) = match &path {
-            Some(path) => (
-                Keyring::load(path).map_err(|e| Error::Setup(e.to_string()))?,
-                modified(path),
-            ),
-            None => (Keyring::default(), None),
-        };
-        if let Some(path) = &path {
-            tracing::info!(path = %path.display(), keys = ring.len(), require, "Command keyring loaded.");
+        let file = path
+            .map(|path| KeyringFile::load(&path).map_err(|e| Error::Setup(e.to_string())))
+            .transpose()?;
+        if let Some(file) = &file {
+            tracing::info!(path = %file.path().display(), keys = file.ring().len(), require, "Command keyring loaded.");
         }
-        Ok(Self {
-            path,
-            require,
-            ring,
-            modified,
-            checked: Instant::now(),
+        Ok(Self { file, require })
+    }
+
+    /// Which graph records the graph table takes: with a keyring, those its publisher
+    /// keys sign (and, with `require`, no unsigned one); without, every one.
+    pub fn graph_trust(&self) -> Option<sortie_catalog::Trust> {
+        self.ring().map(|ring| sortie_catalog::Trust {
+            keyring: ring.clone(),
+            require: self.require,
         })
     }
 
-    /// Re-reads the keyring when its file changed (looked at every [`RECHECK`] at most).
-    /// A file that no longer loads keeps the last good keyring, loudly.
-    pub fn refresh(&mut self) {
-        let Some(path) = &self.path else { return };
-        if self.checked.elapsed() < RECHECK {
-            return;
-        }
-        self.checked = Instant::now();
-        let now = modified(path);
-        if now == self.modified {
-            return;
-        }
-        match Keyring::load(path) {
-            Ok(ring) => {
-                tracing::info!(path = %path.display(), keys = ring.len(), "Command keyring changed; reloaded.");
-                self.ring = ring;
-                self.modified = now;
+    /// The keyring, when one is given.
+    pub fn ring(&self) -> Option<&Keyring> {
+        self.file.as_ref().map(KeyringFile::ring)
+    }
+
+    /// Re-reads the keyring when its file changed (looked at every [`RECHECK`] at most);
+    /// true when it changed. A file that no longer loads keeps the last good keyring,
+    /// loudly.
+    pub fn refresh(&mut self) -> bool {
+        let Some(file) = &mut self.file else {
+            return false;
+        };
+        match file.refresh(RECHECK) {
+            Ok(false) => false,
+            Ok(true) => {
+                tracing::info!(path = %file.path().display(), keys = file.ring().len(), "Command keyring changed; reloaded.");
+                true
             }
             Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "The command keyring changed but does not load; keeping the last good one.");
-                self.modified = now;
+                tracing::warn!(path = %file.path().display(), error = %e, "The command keyring changed but does not load; keeping the last good one.");
+                false
             }
         }
     }
 
-    /// Why `command` (decoded from `message`) is refused, if it is.
-    pub fn refusal(&self, message: &OwnedMessage, command: &w::RunCommand) -> Option<String> {
+    /// What the signature of `command` (decoded from `message`) says.
+    pub fn verdict<M: Message>(&self, message: &M, command: &w::RunCommand) -> Verdict {
         // No keyring: nothing to check against, signatures are not read (so gateways can
         // start signing before the reducers get their keyring).
-        self.path.as_ref()?;
+        let Some(ring) = self.ring() else {
+            return Verdict::Unsigned;
+        };
         let headers = message.headers();
         let pairs = headers
             .into_iter()
@@ -98,20 +96,24 @@ impl Keys {
             roles: &command.issuer.roles,
             groups: &command.issuer.groups,
         };
-        match self
-            .ring
-            .check(pairs, message.payload().unwrap_or_default(), claim)
-        {
-            Ok(Some(_)) => None,
-            Ok(None) if self.require => Some(
+        match ring.check(pairs, message.payload().unwrap_or_default(), claim) {
+            Ok(Some(_)) => Verdict::Signed,
+            Ok(None) if self.require => Verdict::Refused(
                 "the command is not signed, and this deployment requires signed commands".into(),
             ),
-            Ok(None) => None,
-            Err(reason) => Some(reason),
+            Ok(None) => Verdict::Unsigned,
+            Err(reason) => Verdict::Refused(reason),
         }
     }
 }
 
-fn modified(path: &std::path::Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+/// What a command's signature says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// A key of the keyring signed it and may sign what it claims.
+    Signed,
+    /// Not signed, and that is allowed (no keyring, or signatures not required).
+    Unsigned,
+    /// Why it is refused (`unauthenticated`).
+    Refused(String),
 }

@@ -16,6 +16,7 @@ pub use sortie_model as convert;
 pub mod driver;
 mod engine;
 pub mod fault;
+mod fork;
 /// The graph catalog now lives in `sortie-catalog`, shared with the gateway and bench.
 pub use sortie_catalog as graphs;
 pub mod health;
@@ -23,6 +24,7 @@ mod input;
 mod keys;
 pub mod metrics;
 pub mod pack;
+mod replay;
 pub mod restore;
 mod sealing;
 pub mod store;

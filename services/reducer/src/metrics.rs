@@ -52,6 +52,9 @@ pub const RUNS_QUARANTINED: &str = "sortie_reducer_runs_quarantined";
 /// required, or a signature that does not hold) or `limit_exceeded` (a payload breaks the
 /// shape rule).
 pub const COMMANDS_REFUSED: &str = "sortie_reducer_commands_refused_total";
+/// Graph records the graph table refused for their signature (unsigned where signatures
+/// are required, or a signature that does not hold) since the process started (gauge).
+pub const GRAPHS_UNTRUSTED: &str = "sortie_reducer_graph_records_untrusted";
 /// Records sent to the dead-letter topic, by `reason`.
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
 /// Runs by `status` in the partitions this instance owns (gauge).
@@ -110,7 +113,8 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
 
 /// Describes every metric (call once, after the recorder is installed).
 pub fn describe() {
-    describe_counter!(COMMANDS_REFUSED, "Commands refused before the fold, by code: unauthenticated (unsigned where signatures are required, or a signature that does not hold) or limit_exceeded (a payload breaks the shape rule); counted as they are seen.");
+    describe_counter!(COMMANDS_REFUSED, "Commands refused before the fold, by code: unauthenticated (unsigned where signatures are required, a signature that does not hold, or outside its validity window), replayed (a signed command id already taken) or limit_exceeded (a payload breaks the shape rule); counted as they are seen.");
+    describe_gauge!(GRAPHS_UNTRUSTED, "Graph records the graph table refused for their signature (unsigned where signatures are required, or one that does not hold) since the process started.");
     describe_counter!(INPUTS_APPLIED, "Inputs applied by the fold, by kind (command, step_result, timer); counted when their transaction commits.");
     describe_counter!(
         INPUTS_IGNORED,
@@ -380,6 +384,10 @@ pub(crate) fn runs_quarantined(runs: usize) {
 /// A command refused before the fold, by `code` (`unauthenticated`, `limit_exceeded`).
 pub(crate) fn command_refused(code: &'static str) {
     counter!(COMMANDS_REFUSED, "code" => code).increment(1);
+}
+
+pub(crate) fn graphs_untrusted(count: usize) {
+    gauge!(GRAPHS_UNTRUSTED).set(count as f64);
 }
 
 pub(crate) fn transaction_failed() {

@@ -37,7 +37,7 @@ impl Engine {
     /// new runs is one store flush, not one durable write each in the loop.
     /// `Ok(Err(reason))`: the key cannot be had for this input (no KEK for the tenant, a
     /// wrapped key that does not unwrap).
-    fn lookup(
+    pub(crate) fn lookup(
         &mut self,
         keys: &RunKeys,
         tenant: &str,

@@ -193,6 +193,7 @@ impl Engine {
         self.tasks.joined = false;
         // Another member may change these runs before they come back.
         self.hot.clear();
+        self.replays.clear();
         self.refused.clear();
         self.rewind.clear();
         self.positions.clear();
@@ -312,6 +313,8 @@ impl Engine {
         let records: usize = restored.records.values().sum();
         let warm = plan.values().all(Option::is_some);
         meter::restored(records, warm, took);
+        // The signed commands of the replay window, as committed (see `replay`).
+        self.read_back_commands(&partitions, &committed);
         for partition in &partitions {
             self.tasks.tasks.insert(*partition, Task::Active);
         }

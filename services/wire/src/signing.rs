@@ -1,8 +1,9 @@
-//! Signed commands: who may write to `sortie.commands`.
+//! Signed commands and graphs: who may write to `sortie.commands` and `sortie.graphs`.
 //!
 //! Anyone who can produce to the commands topic can write any `tenant`, `principal` and
-//! `roles` into a command. A signature makes those fields mean something: a command
-//! record carries two headers,
+//! `roles` into a command, and anyone who can produce to the graphs topic can publish a
+//! graph version without its gates. A signature makes those records mean something: a
+//! command (or graph) record carries two headers,
 //!
 //! - `sortie-key`: the id of the key that signed it (UTF-8), and
 //! - `sortie-signature`: an Ed25519 signature (64 bytes) over the record's **exact value
@@ -15,15 +16,22 @@
 //!   `roles` and `groups` (a payments service that starts runs; a bot that approves);
 //! - a **delegate key** (`delegate: true`, the gateway's) signs for the principals it has
 //!   authenticated itself (bearer tokens): the command's principal, roles and groups are
-//!   taken as written, only its tenant is checked.
+//!   taken as written, only its tenant is checked;
+//! - a **publisher key** (`publisher: true`) signs graph publications as its principal
+//!   (the record's `published_by`), for its tenants — a graph of every tenant (no
+//!   `tenant` in the record) needs `*`.
 //!
 //! Rotation: a principal may have several keys at once (add the new one, move the
 //! signers, remove the old); the reducer re-reads the keyring file when it changes.
 //! A signature covers one value: replaying it elsewhere changes nothing — the run id and
-//! command id are inside the value, and a command id is answered once per run.
+//! command id are inside the value. Replaying it *later* is refused by the reducer: a
+//! signed command is valid only for a window around its `issued_at` (inside the signed
+//! bytes), and its command id is remembered for that window, refused ones included
+//! (`sortie-reducer`'s `replay`).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
@@ -79,10 +87,15 @@ pub struct KeyEntry {
     /// Signs for principals it authenticated itself (the gateway).
     #[serde(default)]
     pub delegate: bool,
+    /// May sign graph publications (`sortie graph publish --signing-key`), as its
+    /// principal, for its tenants (`*` for graphs of every tenant). Absent in keyrings
+    /// written before graphs were signed: such a key publishes nothing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub publisher: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
-struct KeyringFile {
+struct KeyringText {
     #[serde(default)]
     keys: Vec<KeyEntry>,
 }
@@ -113,7 +126,7 @@ impl Keyring {
     }
 
     pub fn parse(text: &str) -> Result<Self, KeyError> {
-        let file: KeyringFile =
+        let file: KeyringText =
             serde_yaml::from_str(text).map_err(|e| invalid("keyring", e.to_string()))?;
         let mut keys = HashMap::new();
         for entry in file.keys {
@@ -152,34 +165,9 @@ impl Keyring {
         value: &[u8],
         claim: Claim<'_>,
     ) -> Result<Option<String>, String> {
-        let (mut key_id, mut signature) = (None, None);
-        for (name, bytes) in headers {
-            match name {
-                KEY_HEADER => key_id = bytes,
-                SIGNATURE_HEADER => signature = bytes,
-                _ => {}
-            }
-        }
-        let (key_id, signature) = match (key_id, signature) {
-            (None, None) => return Ok(None),
-            (Some(k), Some(s)) => (k, s),
-            _ => {
-                return Err(format!(
-                    "a signed command needs both {KEY_HEADER} and {SIGNATURE_HEADER}"
-                ))
-            }
+        let Some((key_id, entry)) = self.verified(headers, value, "command")? else {
+            return Ok(None);
         };
-        let key_id =
-            std::str::from_utf8(key_id).map_err(|_| "the key id is not UTF-8".to_owned())?;
-        let Some((key, entry)) = self.keys.get(key_id) else {
-            // The id is the sender's: named, but never more of it than a person reads.
-            let shown: String = key_id.chars().take(64).collect();
-            return Err(format!("unknown signing key {shown:?}"));
-        };
-        let signature = Signature::from_slice(signature)
-            .map_err(|_| "the signature is not 64 bytes".to_owned())?;
-        key.verify(value, &signature)
-            .map_err(|_| format!("the signature does not match the command (key {key_id:?})"))?;
         if !entry.tenants.iter().any(|t| t == "*" || t == claim.tenant) {
             return Err(format!(
                 "key {key_id:?} may not sign for tenant {:?}",
@@ -202,6 +190,131 @@ impl Keyring {
         }
         Ok(Some(key_id.to_owned()))
     }
+
+    /// Checks a graph record (`sortie.graphs`): its signature headers against `value`,
+    /// then that the key is a publisher for the graph's tenant (`None`: a graph of every
+    /// tenant, which needs a key for `*`) and signs as `published_by`. Same answers as
+    /// [`Keyring::check`].
+    pub fn check_graph<'h>(
+        &self,
+        headers: impl IntoIterator<Item = (&'h str, Option<&'h [u8]>)>,
+        value: &[u8],
+        tenant: Option<&str>,
+        published_by: &str,
+    ) -> Result<Option<String>, String> {
+        let Some((key_id, entry)) = self.verified(headers, value, "graph")? else {
+            return Ok(None);
+        };
+        if !entry.publisher {
+            return Err(format!("key {key_id:?} may not publish graphs"));
+        }
+        let covered = match tenant {
+            None => entry.tenants.iter().any(|t| t == "*"),
+            Some(tenant) => entry.tenants.iter().any(|t| t == "*" || t == tenant),
+        };
+        if !covered {
+            return Err(format!(
+                "key {key_id:?} may not publish graphs of {}",
+                tenant.map_or("every tenant".to_owned(), |t| format!("tenant {t:?}"))
+            ));
+        }
+        if published_by != entry.principal {
+            return Err(format!(
+                "key {key_id:?} publishes as {:?}, not {published_by:?}",
+                entry.principal
+            ));
+        }
+        Ok(Some(key_id.to_owned()))
+    }
+
+    /// The key that signed `value` and its entry, when the headers hold a signature that
+    /// verifies; `Ok(None)` without signature headers.
+    fn verified<'h>(
+        &self,
+        headers: impl IntoIterator<Item = (&'h str, Option<&'h [u8]>)>,
+        value: &[u8],
+        what: &str,
+    ) -> Result<Option<(&'h str, &KeyEntry)>, String> {
+        let (mut key_id, mut signature) = (None, None);
+        for (name, bytes) in headers {
+            match name {
+                KEY_HEADER => key_id = bytes,
+                SIGNATURE_HEADER => signature = bytes,
+                _ => {}
+            }
+        }
+        let (key_id, signature) = match (key_id, signature) {
+            (None, None) => return Ok(None),
+            (Some(k), Some(s)) => (k, s),
+            _ => {
+                return Err(format!(
+                    "a signed {what} needs both {KEY_HEADER} and {SIGNATURE_HEADER}"
+                ))
+            }
+        };
+        let key_id =
+            std::str::from_utf8(key_id).map_err(|_| "the key id is not UTF-8".to_owned())?;
+        let Some((key, entry)) = self.keys.get(key_id) else {
+            // The id is the sender's: named, but never more of it than a person reads.
+            let shown: String = key_id.chars().take(64).collect();
+            return Err(format!("unknown signing key {shown:?}"));
+        };
+        let signature = Signature::from_slice(signature)
+            .map_err(|_| "the signature is not 64 bytes".to_owned())?;
+        key.verify(value, &signature)
+            .map_err(|_| format!("the signature does not match the {what} (key {key_id:?})"))?;
+        Ok(Some((key_id, entry)))
+    }
+}
+
+/// A keyring file, read again when it changes, so keys rotate without a restart. A file
+/// that changed but no longer loads keeps the last good keyring.
+#[derive(Debug)]
+pub struct KeyringFile {
+    path: PathBuf,
+    ring: Keyring,
+    modified: Option<SystemTime>,
+    checked: Instant,
+}
+
+impl KeyringFile {
+    pub fn load(path: &Path) -> Result<Self, KeyError> {
+        Ok(Self {
+            ring: Keyring::load(path)?,
+            modified: modified(path),
+            path: path.to_owned(),
+            checked: Instant::now(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn ring(&self) -> &Keyring {
+        &self.ring
+    }
+
+    /// Reads the file again if it changed since it was last read (looked at once per
+    /// `recheck` at most). `Ok(true)`: the keyring changed. `Err`: the file changed but
+    /// does not load; the last good keyring stays.
+    pub fn refresh(&mut self, recheck: Duration) -> Result<bool, KeyError> {
+        if self.checked.elapsed() < recheck {
+            return Ok(false);
+        }
+        self.checked = Instant::now();
+        let now = modified(&self.path);
+        if now == self.modified {
+            return Ok(false);
+        }
+        self.modified = now;
+        self.ring = Keyring::load(&self.path)?;
+        Ok(true)
+    }
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
 fn verifying_key(base64: &str) -> Result<VerifyingKey, String> {
@@ -305,6 +418,7 @@ impl Signer {
             roles: roles.to_vec(),
             groups: vec![],
             delegate,
+            publisher: false,
         }
     }
 
@@ -320,7 +434,7 @@ impl Signer {
 /// The entries of a keyring file's text, checked as [`Keyring::parse`] checks them.
 pub fn keyring_entries(text: &str) -> Result<Vec<KeyEntry>, KeyError> {
     Keyring::parse(text)?;
-    let file: KeyringFile =
+    let file: KeyringText =
         serde_yaml::from_str(text).map_err(|e| invalid("keyring", e.to_string()))?;
     Ok(file.keys)
 }
@@ -425,6 +539,76 @@ mod tests {
                     tenant: "globex",
                     ..alice
                 }
+            )
+            .is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn only_a_publisher_key_signs_graphs_as_its_principal_for_its_tenants() -> Result<(), KeyError>
+    {
+        let publisher = Signer::generate("graphs-1")?;
+        let mut publishes = publisher.entry("ops:graphs", &roles(&["*"]), &[], false);
+        publishes.publisher = true;
+        let acme_only = Signer::generate("graphs-acme")?;
+        let mut acme = acme_only.entry("ops:acme", &roles(&["acme"]), &[], false);
+        acme.publisher = true;
+        let service = Signer::generate("svc-1")?;
+        let ring = Keyring::parse(&keyring_text(&[
+            publishes,
+            acme,
+            service.entry("svc:payments", &roles(&["*"]), &[], false),
+        ]))?;
+        let value = b"\0\0\0\0\x01a graph";
+        let check = |signer: &Signer, value: &[u8], tenant: Option<&str>, by: &str| {
+            let headers = signer.headers(value);
+            ring.check_graph(
+                headers.iter().map(|(k, v)| (*k, Some(v.as_slice()))),
+                value,
+                tenant,
+                by,
+            )
+        };
+        assert_eq!(
+            check(&publisher, value, None, "ops:graphs"),
+            Ok(Some("graphs-1".into()))
+        );
+        assert!(
+            check(&publisher, value, None, "ops:other").is_err(),
+            "as its principal"
+        );
+        assert!(
+            check(&service, value, None, "svc:payments").is_err(),
+            "not a publisher"
+        );
+        assert!(
+            check(&acme_only, value, None, "ops:acme").is_err(),
+            "every tenant needs *"
+        );
+        assert!(check(&acme_only, value, Some("acme"), "ops:acme").is_ok());
+        assert!(check(&acme_only, value, Some("globex"), "ops:acme").is_err());
+        let headers = publisher.headers(value);
+        assert!(ring
+            .check_graph(
+                headers.iter().map(|(k, v)| (*k, Some(v.as_slice()))),
+                b"another graph",
+                None,
+                "ops:graphs"
+            )
+            .is_err());
+        assert_eq!(ring.check_graph([], value, None, "ops:graphs"), Ok(None));
+        // A keyring written before graphs were signed still reads: its keys publish nothing.
+        let old = "keys:\n- id: k\n  public_key: ".to_owned()
+            + &service.public_key()
+            + "\n  principal: svc:payments\n  tenants: ['*']\n";
+        let old = Keyring::parse(&old)?;
+        let headers = service.headers(value);
+        assert!(old
+            .check_graph(
+                headers.iter().map(|(k, v)| (*k, Some(v.as_slice()))),
+                value,
+                None,
+                "svc:payments"
             )
             .is_err());
         Ok(())

@@ -689,8 +689,10 @@ pub(crate) fn fill_interrupt(template: &Value, args: &Value, payload: Option<&Va
     }
 }
 
-/// What the approved call of `interrupt` runs with.
-pub(crate) fn approved_args(node: &Node, interrupt: &Interrupt) -> Value {
+/// What the approved call of `interrupt` runs with: the proposal's arguments (or the
+/// approver's edit) with the decision's human input filled in where the node's template
+/// asks for it. An audit holds a dispatch to it (`sortie-why`).
+pub fn approved_args(node: &Node, interrupt: &Interrupt) -> Value {
     let args = interrupt
         .edited_args
         .clone()

@@ -6,7 +6,7 @@ mod budget;
 mod cancel;
 mod context;
 mod forget;
-pub(crate) mod fork;
+pub mod fork;
 pub mod reconcile;
 mod report;
 mod resume;
@@ -28,6 +28,7 @@ use crate::{
     status::RunStatus,
 };
 
+pub use advance::approved_args;
 pub(crate) use advance::{advance, begin_failure, is_tool_call};
 
 /// What applying one input produced.

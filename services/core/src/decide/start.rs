@@ -72,6 +72,11 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         // caller of the fold to the same rule.
         return ctx.reject(command, "bad_budget", format!("budget: {problem}"));
     }
+    let plan = source.as_ref().map(|s| fork::plan(s, graph));
+    let (forked_from, redispatch, propose) = match plan {
+        Some(plan) => (Some(plan.forked_from), plan.redispatch, plan.propose),
+        None => (None, Vec::new(), Vec::new()),
+    };
     ctx.emit(
         EventBody::RunStarted {
             graph_id: graph.id.clone(),
@@ -81,13 +86,13 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             labels: labels.clone(),
             deadline_at: graph.max_duration.map(|d| ctx.at + d.0),
             budget: budget.clone(),
-            forked_from: source.as_ref().map(fork::plan),
+            forked_from,
             rules: crate::budget::RULES,
         },
         None,
     );
     ctx.accept(command);
-    for step in source.as_ref().map(fork::redispatch).unwrap_or_default() {
+    for step in redispatch {
         if let Some(node) = graph.node(&step.node) {
             // A graph node's arguments are rendered again: the input may be patched.
             let args = match step.role {
@@ -95,6 +100,16 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
                 _ => step.args,
             };
             ctx.dispatch(node, step.step_id, 1, args, step.role);
+        }
+    }
+    for again in propose {
+        if let Some(node) = graph.node(&again.node) {
+            // Gated: a fresh interrupt of this run, whatever the source had approved.
+            let args = match again.role {
+                StepRole::Node => render(ctx.run(), None, None, &node.args),
+                _ => again.args,
+            };
+            ctx.propose(node, again.step_id, args, again.role);
         }
     }
     advance(ctx);

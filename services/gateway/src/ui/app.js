@@ -452,7 +452,8 @@ function runPage(main, runId) {
   const log = el("section", { id: "run-events" });
   const messages = el("div", { id: "run-messages" });
   const data = el("section", { id: "run-data" });
-  main.append(head, messages, pending, summary, conversation, steps, approvals, compensations, data, checkpoint, log);
+  const why = el("section", { id: "run-why" });
+  main.append(head, messages, pending, summary, conversation, steps, why, approvals, compensations, data, checkpoint, log);
 
   let scheduled = null;
   function refresh() {
@@ -549,7 +550,26 @@ function runPage(main, runId) {
         el("td", { text: when(a.started) }),
         el("td", { class: "num", text: a.ended ? duration(a.ended - a.started) : `${duration(now - a.started)}…` }),
         el("td", {}, el("span", { class: `outcome ${a.outcome.split(/[ ,]/)[0]}`, text: a.outcome }),
-          a.detail ? el("div", { class: "muted small", text: a.detail }) : null)))));
+          a.detail ? el("div", { class: "muted small", text: a.detail }) : null,
+          a.operation_id ? el("button", { type: "button", class: "link why", "data-operation-id": a.operation_id,
+            text: "why?", onclick: () => showWhy(a.operation_id) }) : null)))));
+  }
+
+  /** The verified authorization chain of one side effect (GET …/operations/{op}/why). */
+  async function showWhy(operationId) {
+    fill(why, el("h2", { text: "Why did this happen?" }), el("p", { class: "muted", text: "Checking every link…" }));
+    try {
+      const chain = await api("GET", `/v1/runs/${encodeURIComponent(runId)}/operations/${encodeURIComponent(operationId)}/why`);
+      fill(why, el("h2", { text: "Why did this happen?" }),
+        el("p", {}, el("span", { class: "mono small", text: chain.operation_id }), " — ",
+          el("strong", { id: "why-verdict", text: chain.verified ? "every link verified" : "the chain does not hold" })),
+        el("ol", { class: "why-links" }, chain.links.map((l) => el("li", { "data-link": l.link, "data-status": l.status },
+          el("strong", { text: l.link }), " ", el("span", { class: `outcome ${l.status === "verified" ? "succeeded" : "failed"}`, text: l.status }),
+          (l.problems || []).length ? el("ul", { class: "plain" }, l.problems.map((p) => el("li", { class: "muted", text: p }))) : null,
+          el("pre", { class: "json small", text: json(l.facts) })))));
+    } catch (e) {
+      fill(why, el("h2", { text: "Why did this happen?" }), notice("error", e.message));
+    }
   }
 
   let pickerBuilt = false;

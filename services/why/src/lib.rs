@@ -1,0 +1,1236 @@
+//! Why did this side effect happen? (SPEC §12, issue #36 item 6.) The authorization chain
+//! of one operation, each link verified, not just displayed:
+//!
+//! 1. **history** — the run's events: gap-free seq and an intact hash chain (over their
+//!    sealed form), so every link below reads what was written;
+//! 2. **effect** — the operation in the receiver's terms (operation id, attempts, class)
+//!    and the step it is: the operation id must be the one derived from the step, the
+//!    tool and the exact arguments (their hash is shown);
+//! 3. **graph** — the graph version the run pinned, as the graph table read it with a
+//!    keyring: the publisher key that signed it, its definition hash, and the node's class;
+//! 4. **approval** — where the graph gates the node: every approval that released the
+//!    step (quorum), each bound to the proposal hash, each carried by a command on
+//!    `sortie.commands` whose signature verifies against the keyring and whose fields are
+//!    the decision's (partition, offset, key id); and the dispatched arguments must be
+//!    the ones approved;
+//! 5. **proposal** — what the approvers saw, its hash recomputed;
+//! 6. **request** — for a step an agent asked for, the model's answer (the asking step's
+//!    output, its hash) and the tool call in it that names this node with these
+//!    arguments.
+//!
+//! A link is `verified`, `broken` (named, with why) or `unchecked` (the proof is not at
+//! hand: sealed arguments without the run's keys, no keyring, a command past the topic's
+//! retention). The chain holds only when every link is verified.
+//!
+//! This crate builds the chain from what its caller reads ([`why`] does no I/O; the
+//! commands are looked up through [`Commands`], [`KafkaCommands`] on the real topic).
+//! The CLI (`sortie audit why`) reads the history from Kafka; the gateway
+//! (`GET /v1/runs/{id}/operations/{op}/why`) from its view.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Headers;
+use rdkafka::{Message, Offset, TopicPartitionList};
+use serde::Serialize;
+use serde_json::{json, Value};
+use sortie_catalog::Publication;
+use sortie_core::event::StepRole;
+use sortie_core::state::{Interrupt, InterruptStatus, RunState};
+use sortie_core::{ids, json as j, Event, EventBody, Graph, Seal};
+use sortie_kafka::KafkaConfig;
+use sortie_wire::records as w;
+use sortie_wire::signing::{Claim, Keyring};
+use sortie_wire::{partition_for, Codec};
+
+/// How one link stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Verified,
+    /// Something does not hold: the chain is broken here.
+    Broken,
+    /// The proof is not at hand (named in the link's problem).
+    Unchecked,
+}
+
+/// One link of the chain.
+#[derive(Debug, Clone, Serialize)]
+pub struct Link {
+    pub link: &'static str,
+    pub status: Status,
+    /// What the link is about, as read and recomputed.
+    pub facts: Value,
+    /// Why the link is broken or unchecked.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
+}
+
+/// The authorization chain of one operation.
+#[derive(Debug, Clone, Serialize)]
+pub struct Chain {
+    pub operation_id: String,
+    pub run_id: String,
+    pub tenant: String,
+    /// Every link verified.
+    pub verified: bool,
+    pub links: Vec<Link>,
+}
+
+/// A command record found on `sortie.commands`.
+#[derive(Debug, Clone)]
+pub struct CommandRecord {
+    pub partition: i32,
+    pub offset: i64,
+    /// The value bytes exactly as produced (what a signature covers).
+    pub value: Vec<u8>,
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+    pub command: w::RunCommand,
+}
+
+/// Where the command that carried a decision is.
+#[derive(Debug, Clone)]
+pub enum Found {
+    Record(Box<CommandRecord>),
+    /// Not on the topic any more: its retention passed.
+    Gone,
+    /// Not there although the topic still holds that time.
+    Missing,
+    /// The topic could not be read.
+    Unreadable(String),
+}
+
+/// Looks commands up on `sortie.commands`.
+pub trait Commands {
+    /// The record of `command_id` for `run_id`, appended by the broker at `at` (the
+    /// topic is `LogAppendTime`, and the fold's clock is that time).
+    fn find(&mut self, run_id: &str, command_id: &str, at: i64) -> Found;
+}
+
+/// What [`why`] reads.
+#[allow(missing_debug_implementations)]
+pub struct Inputs<'a> {
+    pub operation_id: &'a str,
+    /// The run's history in order: as written, or opened (then `seal` is the run's, and
+    /// each event is sealed again to check its hash).
+    pub history: &'a [Event],
+    pub seal: &'a dyn Seal,
+    /// The payloads in `history` are readable (opened, or never sealed).
+    pub readable: bool,
+    /// The run's graph version, as a table trusting `keyring` read it.
+    pub graph: Option<&'a Graph>,
+    pub publication: Option<&'a Publication>,
+    /// The keyring commands and graphs are checked against.
+    pub keyring: Option<&'a Keyring>,
+    pub commands: &'a mut dyn Commands,
+}
+
+fn sha(value: &Value) -> String {
+    j::sha256_hex(&[&j::canonical(value)])
+}
+
+fn link(name: &'static str, facts: Value, problems: Vec<String>, unchecked: Vec<String>) -> Link {
+    let status = if !problems.is_empty() {
+        Status::Broken
+    } else if !unchecked.is_empty() {
+        Status::Unchecked
+    } else {
+        Status::Verified
+    };
+    let mut all = problems;
+    all.extend(unchecked);
+    Link {
+        link: name,
+        status,
+        facts,
+        problems: all,
+    }
+}
+
+const SEALED_ARGS: &str = "the arguments are sealed: give the run keys to check them";
+
+/// The plain parts of [`Inputs`].
+struct Parts<'a> {
+    operation_id: &'a str,
+    readable: bool,
+    graph: Option<&'a Graph>,
+    publication: Option<&'a Publication>,
+    keyring: Option<&'a Keyring>,
+}
+
+/// The gated step an approval must have released.
+struct Gate<'a> {
+    node: &'a sortie_core::Node,
+    step_id: &'a str,
+    role: &'a StepRole,
+    args: &'a Value,
+}
+
+/// The chain of `inputs.operation_id` in `inputs.history`.
+pub fn why(inputs: Inputs<'_>) -> Chain {
+    let Inputs {
+        operation_id,
+        history,
+        seal,
+        readable,
+        graph,
+        publication,
+        keyring,
+        commands,
+    } = inputs;
+    let inputs = Parts {
+        operation_id,
+        readable,
+        graph,
+        publication,
+        keyring,
+    };
+    let (tenant, run_id) = history
+        .first()
+        .map(|e| (e.tenant.clone(), e.run_id.clone()))
+        .unwrap_or_default();
+    let mut chain = Chain {
+        operation_id: inputs.operation_id.to_owned(),
+        run_id: run_id.clone(),
+        tenant: tenant.clone(),
+        verified: false,
+        links: Vec::new(),
+    };
+    chain.links.push(history_link(history, seal));
+    let state = history.iter().fold(None, sortie_core::evolve);
+    let dispatches: Vec<&Event> = history
+        .iter()
+        .filter(|e| {
+            e.operation_id.as_deref() == Some(inputs.operation_id)
+                && matches!(e.body, EventBody::StepDispatched { .. })
+        })
+        .collect();
+    let (Some(state), Some(first)) = (state, dispatches.first()) else {
+        chain.links.push(link(
+            "effect",
+            json!({"operation_id": inputs.operation_id, "run_id": run_id}),
+            vec![format!(
+                "no step of run {run_id} dispatched operation {}",
+                inputs.operation_id
+            )],
+            vec![],
+        ));
+        return finish(chain);
+    };
+    let EventBody::StepDispatched {
+        step_id,
+        node,
+        tool,
+        side_effect,
+        args,
+        role,
+        ..
+    } = &first.body
+    else {
+        unreachable!("filtered on StepDispatched")
+    };
+
+    // The effect and its step.
+    let attempts: Vec<Value> = dispatches
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::StepDispatched {
+                attempt,
+                lookup_only,
+                ..
+            } => Some(json!({"attempt": attempt, "at": e.at, "lookup_only": lookup_only})),
+            _ => None,
+        })
+        .collect();
+    let outcome = state.steps.get(step_id).map(|s| s.status);
+    let (mut problems, mut unchecked) = (Vec::new(), Vec::new());
+    let args_hash = if inputs.readable {
+        let derived = ids::operation_id(&tenant, &run_id, step_id, tool, args);
+        if derived != inputs.operation_id {
+            problems.push(format!(
+                "the operation id is not the one its step, tool and arguments derive ({derived})"
+            ));
+        }
+        Some(sha(args))
+    } else {
+        unchecked.push(SEALED_ARGS.to_owned());
+        None
+    };
+    chain.links.push(link(
+        "effect",
+        json!({
+            "operation_id": inputs.operation_id,
+            "attempts": attempts,
+            "class": side_effect,
+            "tool": tool,
+            "step_id": step_id,
+            "node": node,
+            "role": role,
+            "args_sha256": args_hash,
+            "outcome": outcome,
+        }),
+        problems,
+        unchecked,
+    ));
+
+    // The graph version.
+    let graph_key = format!("{}@{}", state.graph_id, state.graph_version);
+    let graph_node = inputs.graph.and_then(|g| g.node(node));
+    let (mut problems, mut unchecked) = (Vec::new(), Vec::new());
+    match (inputs.graph, graph_node) {
+        (None, _) => problems.push(format!(
+            "graph {graph_key} is not in the graph table (never published, or refused: unsigned or forged)"
+        )),
+        (Some(_), None) => problems.push(format!("graph {graph_key} has no node {node}")),
+        (Some(_), Some(n)) if n.side_effect != *side_effect => problems.push(format!(
+            "dispatched as {side_effect:?}, but the graph's class of {node} is {:?}",
+            n.side_effect
+        )),
+        _ => {}
+    }
+    let signed_by = inputs.publication.and_then(|p| p.signed_by.clone());
+    match (inputs.keyring, &signed_by) {
+        (None, _) => unchecked.push("no keyring: the publisher's signature is not checked".into()),
+        (Some(_), None) if inputs.graph.is_some() => problems.push(format!(
+            "graph {graph_key} is not signed by a publisher key of the keyring"
+        )),
+        _ => {}
+    }
+    chain.links.push(link(
+        "graph",
+        json!({
+            "graph": graph_key,
+            "definition_sha256": inputs.publication.map(|p| &p.definition_hash),
+            "published_by": inputs.publication.map(|p| &p.published_by),
+            "published_at": inputs.publication.map(|p| p.published_at),
+            "signed_by": signed_by,
+            "gated": graph_node.map(|n| n.interrupt_before.is_some()),
+        }),
+        problems,
+        unchecked,
+    ));
+
+    // The approvals.
+    let gated = graph_node.is_some_and(|n| n.interrupt_before.is_some())
+        && !matches!(
+            role,
+            StepRole::Compensation { .. } | StepRole::Precheck { .. }
+        );
+    if let (true, Some(graph_node)) = (gated, graph_node) {
+        let gate = Gate {
+            node: graph_node,
+            step_id,
+            role,
+            args,
+        };
+        chain.links.extend(approval_links(
+            &gate, &state, history, readable, keyring, commands,
+        ));
+    } else {
+        chain.links.push(link(
+            "approval",
+            json!({
+                "gated": false,
+                "why": match role {
+                    StepRole::Compensation { .. } => "a compensation is never gated".to_owned(),
+                    StepRole::Precheck { .. } => "a precheck runs after its call's approval".to_owned(),
+                    _ => format!("node {node} has no interrupt_before in {graph_key}"),
+                },
+            }),
+            vec![],
+            vec![],
+        ));
+    }
+
+    // The model's request.
+    if let StepRole::Requested { by } = role {
+        chain.links.push(request_link(
+            &state,
+            history,
+            inputs.readable,
+            Asked {
+                by,
+                node,
+                step_id,
+                args,
+            },
+        ));
+    }
+    finish(chain)
+}
+
+fn finish(mut chain: Chain) -> Chain {
+    chain.verified = chain.links.iter().all(|l| l.status == Status::Verified);
+    chain
+}
+
+fn history_link(history: &[Event], seal: &dyn Seal) -> Link {
+    let mut problems = Vec::new();
+    let mut prev: Option<String> = None;
+    for (i, event) in history.iter().enumerate() {
+        let seq = i as i64 + 1;
+        if event.seq != seq {
+            problems.push(format!(
+                "event {seq} has seq {}: the history has a gap or a duplicate",
+                event.seq
+            ));
+            break;
+        }
+        if event.prev_hash != prev {
+            problems.push(format!(
+                "seq {seq}: prev_hash does not match the previous event's hash"
+            ));
+            break;
+        }
+        let mut hash = event.sealed(seal).compute_hash();
+        if event.hash.as_deref() != Some(hash.as_str()) && seal.active() {
+            hash = event.sealed_before_texts(seal).compute_hash();
+        }
+        if event.hash.as_deref() != Some(hash.as_str()) {
+            problems.push(format!(
+                "seq {seq}: its hash does not match its content (altered history)"
+            ));
+            break;
+        }
+        prev = event.hash.clone();
+    }
+    link(
+        "history",
+        json!({"events": history.len(), "head": prev}),
+        problems,
+        vec![],
+    )
+}
+
+/// The approval and proposal links of a gated step.
+fn approval_links(
+    gate: &Gate<'_>,
+    state: &RunState,
+    history: &[Event],
+    readable: bool,
+    keyring: Option<&Keyring>,
+    commands: &mut dyn Commands,
+) -> Vec<Link> {
+    let (mut problems, mut unchecked) = (Vec::new(), Vec::new());
+    let approved: Vec<&Interrupt> = state
+        .interrupts
+        .values()
+        .filter(|i| {
+            i.step_id == gate.step_id
+                && &i.role == gate.role
+                && i.status == InterruptStatus::Approved
+        })
+        .collect();
+    // The approval whose released arguments are the dispatched ones (with sealed
+    // arguments: the last approved).
+    let interrupt = approved
+        .iter()
+        .find(|i| readable && &sortie_core::decide::approved_args(gate.node, i) == gate.args)
+        .or(approved.last())
+        .copied();
+    let Some(interrupt) = interrupt else {
+        return vec![link(
+            "approval",
+            json!({"gated": true, "step_id": gate.step_id}),
+            vec![format!(
+                "the graph gates node {}, and no approval released step {}",
+                gate.node.id, gate.step_id
+            )],
+            vec![],
+        )];
+    };
+    if readable && &sortie_core::decide::approved_args(gate.node, interrupt) != gate.args {
+        problems.push(format!(
+            "the dispatched arguments are not the ones approval {} released",
+            interrupt.interrupt_id
+        ));
+    }
+    let mut approvals = Vec::new();
+    let mut principals = Vec::new();
+    for event in history {
+        let EventBody::InterruptDecided {
+            interrupt_id,
+            proposal_hash,
+            approve: true,
+            decided_by,
+            is_final,
+            ..
+        } = &event.body
+        else {
+            continue;
+        };
+        if interrupt_id != &interrupt.interrupt_id {
+            continue;
+        }
+        if proposal_hash != &interrupt.proposal_hash {
+            problems.push(format!(
+                "{decided_by}'s approval binds proposal {proposal_hash}, not the interrupt's {}",
+                interrupt.proposal_hash
+            ));
+        }
+        if !principals.contains(decided_by) {
+            principals.push(decided_by.clone());
+        }
+        let command_id = event.command_id.clone().unwrap_or_default();
+        // An early decision was sent when it was buffered, not when it was applied.
+        let sent_at = history
+            .iter()
+            .find_map(|e| match &e.body {
+                EventBody::DecisionBuffered { .. }
+                    if e.command_id.as_deref() == Some(command_id.as_str()) =>
+                {
+                    Some(e.at)
+                }
+                _ => None,
+            })
+            .unwrap_or(event.at);
+        let (signature, record) = signed_command(
+            commands,
+            keyring,
+            &event.run_id,
+            &command_id,
+            sent_at,
+            Decision {
+                tenant: &event.tenant,
+                interrupt_id,
+                proposal_hash,
+                decided_by,
+            },
+        );
+        match &signature {
+            Signature::Verified(_) => {}
+            Signature::Broken(why) => problems.push(format!("{decided_by}'s approval: {why}")),
+            Signature::Unchecked(why) => unchecked.push(format!("{decided_by}'s approval: {why}")),
+        }
+        approvals.push(json!({
+            "principal": decided_by,
+            "command_id": command_id,
+            "at": sent_at,
+            "final": is_final,
+            "proposal_hash": proposal_hash,
+            "key_id": match &signature { Signature::Verified(key) => Some(key.clone()), _ => None },
+            "signature": match &signature {
+                Signature::Verified(_) => "verified",
+                Signature::Broken(_) => "broken",
+                Signature::Unchecked(_) => "unchecked",
+            },
+            "record": record,
+        }));
+    }
+    if (principals.len() as u32) < interrupt.quorum.max(1) {
+        problems.push(format!(
+            "{} approval(s) by distinct principals, the gate needs {}",
+            principals.len(),
+            interrupt.quorum.max(1)
+        ));
+    }
+    let released = readable.then(|| sha(gate.args));
+    if !readable {
+        unchecked.push(SEALED_ARGS.to_owned());
+    }
+    let approval = link(
+        "approval",
+        json!({
+            "gated": true,
+            "interrupt_id": interrupt.interrupt_id,
+            "required_role": interrupt.required_role,
+            "approver_group": interrupt.approver_group,
+            "quorum": interrupt.quorum,
+            "approvals": approvals,
+            "released_args_sha256": released,
+            "edited": interrupt.edited_args.is_some(),
+        }),
+        problems,
+        unchecked,
+    );
+    // What the approvers saw.
+    let (mut problems, mut unchecked) = (Vec::new(), Vec::new());
+    if readable {
+        let recomputed = ids::proposal_hash(&interrupt.proposal);
+        if recomputed != interrupt.proposal_hash {
+            problems.push(format!(
+                "the proposal hashes to {recomputed}, not the {} its approvals bind",
+                interrupt.proposal_hash
+            ));
+        }
+    } else {
+        unchecked.push("the proposal is sealed: give the run keys to check it".to_owned());
+    }
+    let proposal = link(
+        "proposal",
+        json!({
+            "interrupt_id": interrupt.interrupt_id,
+            "proposal_hash": interrupt.proposal_hash,
+            "node": interrupt.proposal.get("node"),
+            "tool": interrupt.proposal.get("tool"),
+            "args_sha256": readable.then(|| interrupt.proposal.get("args").map(sha)),
+            "reason": interrupt.reason,
+        }),
+        problems,
+        unchecked,
+    );
+    vec![approval, proposal]
+}
+
+/// What a decision's command must say.
+struct Decision<'a> {
+    tenant: &'a str,
+    interrupt_id: &'a str,
+    proposal_hash: &'a str,
+    decided_by: &'a str,
+}
+
+enum Signature {
+    Verified(String),
+    Broken(String),
+    Unchecked(String),
+}
+
+/// Finds the command that carried a decision and checks it says what the history says
+/// and that its signature holds.
+fn signed_command(
+    commands: &mut dyn Commands,
+    keyring: Option<&Keyring>,
+    run_id: &str,
+    command_id: &str,
+    at: i64,
+    decision: Decision<'_>,
+) -> (Signature, Value) {
+    let record = match commands.find(run_id, command_id, at) {
+        Found::Record(record) => record,
+        Found::Gone => {
+            return (
+                Signature::Unchecked(format!(
+                    "command {command_id} is past the retention of sortie.commands"
+                )),
+                Value::Null,
+            )
+        }
+        Found::Missing => {
+            return (
+                Signature::Broken(format!(
+                    "no command {command_id} on sortie.commands carries it (the history names a decision nobody sent)"
+                )),
+                Value::Null,
+            )
+        }
+        Found::Unreadable(why) => {
+            return (
+                Signature::Unchecked(format!("sortie.commands could not be read: {why}")),
+                Value::Null,
+            )
+        }
+    };
+    let facts = json!({"partition": record.partition, "offset": record.offset});
+    let command = &record.command;
+    let says = match &command.body {
+        w::CommandBody::ResumeRun(resume) => {
+            resume.interrupt_id == decision.interrupt_id
+                && resume.proposal_hash == decision.proposal_hash
+                && resume.decision == w::Decision::Approve
+        }
+        _ => false,
+    };
+    if !says
+        || command.issuer.principal != decision.decided_by
+        || command.tenant != decision.tenant
+        || command.run_id != run_id
+    {
+        return (
+            Signature::Broken(format!(
+                "command {command_id} at offset {} does not say what the history says it decided",
+                record.offset
+            )),
+            facts,
+        );
+    }
+    let Some(keyring) = keyring else {
+        return (
+            Signature::Unchecked("no keyring: the signature is not checked".into()),
+            facts,
+        );
+    };
+    let claim = Claim {
+        tenant: &command.tenant,
+        principal: &command.issuer.principal,
+        roles: &command.issuer.roles,
+        groups: &command.issuer.groups,
+    };
+    let headers = record
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_deref()));
+    let signature = match keyring.check(headers, &record.value, claim) {
+        Ok(Some(key)) => Signature::Verified(key),
+        Ok(None) => Signature::Broken(format!("command {command_id} is not signed")),
+        Err(why) => Signature::Broken(format!("command {command_id}: {why}")),
+    };
+    (signature, facts)
+}
+
+/// A step an agent asked for.
+struct Asked<'a> {
+    by: &'a str,
+    node: &'a str,
+    step_id: &'a str,
+    args: &'a Value,
+}
+
+/// The link from a step an agent asked for to the model's answer that asked for it.
+fn request_link(state: &RunState, history: &[Event], readable: bool, asked: Asked<'_>) -> Link {
+    let Asked {
+        by,
+        node,
+        step_id,
+        args,
+    } = asked;
+    let asking = state.steps.get(by);
+    let output = asking.and_then(|s| s.output.as_ref());
+    let mut facts = json!({
+        "requested_by": by,
+        "operation_id": asking.map(|s| &s.operation_id),
+        "tool": asking.map(|s| &s.tool),
+        "model": output.and_then(|o| o.get("model")),
+        "output_sha256": readable.then(|| output.map(sha)).flatten(),
+    });
+    if !readable {
+        return link(
+            "request",
+            facts,
+            vec![],
+            vec!["the model's answer is sealed: give the run keys to check it".into()],
+        );
+    }
+    let Some(output) = output else {
+        return link(
+            "request",
+            facts,
+            vec![format!(
+                "step {by}, which asked for {step_id}, has no recorded answer"
+            )],
+            vec![],
+        );
+    };
+    // What the model asked for: the first proposal's arguments for a gated step (an
+    // approver may have edited them since), else the dispatched ones.
+    let requested = history.iter().find_map(|e| match &e.body {
+        EventBody::Interrupted {
+            step_id: id,
+            proposal,
+            ..
+        } if id == step_id => proposal.get("args").cloned(),
+        _ => None,
+    });
+    let candidates: Vec<Value> = requested.into_iter().chain([args.clone()]).collect();
+    let call = output
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find(|call| {
+            let function = &call["function"];
+            let arguments = match &function["arguments"] {
+                Value::String(text) => serde_json::from_str(text).unwrap_or(Value::Null),
+                other => other.clone(),
+            };
+            function["name"] == node && candidates.contains(&arguments)
+        })
+        .cloned();
+    let next_step = output
+        .get("next_steps")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .find(|s| s["node"] == node && candidates.contains(&s["args"]))
+        .cloned();
+    facts["tool_call"] = call.clone().or(next_step.clone()).unwrap_or(Value::Null);
+    let problems = match (call, next_step) {
+        (None, None) => vec![format!(
+            "the answer of step {by} holds no call of {node} with these arguments"
+        )],
+        _ => vec![],
+    };
+    link("request", facts, problems, vec![])
+}
+
+// ---------------------------------------------------------------- the commands topic
+
+/// Looks commands up on the real `sortie.commands` (blocking: call it off the async
+/// runtime). The broker stamps commands (`LogAppendTime`), so a decision's time finds its
+/// record with `offsetsForTimes`; the records of that millisecond are read until one is
+/// the command.
+#[allow(missing_debug_implementations)]
+pub struct KafkaCommands {
+    consumer: BaseConsumer,
+    topic: String,
+    partitions: u32,
+    codec: std::sync::Arc<Codec>,
+    runtime: tokio::runtime::Handle,
+}
+
+/// How long one lookup may take.
+const LOOKUP: Duration = Duration::from_secs(15);
+
+impl KafkaCommands {
+    pub fn open(
+        kafka: &KafkaConfig,
+        topic: String,
+        partitions: u32,
+        codec: std::sync::Arc<Codec>,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Self, String> {
+        let consumer: BaseConsumer = kafka
+            .client()
+            .set("group.id", "sortie-why")
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .create()
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            consumer,
+            topic,
+            partitions,
+            codec,
+            runtime,
+        })
+    }
+
+    fn lookup(&mut self, run_id: &str, command_id: &str, at: i64) -> Result<Found, String> {
+        let partition = partition_for(run_id.as_bytes(), self.partitions);
+        let (low, high) = self
+            .consumer
+            .fetch_watermarks(&self.topic, partition, Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
+        let mut times = TopicPartitionList::new();
+        times
+            .add_partition_offset(&self.topic, partition, Offset::Offset(at))
+            .map_err(|e| e.to_string())?;
+        let found = self
+            .consumer
+            .offsets_for_times(times, Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
+        let start = found
+            .elements()
+            .first()
+            .and_then(|e| match e.offset() {
+                Offset::Offset(offset) => Some(offset),
+                _ => None,
+            })
+            .unwrap_or(high);
+        if start >= high {
+            return Ok(Found::Missing);
+        }
+        let mut assignment = TopicPartitionList::new();
+        assignment
+            .add_partition_offset(&self.topic, partition, Offset::Offset(start))
+            .map_err(|e| e.to_string())?;
+        self.consumer
+            .assign(&assignment)
+            .map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + LOOKUP;
+        let mut first_time = None;
+        while Instant::now() < deadline {
+            let Some(polled) = self.consumer.poll(Duration::from_millis(200)) else {
+                continue;
+            };
+            let message = polled.map_err(|e| e.to_string())?;
+            let time = message.timestamp().to_millis().unwrap_or(i64::MAX);
+            first_time.get_or_insert(time);
+            if time > at {
+                break;
+            }
+            if message.key() == Some(run_id.as_bytes()) {
+                let decoded = self
+                    .runtime
+                    .block_on(self.codec.decode::<w::RunCommand>(message.payload()));
+                if let Ok(command) = decoded {
+                    if command.command_id == command_id && command.run_id == run_id {
+                        let headers = message
+                            .headers()
+                            .map(|h| {
+                                h.iter()
+                                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        return Ok(Found::Record(Box::new(CommandRecord {
+                            partition,
+                            offset: message.offset(),
+                            value: message.payload().unwrap_or_default().to_vec(),
+                            headers,
+                            command,
+                        })));
+                    }
+                }
+            }
+            if message.offset() + 1 >= high {
+                break;
+            }
+        }
+        // Nothing at that time: gone with the retention if the topic now starts after it.
+        if start == low && first_time.is_some_and(|t| t > at) {
+            return Ok(Found::Gone);
+        }
+        Ok(Found::Missing)
+    }
+}
+
+impl Commands for KafkaCommands {
+    fn find(&mut self, run_id: &str, command_id: &str, at: i64) -> Found {
+        self.lookup(run_id, command_id, at)
+            .unwrap_or_else(Found::Unreadable)
+    }
+}
+
+/// The chain as people read it: one line per link.
+pub fn render(chain: &Chain) -> String {
+    use std::fmt::Write as _;
+    let mut out = format!(
+        "why {} (run {}, tenant {})\n",
+        chain.operation_id, chain.run_id, chain.tenant
+    );
+    for link in &chain.links {
+        let mark = match link.status {
+            Status::Verified => "ok",
+            Status::Broken => "BROKEN",
+            Status::Unchecked => "unchecked",
+        };
+        let _ = writeln!(out, "  {:<9} {:<10} {}", link.link, mark, summary(link));
+        for problem in &link.problems {
+            let _ = writeln!(out, "  {:<9} {:<10}   - {problem}", "", "");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "{}",
+        if chain.verified {
+            "every link holds"
+        } else {
+            "the chain does not hold"
+        }
+    );
+    out
+}
+
+fn summary(link: &Link) -> String {
+    let f = &link.facts;
+    let s = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    };
+    match link.link {
+        "history" => format!("{} events, head {}", s(&f["events"]), s(&f["head"])),
+        "effect" => format!(
+            "{} {} ({}, tool {}), {} attempt(s), args sha256 {}, {}",
+            s(&f["operation_id"]),
+            s(&f["step_id"]),
+            s(&f["class"]),
+            s(&f["tool"]),
+            f["attempts"].as_array().map_or(0, Vec::len),
+            s(&f["args_sha256"]),
+            s(&f["outcome"])
+        ),
+        "graph" => format!(
+            "{} published by {}, signed by key {}, definition sha256 {}",
+            s(&f["graph"]),
+            s(&f["published_by"]),
+            s(&f["signed_by"]),
+            s(&f["definition_sha256"])
+        ),
+        "approval" if f["gated"] == false => s(&f["why"]),
+        "approval" => {
+            let approvals: Vec<String> = f["approvals"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|a| {
+                    format!(
+                        "{} (key {}, sortie.commands[{}]@{}, signature {})",
+                        s(&a["principal"]),
+                        s(&a["key_id"]),
+                        s(&a["record"]["partition"]),
+                        s(&a["record"]["offset"]),
+                        s(&a["signature"])
+                    )
+                })
+                .collect();
+            format!(
+                "{}: {} of quorum {}: {}",
+                s(&f["interrupt_id"]),
+                approvals.len(),
+                s(&f["quorum"]),
+                approvals.join("; ")
+            )
+        }
+        "proposal" => format!(
+            "{} {} args sha256 {}, hash {}",
+            s(&f["node"]),
+            s(&f["tool"]),
+            s(&f["args_sha256"]),
+            s(&f["proposal_hash"])
+        ),
+        "request" => format!(
+            "asked by {} ({}, model {}), answer sha256 {}, call {}",
+            s(&f["requested_by"]),
+            s(&f["operation_id"]),
+            s(&f["model"]),
+            s(&f["output_sha256"]),
+            s(&f["tool_call"]["id"])
+        ),
+        _ => f.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sortie_core::input::{Command, CommandBody, Input, StepOutcome, StepReport};
+    use sortie_core::{apply, Effect, Graphs, Plain};
+
+    const GATED: &str = "id: gated
+version: 1
+nodes:
+  - {id: prepare, tool: echo, side_effect: pure}
+  - id: refund
+    tool: echo
+    side_effect: keyed
+    args: {amount: $input.amount}
+    interrupt_before: {reason: refunds need a human, required_role: approver}
+edges:
+  - {from: prepare, to: refund}
+";
+
+    /// Commands as a map from command id to what was found.
+    struct Table(std::collections::BTreeMap<String, Found>);
+
+    impl Commands for Table {
+        fn find(&mut self, _run_id: &str, command_id: &str, _at: i64) -> Found {
+            self.0.get(command_id).cloned().unwrap_or(Found::Missing)
+        }
+    }
+
+    fn command(id: &str, body: CommandBody, at: i64) -> Input {
+        Input::Command(Command {
+            command_id: id.into(),
+            tenant: "acme".into(),
+            run_id: "run-1".into(),
+            principal: "svc:test".into(),
+            roles: vec!["approver".into()],
+            groups: vec![],
+            at,
+            body,
+        })
+    }
+
+    /// The refund story's history, and the approval as its command carried it.
+    fn story() -> (Vec<Event>, Graph, w::RunCommand) {
+        let graph = Graph::parse(GATED).expect("graph");
+        let mut graphs = Graphs::new();
+        graphs.insert(graph.clone()).expect("insert");
+        let mut history = Vec::new();
+        let mut state = None;
+        let mut step = |state: &mut Option<RunState>, input: Input| {
+            let applied = apply(state.as_ref(), &input, &graphs);
+            for effect in applied.effects {
+                if let Effect::Emit(e) = effect {
+                    if e.seq > 0 {
+                        history.push(e);
+                    }
+                }
+            }
+            *state = applied.state;
+        };
+        let start = CommandBody::StartRun {
+            graph_id: "gated".into(),
+            graph_version: None,
+            input: json!({"amount": 5}),
+            labels: Default::default(),
+            budget: None,
+            fork: None,
+        };
+        step(&mut state, command("start", start, 1));
+        let s = state.clone().expect("state");
+        let prepare = &s.steps["prepare#1"];
+        let done = Input::StepReport(StepReport {
+            operation_id: prepare.operation_id.clone(),
+            attempt: 1,
+            tenant: "acme".into(),
+            run_id: "run-1".into(),
+            step_id: "prepare#1".into(),
+            outcome: StepOutcome::Succeeded { output: json!({}) },
+            at: 2,
+        });
+        step(&mut state, done);
+        let interrupt = state
+            .clone()
+            .expect("state")
+            .interrupts
+            .values()
+            .next()
+            .cloned()
+            .expect("gate");
+        let approve = CommandBody::ResumeRun {
+            interrupt_id: interrupt.interrupt_id.clone(),
+            proposal_hash: interrupt.proposal_hash.clone(),
+            approve: true,
+            payload: None,
+            comment: None,
+            edited_args: None,
+        };
+        step(&mut state, command("approve", approve, 3));
+        let wire = w::RunCommand {
+            command_id: "approve".into(),
+            tenant: "acme".into(),
+            run_id: "run-1".into(),
+            issuer: w::Issuer {
+                principal: "svc:test".into(),
+                roles: vec!["approver".into()],
+                groups: vec![],
+            },
+            issued_at: 3,
+            body: w::CommandBody::ResumeRun(w::ResumeRun {
+                interrupt_id: interrupt.interrupt_id,
+                proposal_hash: interrupt.proposal_hash,
+                decision: w::Decision::Approve,
+                payload: None,
+                comment: None,
+                edited_args: None,
+                payload_is_input: false,
+            }),
+        };
+        (history, graph, wire)
+    }
+
+    fn chain_of(history: &[Event], graph: &Graph, found: Found, keyring: &Keyring) -> Chain {
+        let publication = Publication {
+            key: "gated@1".into(),
+            definition_hash: "d".into(),
+            tenant: None,
+            published_by: "ops".into(),
+            published_at: 0,
+            signed_by: Some("publisher".into()),
+        };
+        let op = history
+            .iter()
+            .find_map(|e| match &e.body {
+                EventBody::StepDispatched { step_id, .. } if step_id == "refund#1" => {
+                    e.operation_id.clone()
+                }
+                _ => None,
+            })
+            .expect("the refund's dispatch");
+        let mut commands = Table([("approve".to_owned(), found)].into_iter().collect());
+        why(Inputs {
+            operation_id: &op,
+            history,
+            seal: &Plain,
+            readable: true,
+            graph: Some(graph),
+            publication: Some(&publication),
+            keyring: Some(keyring),
+            commands: &mut commands,
+        })
+    }
+
+    #[test]
+    fn a_signed_approval_verifies_and_a_missing_unsigned_or_changed_one_is_named() {
+        let (history, graph, wire) = story();
+        let signer = sortie_wire::signing::Signer::from_seed("svc-1", [3; 32]);
+        let keyring = Keyring::parse(&sortie_wire::signing::keyring_text(&[signer.entry(
+            "svc:test",
+            &["acme".to_owned()],
+            &["approver".to_owned()],
+            false,
+        )]))
+        .expect("keyring");
+        let value = b"\0\0\0\0\x01the approval".to_vec();
+        let record = |value: Vec<u8>, headers: Vec<(String, Option<Vec<u8>>)>, command| {
+            Found::Record(Box::new(CommandRecord {
+                partition: 1,
+                offset: 42,
+                value,
+                headers,
+                command,
+            }))
+        };
+        let signed: Vec<(String, Option<Vec<u8>>)> = signer
+            .headers(&value)
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), Some(v)))
+            .collect();
+        let chain = chain_of(
+            &history,
+            &graph,
+            record(value.clone(), signed.clone(), wire.clone()),
+            &keyring,
+        );
+        assert!(chain.verified, "{}", render(&chain));
+        assert!(render(&chain).contains("svc:test (key svc-1, sortie.commands[1]@42"));
+
+        let chain = chain_of(&history, &graph, Found::Missing, &keyring);
+        assert!(!chain.verified);
+        assert!(render(&chain).contains("BROKEN"), "{}", render(&chain));
+
+        let chain = chain_of(
+            &history,
+            &graph,
+            record(value.clone(), vec![], wire.clone()),
+            &keyring,
+        );
+        assert!(
+            render(&chain).contains("is not signed"),
+            "{}",
+            render(&chain)
+        );
+
+        let mut other = wire.clone();
+        other.issuer.principal = "user:mallory".into();
+        let chain = chain_of(&history, &graph, record(value, signed, other), &keyring);
+        assert!(
+            render(&chain).contains("does not say what the history says"),
+            "{}",
+            render(&chain)
+        );
+
+        let chain = chain_of(&history, &graph, Found::Gone, &keyring);
+        assert_eq!(
+            chain
+                .links
+                .iter()
+                .find(|l| l.link == "approval")
+                .map(|l| l.status),
+            Some(Status::Unchecked)
+        );
+    }
+
+    #[test]
+    fn a_gated_effect_without_an_approval_is_broken() {
+        let (history, graph, _) = story();
+        // The history without the decision: the refund as if it had been dispatched on
+        // its own (chained anew).
+        let mut forged: Vec<Event> = history
+            .into_iter()
+            .filter(|e| !matches!(e.body, EventBody::InterruptDecided { .. }))
+            .collect();
+        let mut prev = None;
+        for (i, event) in forged.iter_mut().enumerate() {
+            event.seq = i as i64 + 1;
+            event.prev_hash = prev.clone();
+            event.hash = Some(event.compute_hash());
+            prev = event.hash.clone();
+        }
+        let chain = chain_of(&forged, &graph, Found::Missing, &Keyring::default());
+        let approval = chain
+            .links
+            .iter()
+            .find(|l| l.link == "approval")
+            .expect("link");
+        assert_eq!(approval.status, Status::Broken);
+        assert!(
+            approval.problems[0].contains("no approval released"),
+            "{:?}",
+            approval.problems
+        );
+    }
+}
