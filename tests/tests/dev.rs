@@ -106,14 +106,17 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
         }
         seen.push(line);
     }
-    // The printed command is `cargo run -q -p sortie -- run --token T approve RUN`: run the
-    // same subcommand with the built binary, against this gateway.
+    // The printed command is `cargo run -q -p sortie -- run --gateway G --token T approve
+    // RUN`: run the same subcommand with the built binary, as printed — it names the
+    // gateway in force (this one is not on the default port).
     let printed = approve.expect("line");
     let tail = printed.split(" -- ").nth(1).expect("a sortie command");
-    let mut args: Vec<&str> = tail.split_whitespace().collect();
+    let args: Vec<&str> = tail.split_whitespace().collect();
     let gateway_url = format!("http://{gateway}");
-    args.insert(1, "--gateway");
-    args.insert(2, &gateway_url);
+    assert!(
+        printed.contains(&format!("--gateway {gateway_url} ")),
+        "the printed command does not name the gateway in force: {printed}"
+    );
     let approved = Command::new(&bin)
         .args(&args)
         .output()
@@ -166,6 +169,104 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
     assert!(
         rest.iter().any(|l| l.contains(" start refund --input ")),
         "sortie dev did not print the refund story: {rest:?}"
+    );
+}
+
+/// A port already taken is named with the flag that moves it, before anything starts: no
+/// broker is left behind.
+#[test]
+fn a_taken_address_is_named_with_its_flag_and_nothing_is_started() {
+    let bin = sortie_tests::stack::sortie_bin();
+    let data = sortie_tests::workspace_root()
+        .join("target/test-runs")
+        .join(sortie_tests::unique_prefix("dev-taken").trim_end_matches('.'));
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let taken_addr = taken.local_addr().expect("addr").to_string();
+    let kafka_port = free_port();
+    let output = Command::new(&bin)
+        .args([
+            "dev",
+            "--data-dir",
+            data.to_str().expect("utf-8"),
+            "--gateway-addr",
+            &taken_addr,
+            "--kafka-port",
+            &kafka_port.to_string(),
+            "--registry-addr",
+            &free_addr(),
+            "--ledger-addr",
+            &free_addr(),
+            "--token",
+            "test-token",
+        ])
+        .current_dir(sortie_tests::workspace_root())
+        .output()
+        .expect("sortie dev runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&taken_addr) && stderr.contains("--gateway-addr"),
+        "the error does not name the address and its flag: {stderr}"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", kafka_port)).is_err(),
+        "a broker was started"
+    );
+}
+
+/// A stack that fails after its broker started (here the gateway cannot open its data
+/// dir) stops every process it started, the broker included: the next `sortie dev` does
+/// not find a stray broker "already running".
+///
+/// Checked red: without the stop on failure, the broker's port still answered.
+#[test]
+fn a_failed_start_stops_the_broker_it_started() {
+    let bin = sortie_tests::stack::sortie_bin();
+    let data = sortie_tests::workspace_root()
+        .join("target/test-runs")
+        .join(sortie_tests::unique_prefix("dev-failed").trim_end_matches('.'));
+    std::fs::create_dir_all(&data).expect("data dir");
+    // The gateway's data dir is a file: the gateway exits at once.
+    std::fs::write(data.join("gateway"), "not a directory").expect("blocker");
+    let kafka_port = free_port();
+    let output = Command::new(&bin)
+        .args([
+            "dev",
+            "--data-dir",
+            data.to_str().expect("utf-8"),
+            "--gateway-addr",
+            &free_addr(),
+            "--kafka-port",
+            &kafka_port.to_string(),
+            "--registry-addr",
+            &free_addr(),
+            "--ledger-addr",
+            &free_addr(),
+            "--token",
+            "test-token",
+            "--no-demo",
+        ])
+        .current_dir(sortie_tests::workspace_root())
+        .output()
+        .expect("sortie dev runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("127.0.0.1:{kafka_port} (started)")),
+        "the broker was not started by this run: {stdout}"
+    );
+    assert!(
+        stderr.contains("gateway exited"),
+        "the failure is not the gateway's: {stderr}"
+    );
+    assert!(
+        stdout.contains("kafka     stopped"),
+        "the broker was left running: {stdout}"
+    );
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", kafka_port)).is_err(),
+        "the broker's port still answers"
     );
 }
 

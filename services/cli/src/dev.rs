@@ -236,19 +236,33 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let data_dir = std::fs::canonicalize(&args.data_dir)?;
     let logs = data_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let token = dev_token(&data_dir, args.token)?;
+    let token = dev_token(&data_dir, args.token.clone())?;
     say!(
         "Starting Sortie's local stack (data in {}).",
         data_dir.display()
     );
 
+    // 0. Every address the stack listens on is free, before anything is started.
+    for (what, addr, flag) in [
+        ("gateway", &args.gateway_addr, "--gateway-addr"),
+        ("schema registry", &args.registry_addr, "--registry-addr"),
+        ("ledger", &args.ledger_addr, "--ledger-addr"),
+    ] {
+        if let Err(e) = std::net::TcpListener::bind(addr.as_str()) {
+            bail!("the {what} cannot listen on {addr}: {e}; choose another address with `sortie dev {flag} HOST:PORT` (or stop what holds it: an earlier `sortie dev`?)");
+        }
+    }
+
     // 1. Kafka.
-    let broker = LocalBroker::new(BrokerConfig::new(
-        data_dir.join("kafka"),
-        args.kafka_port,
-        repo_file("dev/kafka/pom.xml")?,
-    ));
-    let running = tokio::task::spawn_blocking(move || broker.ensure_running()).await??;
+    let broker = || {
+        Ok::<_, anyhow::Error>(LocalBroker::new(BrokerConfig::new(
+            data_dir.join("kafka"),
+            args.kafka_port,
+            repo_file("dev/kafka/pom.xml")?,
+        )))
+    };
+    let starting = broker()?;
+    let running = tokio::task::spawn_blocking(move || starting.ensure_running()).await??;
     let bootstrap = running.bootstrap.clone();
     say!(
         "  kafka     {bootstrap} ({})",
@@ -258,6 +272,29 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "started"
         }
     );
+    let served = serve(&args, &data_dir, logs, &token, &bootstrap).await;
+    // A stack that failed to start stops the broker it started (one it found running is
+    // left as it was); one that ran stops it on the way out, as always.
+    if served.is_ok() || !running.reused {
+        let stopping = broker()?;
+        tokio::task::spawn_blocking(move || stopping.stop()).await??;
+        say!("  kafka     stopped (data kept)");
+    }
+    served
+}
+
+/// Starts the services on the running broker and serves until Ctrl-C or a service exits;
+/// on `Err` every service started so far is stopped (the stack's `Drop`).
+async fn serve(
+    args: &Args,
+    data_dir: &Path,
+    logs: PathBuf,
+    token: &str,
+    bootstrap: &str,
+) -> anyhow::Result<()> {
+    let token = token.to_owned();
+    let bootstrap = bootstrap.to_owned();
+    let data_dir = data_dir.to_path_buf();
     let registry_url = format!("http://{}", args.registry_addr);
     let gateway_url = format!("http://{}", args.gateway_addr);
     let mut stack = Stack {
@@ -467,13 +504,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     say!("Stopping...");
     stack.stop();
-    let broker = LocalBroker::new(BrokerConfig::new(
-        data_dir.join("kafka"),
-        args.kafka_port,
-        repo_file("dev/kafka/pom.xml")?,
-    ));
-    tokio::task::spawn_blocking(move || broker.stop()).await??;
-    say!("  kafka     stopped (data kept)");
     Ok(())
 }
 
@@ -580,10 +610,10 @@ async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
         "  curl -s -X POST {gateway}/v1/runs/{run_id}/resume -H 'Authorization: Bearer {token}' -H 'Content-Type: application/json' -d '{{\"decision\": \"approve\", \"interrupt_id\": \"{interrupt}\"}}'"
     );
     say!("or with the CLI:");
-    say!("  cargo run -q -p sortie -- run --token {token} approve {run_id}");
+    say!("  cargo run -q -p sortie -- run --gateway {gateway} --token {token} approve {run_id}");
     say!("or in the console's approval inbox: {gateway}/ui/#/inbox");
     say!("Follow it:");
-    say!("  cargo run -q -p sortie -- run --token {token} watch {run_id}");
+    say!("  cargo run -q -p sortie -- run --gateway {gateway} --token {token} watch {run_id}");
     say!("  curl -s {gateway}/v1/runs/{run_id} -H 'Authorization: Bearer {token}'");
     say!();
     Ok(())

@@ -231,7 +231,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let metrics = crate::telemetry::install_metrics(&[sortie_gateway::metrics::HISTOGRAM_BUCKETS])?;
     sortie_gateway::metrics::describe();
     sortie_gateway::metrics::expose(metrics);
-    let listener = tokio::net::TcpListener::bind(&args.addr).await?;
+    let listener = crate::listen(&args.addr, "gateway", "--addr").await?;
     println!("{}", listener.local_addr()?);
     sortie_gateway::serve(config, listener, crate::shutdown_signal()).await?;
     Ok(())

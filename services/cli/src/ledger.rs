@@ -36,7 +36,7 @@ pub struct Args {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let ledger = Arc::new(Ledger::open(&args.file, args.mode)?);
-    let listener = tokio::net::TcpListener::bind(&args.addr).await?;
+    let listener = crate::listen(&args.addr, "ledger", "--addr").await?;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = %args.mode, file = %args.file.display(), "Ledger listening.");
     {

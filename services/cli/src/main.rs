@@ -124,3 +124,17 @@ pub(crate) async fn shutdown_signal() {
         let _ = ctrl_c.await;
     }
 }
+
+/// Binds `addr` for `what`; an address already taken (or not ours to take) fails with the
+/// address and the flag that changes it, not the bare OS error.
+pub(crate) async fn listen(
+    addr: &str,
+    what: &str,
+    flag: &str,
+) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        anyhow::anyhow!(
+            "the {what} cannot listen on {addr}: {e}; choose another address with {flag}"
+        )
+    })
+}

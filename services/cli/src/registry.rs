@@ -50,9 +50,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.topic, args.brokers.bootstrap_servers
         )
     })?;
-    let listener = tokio::net::TcpListener::bind(args.addr)
-        .await
-        .with_context(|| format!("listening on {}", args.addr))?;
+    let listener = crate::listen(&args.addr.to_string(), "schema registry", "--addr").await?;
     let addr = listener.local_addr()?;
     tracing::info!(
         url = %format!("http://{addr}"),

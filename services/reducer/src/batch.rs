@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use sortie_core::RunState;
 
-use crate::metrics::{BatchCounts, Contribution};
+use crate::gauges::Contribution;
+use crate::metrics::BatchCounts;
 use crate::store::DueTimer;
 
 /// One record to produce in the batch's transaction.

@@ -19,9 +19,9 @@ use tokio::runtime::Handle;
 use crate::batch::{Before, InputRef, Output, PendingBatch, Source};
 use crate::convert;
 use crate::driver::{Error, ReducerConfig};
+use crate::gauges::RunGauges;
 use crate::graphs::GraphTable;
 use crate::health::Health;
-use crate::metrics::RunGauges;
 use crate::store::Store;
 use crate::tasks::Tasks;
 

@@ -17,6 +17,7 @@ pub mod driver;
 mod engine;
 pub mod fault;
 mod fork;
+pub mod gauges;
 /// The graph catalog now lives in `sortie-catalog`, shared with the gateway and bench.
 pub use sortie_catalog as graphs;
 pub mod health;

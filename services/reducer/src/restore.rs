@@ -39,7 +39,7 @@ use tokio::runtime::Handle;
 use crate::convert;
 use crate::driver::Error;
 use crate::fault::FaultPoint;
-use crate::metrics::{Contribution, Shares};
+use crate::gauges::{Contribution, Shares};
 use crate::store::{Batch, Packed, Store};
 
 /// Records per chunk of a restore: their states are written to sled as they are applied,

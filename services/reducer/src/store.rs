@@ -207,7 +207,7 @@ impl Batch {
         self
     }
 
-    /// Store a partition's gauge tally (see `metrics::RunGauges::save_into`).
+    /// Store a partition's gauge tally (see `gauges::RunGauges::save_into`).
     pub fn put_tally(&mut self, partition: i32, tally: Vec<u8>) -> &mut Self {
         self.len += 1;
         self.writes.insert(tally_key(partition).to_vec(), tally);

@@ -1,0 +1,416 @@
+//! Graph validation, one check per concern. [`validate`] runs them in a fixed order and
+//! returns every problem found, each with the node it is about.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{
+    json, mcp, Graph, GraphError, InvalidGraph, Node, OnReject, OnTimeout, MAX_EDGES, MAX_NODES,
+};
+
+pub(super) fn validate(graph: &Graph) -> Result<(), InvalidGraph> {
+    let mut problems = Vec::new();
+    let mut problem = |node: Option<&str>, text: String| {
+        problems.push(GraphError {
+            node: node.map(str::to_owned),
+            problem: text,
+        })
+    };
+    graph.check_header(&mut problem);
+    graph.check_limits(&mut problem);
+    graph.check_node_ids(&mut problem);
+    graph.check_mcp_tools(&mut problem);
+    graph.check_tool_config(&mut problem);
+    graph.check_edges(&mut problem);
+    let ancestors = graph.ancestors();
+    let detached = graph.detached();
+    for node in &graph.nodes {
+        graph.check_node(node, &mut problem);
+        graph.check_approval(node, &mut problem);
+        graph.check_references(node, &detached, &ancestors, &mut problem);
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(InvalidGraph(problems))
+    }
+}
+
+/// Graph, node and derived ids: 1-64 of `[A-Za-z0-9_-]`.
+fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+impl Graph {
+    /// The graph's own fields: id, version, at least one node, a step budget.
+    fn check_header(&self, problem: &mut impl FnMut(Option<&str>, String)) {
+        if !valid_id(&self.id) {
+            problem(
+                None,
+                format!("graph id {:?} must be 1-64 of [A-Za-z0-9_-]", self.id),
+            );
+        }
+        if self.version == 0 {
+            problem(None, "version must be at least 1".into());
+        }
+        if self.nodes.is_empty() {
+            problem(None, "a graph needs at least one node".into());
+        }
+        if self.max_steps == 0 {
+            problem(None, "max_steps must be at least 1".into());
+        }
+    }
+
+    /// The limits every definition is held to, whoever publishes it: the payload shape
+    /// for each node's `args` and `config` (`crate::limits::check_shape`), bounded
+    /// counts of nodes and edges, and texts a person reads kept short.
+    fn check_limits(&self, problem: &mut impl FnMut(Option<&str>, String)) {
+        use crate::limits;
+        if self.nodes.len() > MAX_NODES {
+            problem(
+                None,
+                format!(
+                    "{} nodes; at most {MAX_NODES} are allowed",
+                    self.nodes.len()
+                ),
+            );
+        }
+        if self.edges.len() > MAX_EDGES {
+            problem(
+                None,
+                format!(
+                    "{} edges; at most {MAX_EDGES} are allowed",
+                    self.edges.len()
+                ),
+            );
+        }
+        if let Some(description) = &self.description {
+            if let Err(e) = limits::check_text("description", description, limits::MAX_TEXT_BYTES) {
+                problem(None, e);
+            }
+        }
+        for node in &self.nodes {
+            for (field, value) in [("args", &node.args), ("config", &node.config)] {
+                if let Err(e) = limits::check_shape(field, value) {
+                    problem(Some(&node.id), format!("{e} (limit {})", e.limit.name()));
+                }
+            }
+            if let Some(approval) = &node.interrupt_before {
+                if let Err(e) = limits::check_text(
+                    "interrupt_before.reason",
+                    &approval.reason,
+                    limits::MAX_TEXT_BYTES,
+                ) {
+                    problem(Some(&node.id), e);
+                }
+            }
+        }
+    }
+
+    /// Node ids unique and well formed; per-node fields that name other nodes or must be
+    /// of one type.
+    fn check_node_ids(&self, problem: &mut impl FnMut(Option<&str>, String)) {
+        let mut seen = BTreeSet::new();
+        for node in &self.nodes {
+            if !valid_id(&node.id) {
+                problem(Some(&node.id), "id must be 1-64 of [A-Za-z0-9_-]".into());
+            }
+            if !seen.insert(node.id.as_str()) {
+                problem(Some(&node.id), "declared twice".into());
+            }
+            if node
+                .config
+                .get("lookup_authoritative")
+                .is_some_and(|v| !v.is_boolean())
+            {
+                problem(
+                    Some(&node.id),
+                    "config.lookup_authoritative must be true or false".into(),
+                );
+            }
+            if let Some(check) = &node.precheck {
+                if node.interrupt_before.is_none() {
+                    problem(
+                        Some(&node.id),
+                        "a precheck runs after an approval, so the node needs interrupt_before"
+                            .into(),
+                    );
+                }
+                if check == &node.id || !self.nodes.iter().any(|n| &n.id == check) {
+                    problem(
+                        Some(&node.id),
+                        format!("precheck {check:?} must name another node of the graph"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// The MCP servers, and the node ids their offered tools become.
+    fn check_mcp_tools(&self, problem: &mut impl FnMut(Option<&str>, String)) {
+        mcp::check(&self.mcp_servers, &self.nodes, problem);
+        let mut derived_ids = BTreeSet::new();
+        for derived in self.derive_mcp_nodes() {
+            let id = derived.id.as_str();
+            if !valid_id(id) {
+                problem(
+                    Some(id),
+                    "an MCP tool's name gives no valid node id (give its server a prefix)".into(),
+                );
+            }
+            if self.nodes.iter().any(|n| n.id == id) {
+                problem(
+                    Some(id),
+                    "an offered MCP tool has the name of a node of the graph: give its server a prefix".into(),
+                );
+            }
+            if !derived_ids.insert(derived.id.clone()) {
+                problem(
+                    Some(id),
+                    "two offered MCP tools have this name: give one server a prefix".into(),
+                );
+            }
+        }
+    }
+
+    /// A tool's own configuration: the model API of an `llm` node, input schemas.
+    fn check_tool_config(&self, problem: &mut impl FnMut(Option<&str>, String)) {
+        for node in &self.nodes {
+            if node.tool == crate::budget::LLM_TOOL {
+                if let Some(api) = node.config.get("api") {
+                    if api != "openai" && api != "anthropic" {
+                        problem(
+                            Some(&node.id),
+                            "config.api must be openai or anthropic".into(),
+                        );
+                    }
+                }
+            }
+            if let Some(schema) = &node.input_schema {
+                if !schema.is_object() {
+                    problem(Some(&node.id), "input_schema must be a JSON object".into());
+                }
+                if let Err(e) = crate::limits::check_shape("input_schema", schema) {
+                    problem(Some(&node.id), format!("{e} (limit {})", e.limit.name()));
+                }
+            }
+        }
+    }
+
+    /// Edges: known ends, no edges on detached nodes, no self-loops, one test per
+    /// condition, no cycle.
+    fn check_edges(&self, problem: &mut impl FnMut(Option<&str>, String)) {
+        let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
+        let detached = self.detached();
+        for edge in &self.edges {
+            for end in [&edge.from, &edge.to] {
+                if !exists(end) {
+                    problem(
+                        Some(end),
+                        format!("edge {} -> {} names an unknown node", edge.from, edge.to),
+                    );
+                }
+                if detached.contains(end.as_str()) {
+                    problem(
+                        Some(end),
+                        "is a compensation, on_reject target or requested node, so it may not have edges".into(),
+                    );
+                }
+            }
+            if edge.from == edge.to {
+                problem(
+                    Some(&edge.from),
+                    "has an edge to itself; loops are agent requests (next_steps), not edges"
+                        .into(),
+                );
+            }
+            if let Some(when) = &edge.when {
+                let tests = [
+                    when.equals.is_some(),
+                    when.not_equals.is_some(),
+                    when.exists.is_some(),
+                ];
+                if tests.iter().filter(|t| **t).count() > 1 {
+                    problem(
+                        Some(&edge.from),
+                        format!(
+                            "edge to {}: give one of equals, not_equals, exists",
+                            edge.to
+                        ),
+                    );
+                }
+            }
+        }
+        if self.topological().len() < self.attached() {
+            problem(
+                None,
+                "edges form a cycle; loops are agent requests (next_steps), not edges".into(),
+            );
+        }
+    }
+
+    /// One node's tool, queue, retry policy, args, compensation, requests and on_reject.
+    fn check_node(&self, node: &Node, problem: &mut impl FnMut(Option<&str>, String)) {
+        let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
+        let id = node.id.as_str();
+        if node.tool.trim().is_empty() {
+            problem(Some(id), "tool is empty".into());
+        }
+        if node.queue.is_empty()
+            || !node
+                .queue
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            problem(
+                Some(id),
+                format!("queue {:?} must be of [A-Za-z0-9_-]", node.queue),
+            );
+        }
+        if node.retry.max_attempts == 0 {
+            problem(Some(id), "retry.max_attempts must be at least 1".into());
+        }
+        if node.retry.multiplier < 1.0 || !(0.0..=1.0).contains(&node.retry.jitter) {
+            problem(
+                Some(id),
+                "retry.multiplier must be >= 1 and retry.jitter within 0..1".into(),
+            );
+        }
+        if !node.args.is_object() {
+            problem(Some(id), "args must be a JSON object".into());
+        }
+        for target in node.compensate_with.iter() {
+            if !exists(target) {
+                problem(
+                    Some(id),
+                    format!("compensate_with names unknown node {target:?}"),
+                );
+            } else if self
+                .node(target)
+                .and_then(|n| n.compensate_with.as_ref())
+                .is_some()
+            {
+                problem(
+                    Some(id),
+                    format!("compensation {target:?} may not have a compensation of its own"),
+                );
+            }
+        }
+        for target in &node.may_request {
+            if !exists(target) {
+                problem(
+                    Some(id),
+                    format!("may_request names unknown node {target:?}"),
+                );
+            }
+        }
+        for tool in &node.tools {
+            if !node.may_request.contains(tool) {
+                problem(
+                    Some(id),
+                    format!("tool {tool:?} must also be listed in may_request"),
+                );
+            }
+        }
+        if let OnReject::Goto(target) = &node.on_reject {
+            if !exists(target) {
+                problem(
+                    Some(id),
+                    format!("on_reject goto names unknown node {target:?}"),
+                );
+            }
+            if node.interrupt_before.is_none() {
+                problem(Some(id), "on_reject needs interrupt_before".into());
+            }
+        }
+    }
+
+    /// One node's approval gate.
+    fn check_approval(&self, node: &Node, problem: &mut impl FnMut(Option<&str>, String)) {
+        let id = node.id.as_str();
+        if let Some(approval) = &node.interrupt_before {
+            if approval.quorum == 0 {
+                problem(
+                    Some(id),
+                    "interrupt_before.quorum must be at least 1".into(),
+                );
+            }
+            if approval.on_timeout == OnTimeout::Escalate && approval.escalation.is_empty() {
+                problem(
+                    Some(id),
+                    "on_timeout escalate needs an escalation list of approver groups".into(),
+                );
+            }
+            if let (Some(group), Some(label)) = (&approval.group, &approval.approver_group) {
+                if group != label {
+                    problem(
+                        Some(id),
+                        "give group (members only) or approver_group (a label), not both".into(),
+                    );
+                }
+            }
+            if approval.timeout.0 <= 0 {
+                problem(Some(id), "interrupt_before.timeout must be positive".into());
+            }
+        }
+    }
+
+    /// What one node's args refer to: nodes that always run before it, an approval's
+    /// payload where an approval precedes it, `$compensated` in a compensation.
+    fn check_references(
+        &self,
+        node: &Node,
+        detached: &BTreeSet<&str>,
+        ancestors: &BTreeMap<&str, BTreeSet<&str>>,
+        problem: &mut impl FnMut(Option<&str>, String),
+    ) {
+        let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
+        let id = node.id.as_str();
+        let is_compensation = self
+            .nodes
+            .iter()
+            .any(|n| n.compensate_with.as_deref() == Some(id));
+        // `$interrupt.payload` is a decision's input: it exists for a gated node, its
+        // precheck and its on_reject substitute.
+        let decided = node.interrupt_before.is_some()
+            || self.nodes.iter().any(|n| {
+                n.precheck.as_deref() == Some(id)
+                    || matches!(&n.on_reject, OnReject::Goto(t) if t == id)
+            });
+        for reference in json::references(&node.args) {
+            match reference {
+                Err(e) => problem(Some(id), format!("args: {e}")),
+                Ok(json::Reference::Step { node: source, .. }) => {
+                    if !exists(source) {
+                        problem(Some(id), format!("args refer to unknown node {source:?}"));
+                    } else if !detached.contains(id)
+                        && !ancestors.get(id).is_some_and(|a| a.contains(source))
+                    {
+                        problem(
+                            Some(id),
+                            format!(
+                                "args refer to {source:?}, which does not always run before it"
+                            ),
+                        );
+                    }
+                }
+                Ok(json::Reference::Interrupt(_)) if !decided => {
+                    problem(
+                        Some(id),
+                        "args use $interrupt.payload but no approval precedes the node (gate it, or make it a precheck or on_reject target)".into(),
+                    );
+                }
+                Ok(json::Reference::Compensated { .. }) if !is_compensation => {
+                    problem(
+                        Some(id),
+                        "args use $compensated but the node compensates nothing".into(),
+                    );
+                }
+                Ok(_) => {}
+            }
+        }
+    }
+}
