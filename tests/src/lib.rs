@@ -32,6 +32,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 pub mod browser;
+pub mod http;
 pub mod stack;
 
 /// The environment variable that points the tests at an existing broker.

@@ -102,64 +102,24 @@ fn token(spec: &str) -> &str {
     spec.rsplit(':').next().unwrap_or_default()
 }
 
-/// A small HTTP client for one gateway.
-struct Api {
-    client: reqwest::Client,
-    base: String,
-}
+/// The shared client; the suite names callers by their token spec (`token(who)`).
+struct Api(sortie_tests::http::Api);
 
 impl Api {
     fn new(base: &str) -> Api {
-        Api {
-            client: reqwest::Client::new(),
-            base: base.to_owned(),
-        }
+        Api(sortie_tests::http::Api::new(base))
     }
 
     async fn get_raw(&self, path: &str, who: &str) -> (u16, String, Vec<u8>) {
-        let response = self
-            .client
-            .get(format!("{}{path}", self.base))
-            .bearer_auth(token(who))
-            .send()
-            .await
-            .expect("the gateway answers");
-        let status = response.status().as_u16();
-        let content_type = response
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned();
-        let body = response.bytes().await.expect("a body").to_vec();
-        (status, content_type, body)
+        self.0.get_raw(path, token(who)).await
     }
 
     async fn get(&self, path: &str, who: &str) -> (u16, Value) {
-        let (status, _, body) = self.get_raw(path, who).await;
-        let value = serde_json::from_slice(&body).unwrap_or_else(|e| {
-            panic!(
-                "{path}: status {status}, not JSON ({e}): {}",
-                String::from_utf8_lossy(&body)
-            )
-        });
-        (status, value)
+        self.0.get(path, token(who)).await
     }
 
     async fn post(&self, path: &str, who: &str, body: &Value) -> (u16, Value) {
-        let response = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .bearer_auth(token(who))
-            .json(body)
-            .send()
-            .await
-            .expect("the gateway answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.expect("a body");
-        let value = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("{path}: status {status}, not JSON ({e}): {text}"));
-        (status, value)
+        self.0.post(path, token(who), body.clone()).await
     }
 
     async fn wait_status(&self, run_id: &str, status: &str) -> Value {

@@ -754,7 +754,10 @@ fn properties_file(stack: &Stack, name: &str, contents: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_restarted_mid_run_loses_nothing() {
     let broker = sortie_tests::stack::PrivateBroker::start("crash-broker").await;
-    let stack = Stack::start_on(broker.bootstrap(), "crash-broker", &[]).await;
+    let stack = Stack::builder("crash-broker")
+        .on(broker.bootstrap())
+        .start()
+        .await;
     let ledger = stack.ledger_process("ledger", "keyed").await;
     stack.publish(&chain_graph(&ledger.url)).await;
     let properties = short_socket_timeout(&stack);

@@ -52,45 +52,20 @@ const TOKENS: &[&str] = &[ALICE, BOB, EVE, OLGA, OSCAR];
 
 const LONG: Duration = Duration::from_secs(90);
 
-/// A small HTTP client for one gateway.
-struct Api {
-    client: reqwest::Client,
-    base: String,
+/// The shared client, with this suite's helpers.
+struct Api(sortie_tests::http::Api);
+
+impl std::ops::Deref for Api {
+    type Target = sortie_tests::http::Api;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
 impl Api {
     fn new(base: &str) -> Api {
-        Api {
-            client: reqwest::Client::new(),
-            base: base.to_owned(),
-        }
-    }
-
-    fn request(&self, method: &str, path: &str, token: Option<&str>) -> reqwest::RequestBuilder {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
-        let mut request = self.client.request(method, format!("{}{path}", self.base));
-        if let Some(token) = token {
-            request = request.bearer_auth(token);
-        }
-        request
-    }
-
-    async fn send(&self, request: reqwest::RequestBuilder) -> (u16, Value) {
-        let response = request.send().await.expect("the gateway answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.expect("a body");
-        let body = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("status {status}: the body is not JSON ({e}): {text}"));
-        (status, body)
-    }
-
-    async fn get(&self, path: &str, token: &str) -> (u16, Value) {
-        self.send(self.request("GET", path, Some(token))).await
-    }
-
-    async fn post(&self, path: &str, token: &str, body: Value) -> (u16, Value) {
-        self.send(self.request("POST", path, Some(token)).json(&body))
-            .await
+        Api(sortie_tests::http::Api::new(base))
     }
 
     async fn start(&self, token: &str, body: Value) -> Value {
@@ -101,11 +76,7 @@ impl Api {
 
     /// Polls the run until `done` holds for it.
     async fn wait_run(&self, what: &str, run_id: &str, done: impl Fn(&Value) -> bool) -> Value {
-        sortie_tests::wait_for(what, LONG, || async {
-            let (status, run) = self.get(&format!("/v1/runs/{run_id}"), "tok-alice").await;
-            (status == 200 && done(&run)).then_some(run)
-        })
-        .await
+        self.0.wait_run(what, run_id, "tok-alice", LONG, done).await
     }
 }
 
@@ -113,9 +84,7 @@ fn token(spec: &str) -> &str {
     spec.rsplit(':').next().unwrap_or_default()
 }
 
-fn code(body: &Value) -> &str {
-    body["error"]["code"].as_str().unwrap_or_default()
-}
+use sortie_tests::http::code;
 
 fn event_kind(event: &Value) -> String {
     event["body"]

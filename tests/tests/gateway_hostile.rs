@@ -44,43 +44,20 @@ const TOKENS: &[&str] = &[
 
 const LONG: Duration = Duration::from_secs(90);
 
-/// A small HTTP client for one gateway.
-struct Api {
-    client: reqwest::Client,
-    base: String,
+/// The shared client, with this suite's helpers.
+struct Api(sortie_tests::http::Api);
+
+impl std::ops::Deref for Api {
+    type Target = sortie_tests::http::Api;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
 impl Api {
     fn new(base: &str) -> Api {
-        Api {
-            client: reqwest::Client::new(),
-            base: base.to_owned(),
-        }
-    }
-
-    fn request(&self, method: &str, path: &str, token: &str) -> reqwest::RequestBuilder {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
-        self.client
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(token)
-    }
-
-    async fn send(&self, request: reqwest::RequestBuilder) -> (u16, Value) {
-        let response = request.send().await.expect("the gateway answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.expect("a body");
-        let body = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("status {status}: the body is not JSON ({e}): {text}"));
-        (status, body)
-    }
-
-    async fn get(&self, path: &str, token: &str) -> (u16, Value) {
-        self.send(self.request("GET", path, token)).await
-    }
-
-    async fn post(&self, path: &str, token: &str, body: Value) -> (u16, Value) {
-        self.send(self.request("POST", path, token).json(&body))
-            .await
+        Api(sortie_tests::http::Api::new(base))
     }
 
     /// Starts a run of `three` and waits until it succeeded: the view is serving.
@@ -103,9 +80,7 @@ impl Api {
     }
 }
 
-fn code(body: &Value) -> &str {
-    body["error"]["code"].as_str().unwrap_or_default()
-}
+use sortie_tests::http::code;
 
 /// A JSON value whose objects nest `depth` levels deep.
 fn nested(depth: usize) -> Value {
@@ -229,7 +204,7 @@ async fn a_run_the_view_cannot_read_is_quarantined_and_everyone_else_is_served()
     plant(&stack, "poison-event", 130, false).await;
     let (status, answer) = api
         .send(
-            api.request("POST", "/v1/runs", "tok-bob")
+            api.request("POST", "/v1/runs", Some("tok-bob"))
                 .header(sortie_gateway::IDEMPOTENCY_HEADER, "start-poison")
                 .json(&json!({"graph_id": "three", "run_id": "poison", "input": {"order": 2}})),
         )
@@ -329,7 +304,7 @@ async fn two_tenants_racing_one_run_id_and_key_each_get_their_own_answer() {
     for round in 0..8 {
         let start = |token: &str| {
             api.send(
-                api.request("POST", "/v1/runs", token)
+                api.request("POST", "/v1/runs", Some(token))
                     .header(sortie_gateway::IDEMPOTENCY_HEADER, format!("key-{round}"))
                     .json(&json!({"graph_id": "three", "run_id": format!("shared-{round}"), "input": {}})),
             )
@@ -409,7 +384,7 @@ async fn payloads_past_the_shape_limits_are_refused_and_one_at_them_round_trips(
     );
     let (status, body) = api
         .send(
-            api.request("POST", "/v1/runs", "tok-bob")
+            api.request("POST", "/v1/runs", Some("tok-bob"))
                 .header("content-type", "application/json")
                 .body(raw),
         )

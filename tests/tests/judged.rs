@@ -54,49 +54,20 @@ fn answer(intent: &w::StepIntent) -> Option<w::StepResult> {
     Some(result)
 }
 
-struct Api {
-    client: reqwest::Client,
-    base: String,
+/// The shared client, with this suite's helpers.
+struct Api(sortie_tests::http::Api);
+
+impl std::ops::Deref for Api {
+    type Target = sortie_tests::http::Api;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
 impl Api {
-    async fn send(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        token: &str,
-        body: Option<Value>,
-    ) -> (u16, Value) {
-        let mut request = self
-            .client
-            .request(method, format!("{}{path}", self.base))
-            .bearer_auth(token);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.expect("the gateway answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.expect("a body");
-        let body = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("status {status}: not JSON ({e}): {text}"));
-        (status, body)
-    }
-
-    async fn get(&self, path: &str, token: &str) -> (u16, Value) {
-        self.send(reqwest::Method::GET, path, token, None).await
-    }
-
-    async fn post(&self, path: &str, token: &str, body: Value) -> (u16, Value) {
-        self.send(reqwest::Method::POST, path, token, Some(body))
-            .await
-    }
-
     async fn wait_run(&self, what: &str, run_id: &str, done: impl Fn(&Value) -> bool) -> Value {
-        sortie_tests::wait_for(what, LONG, || async {
-            let (status, run) = self.get(&format!("/v1/runs/{run_id}"), "tok-alice").await;
-            (status == 200 && done(&run)).then_some(run)
-        })
-        .await
+        self.0.wait_run(what, run_id, "tok-alice", LONG, done).await
     }
 
     async fn start(&self, run_id: &str, graph: &str, input: Value) {
@@ -111,9 +82,7 @@ impl Api {
     }
 }
 
-fn code(body: &Value) -> &str {
-    body["error"]["code"].as_str().unwrap_or_default()
-}
+use sortie_tests::http::code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_finance_quorum_with_human_input_and_a_precheck() {
@@ -123,10 +92,7 @@ async fn a_finance_quorum_with_human_input_and_a_precheck() {
     let (_gateway, url) = stack
         .gateway_process(&stack.dir.join("gateway"), &[ALICE, BOB, MALLORY])
         .await;
-    let api = Api {
-        client: reqwest::Client::new(),
-        base: url,
-    };
+    let api = Api(sortie_tests::http::Api::new(&url));
 
     api.start(
         "pay-1",

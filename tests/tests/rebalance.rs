@@ -754,7 +754,10 @@ async fn runs_survive_rebalances_under_load() {
     let began = Instant::now();
     let mut rng = Rng(seed);
 
-    let stack = Stack::start_with_partitions("rebalance", &[], RUN_PARTITIONS).await;
+    let stack = Stack::builder("rebalance")
+        .partitions(RUN_PARTITIONS)
+        .start()
+        .await;
     let ledgers = ledgers(&stack).await;
     let commands = run_commands(seed, n);
     let runs: Vec<String> = commands.iter().map(|c| c.run_id.clone()).collect();
@@ -862,7 +865,11 @@ async fn a_broker_sigkill_mid_run_loses_nothing() {
     let _turn = HEAVY.lock().await;
     let began = Instant::now();
     let broker = PrivateBroker::start("sigkill-broker").await;
-    let stack = Stack::start_on_with_partitions(broker.bootstrap(), "sigkill-broker", &[], 3).await;
+    let stack = Stack::builder("sigkill-broker")
+        .on(broker.bootstrap())
+        .partitions(3)
+        .start()
+        .await;
     let ledgers = ledgers(&stack).await;
     let _executor = stack.executor_process("executor", &["default"], &[]);
     let _reducer = stack.reducer("0");
@@ -1051,7 +1058,12 @@ async fn cluster_node_sigkill_mid_run(name: &str, choice: Victim) {
     let _turn = HEAVY.lock().await;
     let began = Instant::now();
     let cluster = PrivateCluster::start(name, 3).await;
-    let stack = Stack::start_on_replicated(cluster.bootstrap(), name, &[], 6, Some((3, 2))).await;
+    let stack = Stack::builder(name)
+        .on(cluster.bootstrap())
+        .partitions(6)
+        .replicated(3, 2)
+        .start()
+        .await;
     let ledgers = ledgers(&stack).await;
     let _executors: Vec<Process> = (0..2)
         .map(|i| stack.executor_process(&format!("executor-{i}"), &["default"], &[]))
@@ -1188,7 +1200,12 @@ async fn rolling_restarts_under_load_fail_no_run() {
     let _turn = HEAVY.lock().await;
     let began = Instant::now();
     let cluster = PrivateCluster::start("roll", 3).await;
-    let stack = Stack::start_on_replicated(cluster.bootstrap(), "roll", &[], 6, Some((3, 2))).await;
+    let stack = Stack::builder("roll")
+        .on(cluster.bootstrap())
+        .partitions(6)
+        .replicated(3, 2)
+        .start()
+        .await;
     let ledgers = ledgers(&stack).await;
     const TOKEN: &str = "acme:user:ops:operator:tok-ops";
     let mut reducers: Vec<Process> = (0..3).map(|i| stack.reducer(&i.to_string())).collect();

@@ -22,6 +22,7 @@ use sortie_wire::{Codec, Topics};
 use tokio::runtime::Handle;
 
 mod ceiling;
+mod hops;
 mod load;
 mod procfs;
 mod roll;
@@ -500,7 +501,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
                 Some((full, light))
             }
         };
-        let light = phase(
+        let mut light = phase(
             bench,
             &mut driver,
             &topics,
@@ -510,6 +511,16 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             &mut all,
             broker_pid,
         )?;
+        // Where a step's time goes when nothing queues, read back from the topics.
+        light.json["hops_ms"] = hops::measure(
+            &bench.kafka,
+            &bench.codec,
+            &bench.runtime,
+            &topics,
+            &stack::queues(options.queues),
+            "light-",
+        )
+        .unwrap_or_else(|e| json!({ "error": e.to_string() }));
         (warmup, light)
     };
 

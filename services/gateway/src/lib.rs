@@ -32,7 +32,7 @@ mod why;
 pub use render::rfc3339;
 use std::future::Future;
 
-pub use api::{router, IDEMPOTENCY_HEADER, MIN_POSITION_HEADER};
+pub use api::{router, IDEMPOTENCY_HEADER, MIN_POSITION_HEADER, ROUTES};
 pub use app::{AppState, Error};
 pub use config::{GatewayConfig, JwksSource, JwtConfig, TokenEntry};
 pub use openapi::document as openapi_document;

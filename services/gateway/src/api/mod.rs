@@ -1,6 +1,10 @@
 //! The HTTP API (SPEC §4.3). Writes become `RunCommand`s answered by the reducer; reads
 //! come from the local view and can wait for a position (read-your-writes).
 
+mod routes;
+
+pub use routes::ROUTES;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
 use std::time::Duration;
@@ -9,7 +13,6 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{self, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -34,36 +37,10 @@ const SETTLE: Duration = Duration::from_secs(2);
 const DEFAULT_PAGE: usize = 100;
 const MAX_PAGE: usize = 1000;
 
-/// Every route of the API. Unknown paths and methods answer JSON errors too.
+/// Every route of the API (the list in `routes.rs`, which the OpenAPI document is checked
+/// against). Unknown paths and methods answer JSON errors too.
 pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(crate::metrics::render))
-        .route("/openapi.json", get(openapi_json))
-        .route("/v1/runs", post(start_run).get(list_runs))
-        .route("/v1/inbox", get(crate::inbox::inbox))
-        .route("/v1/me", get(me))
-        .route("/v1/runs/{run_id}", get(get_run).delete(delete_run))
-        .route("/v1/runs/{run_id}/resume", post(resume_run))
-        .route("/v1/runs/{run_id}/cancel", post(cancel_run))
-        .route("/v1/runs/{run_id}/events", get(events))
-        .route("/v1/runs/{run_id}/conversation", get(conversation))
-        .route("/v1/runs/{run_id}/events/stream", get(events_stream))
-        .route(
-            "/v1/runs/{run_id}/checkpoints/{checkpoint_id}",
-            get(checkpoint),
-        )
-        .route("/v1/runs/{run_id}/fork", post(fork_run))
-        .route("/v1/runs/{run_id}/blobs/{sha256}", get(blob))
-        .route(
-            "/v1/runs/{run_id}/operations/{operation_id}/reconcile",
-            post(reconcile),
-        )
-        .route(
-            "/v1/runs/{run_id}/operations/{operation_id}/why",
-            get(crate::why::why),
-        )
+    routes::api(Router::new())
         .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
