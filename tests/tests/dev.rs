@@ -13,8 +13,12 @@ use sortie_devkit::ledger::{Entry, Snapshot};
 use sortie_devkit::receiver;
 
 fn free_port() -> u16 {
-    // Broker and controller need two consecutive free ports.
-    (0..200)
+    // Broker and controller need two consecutive free ports. The tests of this file run
+    // at once and bind their broker's ports only later: each call starts past the
+    // candidates the earlier calls were given.
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let first = NEXT.fetch_add(10, std::sync::atomic::Ordering::SeqCst);
+    (first..first + 200)
         .map(|i| 23_000 + i * 7)
         .find(|p| {
             std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok()

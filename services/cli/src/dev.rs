@@ -390,7 +390,7 @@ async fn serve(
     let keyring = keys.keyring.display().to_string();
     let gateway_key = keys.gateway.display().to_string();
     let reducer_dir = data_dir.join("reducer").display().to_string();
-    // Run payloads are sealed with per-run data keys (README, "Encryption and deletion").
+    // Run payloads are sealed with per-run data keys (`docs/guides/retention-and-deletion.md`).
     let kek = keys.kek.display().to_string();
     let run_keys = format!(
         "file://{}",
@@ -412,7 +412,7 @@ async fn serve(
         ],
     )?;
     // One blob store for the executor and the gateway: large inputs and outputs go by
-    // reference (README, "Large payloads").
+    // reference (`docs/guides/large-payloads.md`).
     let blobs = format!(
         "file://{}",
         std::path::absolute(data_dir.join("blobs"))?.display()

@@ -87,8 +87,8 @@ pub struct Args {
     )]
     stall_grace_ms: u64,
     /// Crash tests only: die on purpose at this point (executor.before_call,
-    /// executor.after_call, executor.after_result), or hang in the first offset commit
-    /// (executor.hang_in_commit).
+    /// executor.after_call, executor.after_result), hang in the first offset commit
+    /// (executor.hang_in_commit), or leave the group (executor.leave_group).
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
     /// Where to serve /metrics, /healthz and /readyz (port 0: any free port; the bound

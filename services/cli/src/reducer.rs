@@ -104,8 +104,10 @@ pub struct Args {
     )]
     stall_grace_ms: u64,
     /// Crash tests only: die on purpose at this point (reducer.before_commit,
-    /// reducer.after_commit, reducer.restore_before_marker), or hang
-    /// (reducer.hang_in_send_offsets).
+    /// reducer.after_commit, reducer.restore_before_marker), hang
+    /// (reducer.hang_in_send_offsets), leave the group (reducer.leave_group), or fail once
+    /// without dying (reducer.abort_in_flight, reducer.fail_mid_fold,
+    /// reducer.unreadable_cache). Each is described in `sortie_reducer::fault`.
     #[arg(long, env = "SORTIE_FAULT")]
     fault: Option<FaultPoint>,
     /// With --fault: die on the Nth pass through the point (1: the first).

@@ -476,6 +476,12 @@ pub fn document() -> Value {
         }
     });
     doc["components"]["schemas"]["Inbox"] = inbox_schema();
+    doc["paths"]["/metrics"] = json!({
+        "get": {
+            "summary": "The gateway's metrics in the Prometheus text format (no token)",
+            "responses": {"200": {"description": "text/plain; version=0.0.4"}}
+        }
+    });
     doc["paths"]["/v1/me"] = json!({
         "get": {
             "summary": "Who the bearer token speaks for: tenant, principal, roles, groups",

@@ -6,7 +6,7 @@
 //! frame learns none of that and builds its entropy tables afresh (half of zstd's time on
 //! a 1 KB state). Against a dictionary of the deployment's own states, zstd starts from
 //! both. On the bench's 1M distinct states: ~4.5× smaller frames, compressed ~4.5× and
-//! unpacked ~3.5× faster (README "Performance"), and sled, whose cost grows with the bytes
+//! unpacked ~3.5× faster (`docs/performance/`), and sled, whose cost grows with the bytes
 //! it holds and rewrites, writes a fraction.
 //!
 //! - **Trained once per store, from what it packs.** Until a store has a dictionary, the

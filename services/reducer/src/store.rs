@@ -104,7 +104,7 @@ use crate::pack::{Dictionaries, DICTIONARY_PREFIX};
 /// measured: with states packed to ~120 B, written in sled batches, a cold restore's RSS
 /// grew ~0.8–1.5 KiB an entry; written one by one (as the restore now does), the store
 /// kept ~100 MiB of 1M states (~120 MiB packed) until it was opened again; a scan of 1M
-/// runs left the reducer at ~300 MiB (README "Performance"). After a restore, and the
+/// runs left the reducer at ~300 MiB (`docs/performance/`). After a restore, and the
 /// count of every cached run that may follow it, the store is opened again
 /// ([`Store::reopen`]) once this passes its page cache.
 pub fn retained(entries: u64, bytes: u64) -> u64 {
@@ -404,7 +404,7 @@ impl Store {
     /// Closes the database and opens it again, which hands back the memory sled keeps
     /// after bulk writes or a scan of the whole store: a cold restore of 1M runs left the
     /// reducer at 282 MiB after a live load, and the gauges' scan after it at ~300 MiB;
-    /// ~150 MiB with the store reopened (README "Performance").
+    /// ~150 MiB with the store reopened (`docs/performance/`).
     /// Everything written is flushed first; a store that cannot be opened again is an
     /// error, and every later call fails with [`Error::Closed`] (the reducer exits and
     /// its restart opens — or wipes and restores — the store as at any start).
@@ -465,7 +465,7 @@ impl Store {
     /// Writes a run's state (`None`: removes it) at once, outside any batch: the restore's
     /// path. A sled batch pins sled's log until it is applied, and the restore's chunks of
     /// 4,000 states ran at ~90k states/s and grew the reducer by ~150 MiB/s; written one
-    /// by one, ~140–170k states/s with the reducer's memory flat (README "Performance").
+    /// by one, ~140–170k states/s with the reducer's memory flat (`docs/performance/`).
     /// Atomic with nothing: the restore writes a chunk's timers and changelog marker after
     /// its states, and sled recovers a prefix of its log, so a marker that survives a
     /// crash covers every state before it; states past the marker are overwritten when
