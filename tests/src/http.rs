@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 /// A client for one gateway at `base` (`http://host:port`).
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct Api {
     pub client: reqwest::Client,
     pub base: String,
@@ -22,7 +22,12 @@ impl Api {
     }
 
     /// A request to `path`, with `token` as its bearer token when given.
-    pub fn request(&self, method: &str, path: &str, token: Option<&str>) -> reqwest::RequestBuilder {
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+    ) -> reqwest::RequestBuilder {
         let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
         let mut request = self.client.request(method, format!("{}{path}", self.base));
         if let Some(token) = token {

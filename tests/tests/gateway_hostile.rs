@@ -493,7 +493,7 @@ async fn payloads_past_the_shape_limits_are_refused_and_one_at_them_round_trips(
         .send(api.request(
             "DELETE",
             &format!("/v1/runs/any?reason={}", "r".repeat(5000)),
-            "tok-olga",
+            Some("tok-olga"),
         ))
         .await;
     assert_eq!(

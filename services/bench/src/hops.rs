@@ -54,7 +54,7 @@ fn read_all(
         .set("isolation.level", "read_committed")
         .create()?;
     let deadline = Instant::now() + Duration::from_secs(120);
-    let partitions = read::partition_ids(&consumer, topic, deadline)?;
+    let partitions = read::partition_ids(consumer.client(), topic, Duration::from_secs(30))?;
     let spans = read::watermarks(&consumer, topic, partitions, deadline)?;
     let mut assignment = TopicPartitionList::new();
     for (&partition, &(low, _)) in &spans {
@@ -100,8 +100,7 @@ pub fn measure(
     }
     let mut results = Vec::new();
     read_all(kafka, &topics.step_results(), |message| {
-        let Ok(result) = runtime.block_on(codec.decode::<w::StepResult>(message.payload()))
-        else {
+        let Ok(result) = runtime.block_on(codec.decode::<w::StepResult>(message.payload())) else {
             return;
         };
         if result.run_id.starts_with(runs) && result.finished_at.is_some() {
@@ -109,10 +108,11 @@ pub fn measure(
         }
     })?;
     for (result, at) in results {
-        let step = operations
-            .get(&result.operation_id)
-            .cloned()
-            .unwrap_or((result.run_id, result.step_id, result.attempt));
+        let step = operations.get(&result.operation_id).cloned().unwrap_or((
+            result.run_id,
+            result.step_id,
+            result.attempt,
+        ));
         let stamps = steps.entry(step).or_default();
         stamps.started = Some(result.started_at);
         stamps.finished = result.finished_at;

@@ -40,7 +40,12 @@ pub fn publisher_entry() -> sortie_wire::signing::KeyEntry {
 }
 
 /// Publishes `graph` as the harness does: signed by [`test_publisher`], as `test`.
-async fn publish_signed(kafka: &KafkaConfig, codec: &Codec, topics: &Topics, graph: &Graph) {
+pub(crate) async fn publish_signed(
+    kafka: &KafkaConfig,
+    codec: &Codec,
+    topics: &Topics,
+    graph: &Graph,
+) {
     let signer = test_publisher();
     sortie_catalog::publish_signed(
         kafka,

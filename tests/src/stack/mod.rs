@@ -21,23 +21,22 @@ use sortie_wire::{partition_for, Codec, CodecConfig, Topics};
 
 use crate::{Isolation, ServedRegistry};
 
-mod process;
+mod audit;
+mod brokers;
+mod chaos;
 mod commands;
 mod gateway;
-mod services;
-mod brokers;
-mod audit;
 mod metrics;
-mod chaos;
+mod process;
+mod services;
 
-pub use process::*;
-pub use commands::*;
-pub use gateway::*;
-pub use services::*;
-pub use brokers::*;
 pub use audit::*;
-pub use metrics::*;
+pub use brokers::*;
 pub use chaos::*;
+pub use commands::*;
+pub use metrics::*;
+pub use process::*;
+pub use services::*;
 
 /// The run partitions of [`Stack::start`] (see [`StackBuilder::partitions`]).
 pub const PARTITIONS: u32 = 3;
@@ -96,6 +95,7 @@ impl Stack {
 
 /// How a [`Stack`] is made (see [`Stack::builder`]).
 #[must_use]
+#[derive(Debug)]
 pub struct StackBuilder<'a> {
     name: &'a str,
     graphs: Vec<&'a str>,
@@ -191,7 +191,6 @@ impl<'a> StackBuilder<'a> {
 }
 
 impl Stack {
-
     pub fn reducer(&self, instance: &str) -> Process {
         self.reducer_with(instance, &[])
     }

@@ -7,16 +7,16 @@ use super::*;
 /// A `sortie` child process whose output goes to a log file under target/test-runs.
 #[derive(Debug)]
 pub struct Process {
-    child: Child,
+    pub(crate) child: Child,
     pub log: PathBuf,
     /// Where this spawn's output starts in the (appended) log.
-    log_start: u64,
+    pub(crate) log_start: u64,
     /// What it was started with (a supervisor starts it again with the same).
-    args: Vec<String>,
+    pub(crate) args: Vec<String>,
 }
 
 /// Starts `sortie` with `args`, its output appended to `log`.
-fn spawn_logged(log: PathBuf, args: Vec<String>) -> Process {
+pub(crate) fn spawn_logged(log: PathBuf, args: Vec<String>) -> Process {
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

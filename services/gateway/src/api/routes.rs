@@ -65,9 +65,7 @@ mod tests {
                 item.as_object()
                     .expect("path item")
                     .keys()
-                    .filter(|k| {
-                        ["get", "post", "put", "delete", "patch"].contains(&k.as_str())
-                    })
+                    .filter(|k| ["get", "post", "put", "delete", "patch"].contains(&k.as_str()))
                     .map(|method| (method.to_uppercase(), path.clone()))
                     .collect::<Vec<_>>()
             })
