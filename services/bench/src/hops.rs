@@ -40,8 +40,7 @@ struct Stamps {
 }
 
 /// Reads every record of `topic` from its start to its end (`read_committed`) and hands
-/// the ones whose key starts with `runs` (the run-keyed topics) — or all, with `None` —
-/// to `handle`.
+/// each to `handle`.
 fn read_all(
     kafka: &KafkaConfig,
     topic: &str,
@@ -85,14 +84,15 @@ pub fn measure(
     let mut operations: HashMap<String, (String, String, i32)> = HashMap::new();
     let ours = |key: Option<&[u8]>| key.is_some_and(|k| k.starts_with(runs.as_bytes()));
     for queue in queues {
+        // Intents are keyed by operation id: filtered by their run once decoded.
         read_all(kafka, &topics.intents(queue), |message| {
-            if !ours(message.key()) {
-                return;
-            }
             let Ok(intent) = runtime.block_on(codec.decode::<w::StepIntent>(message.payload()))
             else {
                 return;
             };
+            if !intent.run_id.starts_with(runs) {
+                return;
+            }
             let step = (intent.run_id, intent.step_id, intent.attempt);
             operations.insert(intent.operation_id, step.clone());
             steps.entry(step).or_default().intent = message.timestamp().to_millis();
