@@ -249,7 +249,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ("ledger", &args.ledger_addr, "--ledger-addr"),
     ] {
         if let Err(e) = std::net::TcpListener::bind(addr.as_str()) {
-            bail!("the {what} cannot listen on {addr}: {e}; choose another address with `sortie dev {flag} HOST:PORT` (or stop what holds it: an earlier `sortie dev`?)");
+            let how = format!(
+                "`sortie dev {flag} HOST:PORT` (or stop what holds it: an earlier `sortie dev`?)"
+            );
+            return Err(crate::cannot_listen(what, addr, &e, &how));
         }
     }
 

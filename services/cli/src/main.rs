@@ -132,9 +132,17 @@ pub(crate) async fn listen(
     what: &str,
     flag: &str,
 ) -> anyhow::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
-        anyhow::anyhow!(
-            "the {what} cannot listen on {addr}: {e}; choose another address with {flag}"
-        )
-    })
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| cannot_listen(what, addr, &e, flag))
+}
+
+/// Why `what` cannot listen on `addr`, and `how` to move it (a flag, or a command line).
+pub(crate) fn cannot_listen(
+    what: &str,
+    addr: &str,
+    e: &std::io::Error,
+    how: &str,
+) -> anyhow::Error {
+    anyhow::anyhow!("the {what} cannot listen on {addr}: {e}; choose another address with {how}")
 }

@@ -45,6 +45,11 @@ fn valid_id(id: &str) -> bool {
 }
 
 impl Graph {
+    /// Whether `id` is a node the graph declares (offered MCP tools' nodes not included).
+    fn declares(&self, id: &str) -> bool {
+        self.nodes.iter().any(|n| n.id == id)
+    }
+
     /// The graph's own fields: id, version, at least one node, a step budget.
     fn check_header(&self, problem: &mut impl FnMut(Option<&str>, String)) {
         if !valid_id(&self.id) {
@@ -203,11 +208,10 @@ impl Graph {
     /// Edges: known ends, no edges on detached nodes, no self-loops, one test per
     /// condition, no cycle.
     fn check_edges(&self, problem: &mut impl FnMut(Option<&str>, String)) {
-        let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
         let detached = self.detached();
         for edge in &self.edges {
             for end in [&edge.from, &edge.to] {
-                if !exists(end) {
+                if !self.declares(end) {
                     problem(
                         Some(end),
                         format!("edge {} -> {} names an unknown node", edge.from, edge.to),
@@ -254,7 +258,6 @@ impl Graph {
 
     /// One node's tool, queue, retry policy, args, compensation, requests and on_reject.
     fn check_node(&self, node: &Node, problem: &mut impl FnMut(Option<&str>, String)) {
-        let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
         let id = node.id.as_str();
         if node.tool.trim().is_empty() {
             problem(Some(id), "tool is empty".into());
@@ -283,7 +286,7 @@ impl Graph {
             problem(Some(id), "args must be a JSON object".into());
         }
         for target in node.compensate_with.iter() {
-            if !exists(target) {
+            if !self.declares(target) {
                 problem(
                     Some(id),
                     format!("compensate_with names unknown node {target:?}"),
@@ -300,7 +303,7 @@ impl Graph {
             }
         }
         for target in &node.may_request {
-            if !exists(target) {
+            if !self.declares(target) {
                 problem(
                     Some(id),
                     format!("may_request names unknown node {target:?}"),
@@ -316,7 +319,7 @@ impl Graph {
             }
         }
         if let OnReject::Goto(target) = &node.on_reject {
-            if !exists(target) {
+            if !self.declares(target) {
                 problem(
                     Some(id),
                     format!("on_reject goto names unknown node {target:?}"),
@@ -367,7 +370,6 @@ impl Graph {
         ancestors: &BTreeMap<&str, BTreeSet<&str>>,
         problem: &mut impl FnMut(Option<&str>, String),
     ) {
-        let exists = |id: &str| self.nodes.iter().any(|n| n.id == id);
         let id = node.id.as_str();
         let is_compensation = self
             .nodes
@@ -384,7 +386,7 @@ impl Graph {
             match reference {
                 Err(e) => problem(Some(id), format!("args: {e}")),
                 Ok(json::Reference::Step { node: source, .. }) => {
-                    if !exists(source) {
+                    if !self.declares(source) {
                         problem(Some(id), format!("args refer to unknown node {source:?}"));
                     } else if !detached.contains(id)
                         && !ancestors.get(id).is_some_and(|a| a.contains(source))
