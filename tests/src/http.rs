@@ -55,6 +55,13 @@ impl Api {
             .await
     }
 
+    /// `POST /v1/runs` as `token`, which must answer 201; the answer.
+    pub async fn start(&self, token: &str, body: Value) -> Value {
+        let (status, answer) = self.post("/v1/runs", token, body).await;
+        assert_eq!(status, 201, "start: {answer}");
+        answer
+    }
+
     /// `GET path` as bytes: the status, the content type and the body.
     pub async fn get_raw(&self, path: &str, token: &str) -> (u16, String, Vec<u8>) {
         let response = self

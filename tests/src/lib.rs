@@ -53,6 +53,20 @@ edges:
   - {from: prepare, to: refund}
 "#;
 
+/// Three echo steps in a chain, one of each repeatable class (pure, idempotent, keyed):
+/// the suites' plain mission.
+pub const THREE_STEPS: &str = r#"
+id: three
+version: 1
+nodes:
+  - {id: fetch, tool: echo, side_effect: pure, args: {order: $input.order}}
+  - {id: price, tool: echo, side_effect: idempotent, args: {from: $steps.fetch.output.step}}
+  - {id: notify, tool: echo, side_effect: keyed, args: {from: $steps.price.output.step}}
+edges:
+  - {from: fetch, to: price}
+  - {from: price, to: notify}
+"#;
+
 /// The test broker's PLAINTEXT port (its controller listens on the next one).
 pub const TEST_BROKER_PORT: u16 = 19092;
 

@@ -200,20 +200,12 @@ fn link<'a>(chain: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
 /// requires signatures.
 fn signed_stack(stack: &Stack) -> (sortie_wire::signing::Signer, std::path::PathBuf) {
     let service = sortie_wire::signing::Signer::generate("svc-test-1").expect("key");
-    let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(
-        &keyring,
-        sortie_wire::signing::keyring_text(&[
-            service.entry(
-                "svc:test",
-                &["acme".to_owned()],
-                &["approver".to_owned(), "operator".to_owned()],
-                false,
-            ),
-            sortie_tests::stack::publisher_entry(),
-        ]),
-    )
-    .expect("keyring");
+    let keyring = stack.write_keyring(&[service.entry(
+        "svc:test",
+        &["acme".to_owned()],
+        &["approver".to_owned(), "operator".to_owned()],
+        false,
+    )]);
     (service, keyring)
 }
 

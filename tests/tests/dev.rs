@@ -4,6 +4,7 @@
 //! rot), and Ctrl-C stops every process cleanly.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -32,6 +33,34 @@ fn free_addr() -> String {
     listener.local_addr().expect("addr").to_string()
 }
 
+/// `sortie dev` on a data dir of its own (`target/test-runs/<unique name>`, returned so a
+/// test can prepare it) with this gateway, ledger and Kafka port, a free registry address
+/// and the token `test-token`, run from the workspace root.
+fn sortie_dev(name: &str, gateway: &str, ledger: &str, kafka_port: u16) -> (Command, PathBuf) {
+    let data = sortie_tests::workspace_root()
+        .join("target/test-runs")
+        .join(sortie_tests::unique_prefix(name).trim_end_matches('.'));
+    let mut command = Command::new(sortie_tests::stack::sortie_bin());
+    command
+        .args([
+            "dev",
+            "--data-dir",
+            data.to_str().expect("utf-8"),
+            "--gateway-addr",
+            gateway,
+            "--kafka-port",
+            &kafka_port.to_string(),
+            "--registry-addr",
+            &free_addr(),
+            "--ledger-addr",
+            ledger,
+            "--token",
+            "test-token",
+        ])
+        .current_dir(sortie_tests::workspace_root());
+    (command, data)
+}
+
 /// `sortie dev`, stopped with Ctrl-C (SIGINT) when a failed assertion unwinds, so a red
 /// test leaves no broker or service behind (the reader of its stdout is still alive then,
 /// so its goodbye lines do not meet a closed pipe).
@@ -57,29 +86,10 @@ impl Drop for DevStack {
 #[test]
 fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
     let bin = sortie_tests::stack::sortie_bin();
-    let data = sortie_tests::workspace_root()
-        .join("target/test-runs")
-        .join(sortie_tests::unique_prefix("dev").trim_end_matches('.'));
     let gateway = free_addr();
     let ledger = free_addr();
-    let kafka_port = free_port();
-    let child = Command::new(&bin)
-        .args([
-            "dev",
-            "--data-dir",
-            data.to_str().expect("utf-8"),
-            "--gateway-addr",
-            &gateway,
-            "--kafka-port",
-            &kafka_port.to_string(),
-            "--registry-addr",
-            &free_addr(),
-            "--ledger-addr",
-            &ledger,
-            "--token",
-            "test-token",
-        ])
-        .current_dir(sortie_tests::workspace_root())
+    let (mut command, _) = sortie_dev("dev", &gateway, &ledger, free_port());
+    let child = command
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -180,30 +190,11 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
 /// broker is left behind.
 #[test]
 fn a_taken_address_is_named_with_its_flag_and_nothing_is_started() {
-    let bin = sortie_tests::stack::sortie_bin();
-    let data = sortie_tests::workspace_root()
-        .join("target/test-runs")
-        .join(sortie_tests::unique_prefix("dev-taken").trim_end_matches('.'));
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let taken_addr = taken.local_addr().expect("addr").to_string();
     let kafka_port = free_port();
-    let output = Command::new(&bin)
-        .args([
-            "dev",
-            "--data-dir",
-            data.to_str().expect("utf-8"),
-            "--gateway-addr",
-            &taken_addr,
-            "--kafka-port",
-            &kafka_port.to_string(),
-            "--registry-addr",
-            &free_addr(),
-            "--ledger-addr",
-            &free_addr(),
-            "--token",
-            "test-token",
-        ])
-        .current_dir(sortie_tests::workspace_root())
+    let output = sortie_dev("dev-taken", &taken_addr, &free_addr(), kafka_port)
+        .0
         .output()
         .expect("sortie dev runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -225,34 +216,12 @@ fn a_taken_address_is_named_with_its_flag_and_nothing_is_started() {
 /// Checked red: without the stop on failure, the broker's port still answered.
 #[test]
 fn a_failed_start_stops_the_broker_it_started() {
-    let bin = sortie_tests::stack::sortie_bin();
-    let data = sortie_tests::workspace_root()
-        .join("target/test-runs")
-        .join(sortie_tests::unique_prefix("dev-failed").trim_end_matches('.'));
+    let kafka_port = free_port();
+    let (mut command, data) = sortie_dev("dev-failed", &free_addr(), &free_addr(), kafka_port);
     std::fs::create_dir_all(&data).expect("data dir");
     // The gateway's data dir is a file: the gateway exits at once.
     std::fs::write(data.join("gateway"), "not a directory").expect("blocker");
-    let kafka_port = free_port();
-    let output = Command::new(&bin)
-        .args([
-            "dev",
-            "--data-dir",
-            data.to_str().expect("utf-8"),
-            "--gateway-addr",
-            &free_addr(),
-            "--kafka-port",
-            &kafka_port.to_string(),
-            "--registry-addr",
-            &free_addr(),
-            "--ledger-addr",
-            &free_addr(),
-            "--token",
-            "test-token",
-            "--no-demo",
-        ])
-        .current_dir(sortie_tests::workspace_root())
-        .output()
-        .expect("sortie dev runs");
+    let output = command.arg("--no-demo").output().expect("sortie dev runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "{stdout}\n{stderr}");

@@ -12,18 +12,7 @@ use sortie_core::EventBody;
 use sortie_tests::stack::{succeed, Stack};
 use sortie_tests::Isolation;
 use sortie_tests::GATED;
-
-const THREE_STEPS: &str = r#"
-id: three
-version: 1
-nodes:
-  - {id: fetch, tool: echo, side_effect: pure, args: {order: $input.order}}
-  - {id: price, tool: echo, side_effect: idempotent, args: {from: $steps.fetch.output.step}}
-  - {id: notify, tool: echo, side_effect: keyed, args: {from: $steps.price.output.step}}
-edges:
-  - {from: fetch, to: price}
-  - {from: price, to: notify}
-"#;
+use sortie_tests::THREE_STEPS;
 
 /// A gate whose proposal carries the agent's rationale, and whose rejection skips to a
 /// node of its own.
@@ -66,12 +55,6 @@ impl std::ops::Deref for Api {
 impl Api {
     fn new(base: &str) -> Api {
         Api(sortie_tests::http::Api::new(base))
-    }
-
-    async fn start(&self, token: &str, body: Value) -> Value {
-        let (status, answer) = self.post("/v1/runs", token, body).await;
-        assert_eq!(status, 201, "start: {answer}");
-        answer
     }
 
     /// Polls the run until `done` holds for it.

@@ -13,18 +13,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use sortie_core::{Event, EventBody};
 use sortie_tests::stack::{succeed, Stack};
-
-const THREE_STEPS: &str = r#"
-id: three
-version: 1
-nodes:
-  - {id: fetch, tool: echo, side_effect: pure, args: {order: $input.order}}
-  - {id: price, tool: echo, side_effect: idempotent, args: {from: $steps.fetch.output.step}}
-  - {id: notify, tool: echo, side_effect: keyed, args: {from: $steps.price.output.step}}
-edges:
-  - {from: fetch, to: price}
-  - {from: price, to: notify}
-"#;
+use sortie_tests::THREE_STEPS;
 
 /// One step whose arguments do not carry the input: a run's input is stored and shown,
 /// never copied on.
@@ -62,18 +51,12 @@ impl Api {
 
     /// Starts a run of `three` and waits until it succeeded: the view is serving.
     async fn run_to_the_end(&self, token: &str) -> String {
-        let (status, answer) = self
-            .post(
-                "/v1/runs",
-                token,
-                json!({"graph_id": "three", "input": {"order": 1}}),
-            )
+        let answer = self
+            .start(token, json!({"graph_id": "three", "input": {"order": 1}}))
             .await;
-        assert_eq!(status, 201, "{answer}");
         let run_id = answer["run_id"].as_str().expect("run_id").to_owned();
-        sortie_tests::wait_until("the run to succeed", LONG, || async {
-            let (status, run) = self.get(&format!("/v1/runs/{run_id}"), token).await;
-            status == 200 && run["status"] == "succeeded"
+        self.wait_run("the run to succeed", &run_id, token, LONG, |run| {
+            run["status"] == "succeeded"
         })
         .await;
         run_id

@@ -519,25 +519,17 @@ async fn forge(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_graph_is_ignored_by_reducer_and_gateway() {
     use sortie_core::{EventBody, RunStatus};
-    use sortie_tests::stack::{publisher_entry, scrape, start_run, succeed, Stack};
-    use sortie_wire::signing::{keyring_text, Signer};
+    use sortie_tests::stack::{scrape, start_run, succeed, Stack};
+    use sortie_wire::signing::Signer;
     const LONG: Duration = Duration::from_secs(90);
     let stack = Stack::start("graphs-forged", &[sortie_tests::GATED]).await;
     let service = Signer::generate("svc-1").expect("key");
-    let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[
-            service.entry(
-                "svc:test",
-                &["acme".to_owned()],
-                &["approver".to_owned(), "operator".to_owned()],
-                false,
-            ),
-            publisher_entry(),
-        ]),
-    )
-    .expect("keyring");
+    let keyring = stack.write_keyring(&[service.entry(
+        "svc:test",
+        &["acme".to_owned()],
+        &["approver".to_owned(), "operator".to_owned()],
+        false,
+    )]);
     let ring = keyring.to_str().expect("path");
     let reducer = stack.reducer_with("0", &["--keyring", ring, "--require-signatures"]);
     let executor = stack.executor("default", succeed);

@@ -71,14 +71,12 @@ impl Api {
     }
 
     async fn start(&self, run_id: &str, graph: &str, input: Value) {
-        let (status, answer) = self
-            .post(
-                "/v1/runs",
+        self.0
+            .start(
                 "tok-alice",
                 json!({"graph_id": graph, "run_id": run_id, "input": input}),
             )
             .await;
-        assert_eq!(status, 201, "{answer}");
     }
 }
 

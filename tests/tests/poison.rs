@@ -256,7 +256,7 @@ nodes:
     interrupt_before: {reason: nobody will come, timeout: 6s, on_timeout: fail}
 edges: []
 "#;
-    use sortie_wire::signing::{keyring_text, Signer};
+    use sortie_wire::signing::Signer;
     let stack = Stack::start("poison-flood", &[ECHO, EXPIRING]).await;
     let first = Signer::generate("svc-1").expect("key");
     let entry = |signer: &Signer| {
@@ -267,12 +267,7 @@ edges: []
             false,
         )
     };
-    let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[entry(&first), sortie_tests::stack::publisher_entry()]),
-    )
-    .expect("keyring");
+    let keyring = stack.write_keyring(&[entry(&first)]);
     let _executor = stack.executor_process("executor", &["default"], &[]);
     let reducer = stack.reducer_with("0", &["--keyring", keyring.to_str().unwrap_or_default()]);
     let expiring = runs_on(&stack, 1, "expiring", 1);
@@ -323,15 +318,7 @@ edges: []
     })
     .await;
     let second = Signer::generate("svc-2").expect("key");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[
-            entry(&first),
-            entry(&second),
-            sortie_tests::stack::publisher_entry(),
-        ]),
-    )
-    .expect("keyring");
+    stack.write_keyring(&[entry(&first), entry(&second)]);
     let rotated = Instant::now();
     sortie_tests::wait_until("the keyring to be reloaded", LONG, || async {
         reducer.own_log_text().contains("keyring changed; reloaded")

@@ -10,20 +10,9 @@ use std::time::Duration;
 use sortie_core::{EventBody, RunState, RunStatus};
 use sortie_tests::stack::{start_run, succeed, Stack, PARTITIONS};
 use sortie_tests::GATED;
+use sortie_tests::THREE_STEPS;
 use sortie_wire::partition_for;
 use sortie_wire::records as w;
-
-const THREE_STEPS: &str = r#"
-id: three
-version: 1
-nodes:
-  - {id: fetch, tool: echo, side_effect: pure, args: {order: $input.order}}
-  - {id: price, tool: echo, side_effect: idempotent, args: {from: $steps.fetch.output.step}}
-  - {id: notify, tool: echo, side_effect: keyed, args: {from: $steps.price.output.step}}
-edges:
-  - {from: fetch, to: price}
-  - {from: price, to: notify}
-"#;
 
 const LONG: Duration = Duration::from_secs(90);
 

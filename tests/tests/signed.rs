@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use serde_json::json;
 use sortie_core::{EventBody, RunState, RunStatus};
-use sortie_tests::stack::{publisher_entry, start_run, succeed, Stack};
+use sortie_tests::stack::{start_run, succeed, Stack};
 use sortie_tests::GATED;
 use sortie_wire::records as w;
-use sortie_wire::signing::{keyring_text, KeyEntry, Signer};
+use sortie_wire::signing::{KeyEntry, Signer};
 
 const LONG: Duration = Duration::from_secs(90);
 
@@ -72,12 +72,7 @@ async fn only_commands_signed_by_a_key_that_may_sign_them_are_taken() {
     let stack = Stack::start("signed", &[GATED]).await;
     let service = Signer::generate("svc-test-1").expect("key");
     let stranger = Signer::generate("stranger").expect("key");
-    let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[service_entry(&service), publisher_entry()]),
-    )
-    .expect("keyring");
+    let keyring = stack.write_keyring(&[service_entry(&service)]);
     let reducer = stack.reducer_with(
         "0",
         &[
@@ -170,11 +165,7 @@ async fn only_commands_signed_by_a_key_that_may_sign_them_are_taken() {
 
     // Rotation without a restart: the keyring now has a new key and not the old one.
     let rotated = Signer::generate("svc-test-2").expect("key");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[service_entry(&rotated), publisher_entry()]),
-    )
-    .expect("keyring");
+    stack.write_keyring(&[service_entry(&rotated)]);
     let reloaded = reducer.own_log_text().matches("keyring changed").count() + 1;
     sortie_tests::wait_until("the reducer to reload its keyring", LONG, || {
         let seen = reducer.own_log_text().matches("keyring changed").count();
@@ -208,15 +199,8 @@ async fn only_commands_signed_by_a_key_that_may_sign_them_are_taken() {
 async fn the_gateway_signs_for_the_principals_it_authenticates() {
     let stack = Stack::start("signed-gateway", &[GATED]).await;
     let gateway_key = Signer::generate("gateway-1").expect("key");
-    let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[
-            gateway_key.entry("gateway", &roles(&["acme"]), &[], true),
-            publisher_entry(),
-        ]),
-    )
-    .expect("keyring");
+    let keyring =
+        stack.write_keyring(&[gateway_key.entry("gateway", &roles(&["acme"]), &[], true)]);
     let secret = stack.dir.join("gateway.key");
     std::fs::write(&secret, gateway_key.to_file()).expect("secret");
     let _reducer = stack.reducer_with(
@@ -358,15 +342,8 @@ fn starter_issuer() -> w::Issuer {
 async fn a_signed_fork_cannot_carry_a_forged_source_state() {
     let stack = Stack::start("signed-fork", &[GATED]).await;
     let starter = Signer::generate("starter-1").expect("key");
-    let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[
-            starter.entry("svc:starter", &roles(&["acme"]), &[], false),
-            publisher_entry(),
-        ]),
-    )
-    .expect("keyring");
+    let keyring =
+        stack.write_keyring(&[starter.entry("svc:starter", &roles(&["acme"]), &[], false)]);
     let _reducer = stack.reducer_with(
         "0",
         &[
@@ -513,12 +490,7 @@ edges: []
 async fn a_signed_command_is_taken_once_and_only_within_its_window() {
     let stack = Stack::start("signed-replay", &[GATED]).await;
     let service = Signer::generate("svc-test-1").expect("key");
-    let keyring = stack.dir.join("keyring.yaml");
-    std::fs::write(
-        &keyring,
-        keyring_text(&[service_entry(&service), publisher_entry()]),
-    )
-    .expect("keyring");
+    let keyring = stack.write_keyring(&[service_entry(&service)]);
     let ring = keyring.to_str().expect("path").to_owned();
     let flags = |ring: &str| -> Vec<String> {
         [

@@ -39,6 +39,20 @@ pub fn publisher_entry() -> sortie_wire::signing::KeyEntry {
     entry
 }
 
+impl Stack {
+    /// Writes the stack's keyring (`<dir>/keyring.yaml`): `entries` and the harness's
+    /// graph publisher ([`publisher_entry`]), whose signature every graph of the stack
+    /// carries. Written again, it is a rotation (a reducer given `--keyring` reloads it).
+    /// Returns its path.
+    pub fn write_keyring(&self, entries: &[sortie_wire::signing::KeyEntry]) -> PathBuf {
+        let mut all = entries.to_vec();
+        all.push(publisher_entry());
+        let path = self.dir.join("keyring.yaml");
+        std::fs::write(&path, sortie_wire::signing::keyring_text(&all)).expect("keyring");
+        path
+    }
+}
+
 /// Publishes `graph` as the harness does: signed by [`test_publisher`], as `test`.
 pub(crate) async fn publish_signed(
     kafka: &KafkaConfig,

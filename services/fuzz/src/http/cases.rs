@@ -450,33 +450,11 @@ fn sample(target: Target<'_>, schema: &Value, rng: &mut Rng, depth: usize) -> Va
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::routes;
-
-    fn document() -> Value {
-        json!({
-            "components": {"schemas": {"Start": {
-                "type": "object",
-                "required": ["graph_id"],
-                "properties": {"graph_id": {"type": "string"}, "input": {}, "decision": {"enum": ["approve", "reject"]}}
-            }}},
-            "paths": {
-                "/v1/runs": {
-                    "post": {
-                        "security": [{"bearer": []}],
-                        "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Start"}}}},
-                        "responses": {"201": {}, "400": {}, "504": {}}
-                    },
-                    "get": {"parameters": [{"name": "limit", "in": "query"}], "responses": {"200": {}}}
-                },
-                "/v1/runs/{run_id}/events": {"get": {"responses": {"200": {}}}},
-                "/healthz": {"get": {"responses": {"200": {}}}}
-            }
-        })
-    }
+    use crate::http::{routes, test_document};
 
     #[test]
     fn a_seed_replays_its_cases_and_every_route_is_reached() {
-        let doc = document();
+        let doc = test_document();
         let routes = routes(&doc);
         let tokens = vec!["tok".to_owned()];
         let aim = Aim {

@@ -345,36 +345,38 @@ pub async fn fetch_document(client: &reqwest::Client, base: &str) -> Result<Valu
         .map_err(|e| format!("the document is not JSON: {}", describe(&e)))
 }
 
+/// A small OpenAPI document of the gateway's shape, for the unit tests of this module
+/// and of `cases`.
+#[cfg(test)]
+pub(crate) fn test_document() -> Value {
+    serde_json::json!({
+        "components": {"schemas": {"Start": {
+            "type": "object",
+            "required": ["graph_id"],
+            "properties": {"graph_id": {"type": "string"}, "input": {}, "decision": {"enum": ["approve", "reject"]}}
+        }}},
+        "paths": {
+            "/v1/runs": {
+                "post": {
+                    "security": [{"bearer": []}],
+                    "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Start"}}}},
+                    "responses": {"201": {}, "400": {}, "504": {}}
+                },
+                "get": {"parameters": [{"name": "limit", "in": "query"}], "responses": {"200": {}}}
+            },
+            "/v1/runs/{run_id}/events": {"get": {"responses": {"200": {}}}},
+            "/healthz": {"get": {"responses": {"200": {}}}}
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    fn document() -> Value {
-        json!({
-            "components": {"schemas": {"Start": {
-                "type": "object",
-                "required": ["graph_id"],
-                "properties": {"graph_id": {"type": "string"}, "input": {}, "decision": {"enum": ["approve", "reject"]}}
-            }}},
-            "paths": {
-                "/v1/runs": {
-                    "post": {
-                        "security": [{"bearer": []}],
-                        "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Start"}}}},
-                        "responses": {"201": {}, "400": {}, "504": {}}
-                    },
-                    "get": {"parameters": [{"name": "limit", "in": "query"}], "responses": {"200": {}}}
-                },
-                "/v1/runs/{run_id}/events": {"get": {"responses": {"200": {}}}},
-                "/healthz": {"get": {"responses": {"200": {}}}}
-            }
-        })
-    }
 
     #[test]
     fn routes_come_from_the_document() {
-        let routes = routes(&document());
+        let routes = routes(&test_document());
         let labels: Vec<String> = routes.iter().map(Route::label).collect();
         assert_eq!(
             labels,
@@ -392,7 +394,7 @@ mod tests {
 
     #[test]
     fn answers_are_judged_by_the_rules() {
-        let routes = routes(&document());
+        let routes = routes(&test_document());
         let start = routes.iter().find(|r| r.label() == "POST /v1/runs");
         let answered = |status: u16, body: &str| Outcome::Answered {
             status,
