@@ -24,6 +24,12 @@ const NUMBERS: &[&str] = &[
     "/ceiling/records_per_s",
     "/ceiling/commit_ms/p50",
     "/ratios/steps_per_s_to_ceiling_records_per_s",
+    "/pipeline/light/step_round_trip_ms/p50",
+    "/pipeline/light/run_duration_ms/p50",
+    "/pipeline/full/steps_per_s",
+    "/ratios/sortie_to_pipeline/steps_per_s",
+    "/ratios/sortie_to_pipeline/light_step_p50",
+    "/ratios/sortie_to_pipeline/light_run_p50",
     "/cpu_us/sortie_per_step/reducer",
     "/cpu_us/sortie_per_step/all",
     "/cpu_us/ceiling_per_input/ceiling_loop",
@@ -77,7 +83,12 @@ fn bench_quick_runs_and_prints_its_figures_as_json() {
             "{pointer} is not a number in:\n{report:#}"
         );
     }
-    for target in ["steps_per_s_vs_ceiling", "warm_restart_ms"] {
+    for target in [
+        "steps_per_s_vs_ceiling",
+        "steps_per_s_vs_pipeline",
+        "light_step_p50_vs_pipeline",
+        "warm_restart_ms",
+    ] {
         assert!(
             report["targets"][target]["met"].is_boolean(),
             "targets.{target}.met is not a boolean"

@@ -242,7 +242,11 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
     })
 }
 
-async fn create_topics(kafka: &KafkaConfig, names: &[&str], partitions: u32) -> anyhow::Result<()> {
+pub(crate) async fn create_topics(
+    kafka: &KafkaConfig,
+    names: &[&str],
+    partitions: u32,
+) -> anyhow::Result<()> {
     let admin: AdminClient<DefaultClientContext> = kafka.client().create()?;
     let topics: Vec<NewTopic> = names
         .iter()

@@ -24,6 +24,7 @@ use tokio::runtime::Handle;
 mod ceiling;
 mod hops;
 mod load;
+mod pipeline;
 mod procfs;
 mod roll;
 mod scale;
@@ -566,6 +567,46 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         .pop()
         .ok_or_else(|| anyhow::anyhow!("no ceiling"))?;
 
+    // The pipeline: Sortie's legs per step with no Sortie logic, the same loads (the
+    // light one once unmeasured first, as for Sortie).
+    let pipeline = {
+        let load = |name: &str, runs, concurrency| pipeline::Load {
+            name: name.to_owned(),
+            runs,
+            concurrency,
+        };
+        let mut reports = pipeline::run(
+            &bench.kafka,
+            &pipeline::Setup {
+                prefix: bench.prefix.clone(),
+                partitions: options.partitions,
+                steps: options.steps,
+                payload_bytes: options.payload_bytes,
+                fan_out,
+                commit_interval: options.commit_interval,
+                max_batch: options.max_batch,
+                watch: broker_pid
+                    .map(|pid| ("broker".to_owned(), pid))
+                    .into_iter()
+                    .chain([("pipeline".to_owned(), std::process::id())])
+                    .collect(),
+            },
+            &[
+                load(
+                    "warmup-light",
+                    options.light_runs,
+                    options.light_concurrency,
+                ),
+                load("light", options.light_runs, options.light_concurrency),
+                load("run", options.runs, options.concurrency),
+            ],
+            &bench.runtime,
+        )?;
+        let full = reports.pop().unwrap_or_default();
+        let light = reports.pop().unwrap_or_default();
+        json!({ "fan_out": fan_out, "light": light, "full": full })
+    };
+
     // The full load, after the ceilings. Commit figures come from the first reducer's log.
     let mut all: Vec<&mut Service> = vec![&mut reducer];
     all.extend(extra_reducers.iter_mut());
@@ -627,6 +668,15 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         .as_f64()
         .unwrap_or(0.0);
     let warm_ms = warm["start_to_first_commit_ms"].as_f64().unwrap_or(0.0);
+    let number = |value: &Value| value.as_f64().unwrap_or(0.0);
+    let vs_pipeline = json!({
+        "steps_per_s": ratio(steps_per_s, number(&pipeline["full"]["steps_per_s"])),
+        "light_step_p50": ratio(p50, number(&pipeline["light"]["step_round_trip_ms"]["p50"])),
+        "light_run_p50": ratio(
+            number(&light.json["run_duration_ms"]["p50"]),
+            number(&pipeline["light"]["run_duration_ms"]["p50"]),
+        ),
+    });
     let cold_rate = cold["restore"]["states_per_s"].as_f64().unwrap_or(0.0);
     let mut targets = serde_json::Map::new();
     targets.insert(
@@ -635,6 +685,20 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             ratio(steps_per_s, ceiling_per_s),
             ">= 0.5",
             ratio(steps_per_s, ceiling_per_s) >= 0.5,
+        ),
+    );
+    let steps_vs_pipeline = number(&vs_pipeline["steps_per_s"]);
+    targets.insert(
+        "steps_per_s_vs_pipeline".into(),
+        verdict(steps_vs_pipeline, ">= 0.7", steps_vs_pipeline >= 0.7),
+    );
+    let light_vs_pipeline = number(&vs_pipeline["light_step_p50"]);
+    targets.insert(
+        "light_step_p50_vs_pipeline".into(),
+        verdict(
+            light_vs_pipeline,
+            "<= 1.3",
+            light_vs_pipeline > 0.0 && light_vs_pipeline <= 1.3,
         ),
     );
     targets.insert(
@@ -755,7 +819,9 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         })),
         "ceiling": ceiling.json(),
         "ceilings_one_record_per_input": ceilings.iter().map(ceiling::Ceiling::json).collect::<Vec<_>>(),
+        "pipeline": pipeline,
         "ratios": {
+            "sortie_to_pipeline": vs_pipeline,
             "steps_per_s_to_ceiling_records_per_s": ratio(steps_per_s, ceiling_per_s),
             "inputs_per_s_to_ceiling_records_per_s": ratio(
                 load.json["inputs_per_s"].as_f64().unwrap_or(0.0),

@@ -67,7 +67,7 @@ enum Command {
     Replay(replay::Args),
     /// Start, approve, reject, cancel, inspect and follow runs through the gateway.
     Run(run::Args),
-    /// Measure throughput, round trip, restart and restore against a bare transactional loop; prints JSON.
+    /// Measure throughput, round trip, restart and restore against a bare transactional loop and the Kafka pipeline; prints JSON.
     Bench(bench::Args),
     /// The hostile-input campaign against a stack of its own, with a canary tenant as the
     /// oracle; prints JSON, exits 1 on a finding.
