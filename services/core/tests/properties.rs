@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use serde_json::json;
 use sortie_core::{
-    apply, evolve, input::Command, state::InterruptStatus, state::StepStatus, CommandBody, Effect,
-    Event, Graph, Graphs, Input, RunState, RunStatus, StepOutcome, StepReport, TimerKey,
+    apply, evolve, input::Command, limits, state::InterruptStatus, state::StepStatus, CommandBody,
+    Effect, Event, Graph, Graphs, Input, RunState, RunStatus, StepOutcome, StepReport, TimerKey,
 };
 
 const GRAPHS: &[&str] = &[
@@ -514,6 +514,20 @@ proptest! {
             folded = evolve(folded, event);
         }
         prop_assert_eq!(folded.as_ref(), sim.state.as_ref());
+
+        // (2b) the fold's measure of what it writes is serde_json's own (the walk that
+        // measures without writing agrees with writing, byte for byte and level for level).
+        for effect in sim.effects.iter().flatten() {
+            match effect {
+                Effect::Emit(event) => prop_assert_eq!(limits::measure(event), limits::measure_written(event)),
+                Effect::Dispatch(intent) => prop_assert_eq!(limits::measure(intent), limits::measure_written(intent)),
+                _ => {}
+            }
+        }
+        for input in &sim.inputs {
+            prop_assert_eq!(limits::measure(input), limits::measure_written(input));
+        }
+        prop_assert_eq!(limits::measure(&sim.state), limits::measure_written(&sim.state));
 
         // (3) terminal, or waiting on a human or an operator, with nothing else pending.
         let run = sim.run();
