@@ -59,6 +59,9 @@ pub struct Options {
     pub kafka_properties: Option<PathBuf>,
     /// Extra JVM flags of the bench's own broker, after its defaults.
     pub broker_jvm_flags: Vec<String>,
+    /// Extra `server.properties` lines (`key=value`) of the bench's own broker, after its
+    /// defaults.
+    pub broker_properties: Vec<String>,
     pub runs: usize,
     pub steps: usize,
     /// Runs in flight at once (a closed loop).
@@ -113,6 +116,7 @@ impl Options {
             keep_topics: false,
             kafka_properties: None,
             broker_jvm_flags: Vec::new(),
+            broker_properties: Vec::new(),
             runs: 10_000,
             steps: 5,
             concurrency: 2000,
@@ -325,6 +329,7 @@ pub async fn run(options: Options) -> anyhow::Result<Value> {
         None => {
             let broker = stack::own_broker(&options)?;
             let flags = broker.config().jvm_flags.clone();
+            let properties = broker.config().properties.clone();
             let ensure = broker.clone();
             eprintln!(
                 "sortie bench: starting the bench broker in {}",
@@ -336,6 +341,7 @@ pub async fn run(options: Options) -> anyhow::Result<Value> {
                 "own": true,
                 "reused": running.reused,
                 "jvm_flags": if running.reused { Value::Null } else { json!(flags) },
+                "properties": if running.reused { Value::Null } else { json!(properties) },
                 "pid": running.pid,
             });
             let pid = running.pid;

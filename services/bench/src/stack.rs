@@ -65,6 +65,7 @@ pub fn own_broker(options: &Options) -> anyhow::Result<LocalBroker> {
     config
         .jvm_flags
         .extend(options.broker_jvm_flags.iter().cloned());
+    config.properties = options.broker_properties.clone();
     // Reuse jars another local broker of this checkout already fetched.
     if let Ok(target) = repo_file("target") {
         config.libs_dir = ["kafka-test/libs", "dev/kafka/libs"]

@@ -107,6 +107,11 @@ pub struct Args {
     /// the same harness, e.g. `--broker-jvm-flag=-XX:+TieredCompilation`.
     #[arg(long, allow_hyphen_values = true)]
     broker_jvm_flag: Vec<String>,
+    /// An extra `server.properties` line (`key=value`, repeatable) for the bench's own
+    /// broker, after its defaults: to compare broker settings under the same harness, e.g.
+    /// `--broker-property num.io.threads=2`.
+    #[arg(long)]
+    broker_property: Vec<String>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -128,6 +133,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         keep_topics: args.keep_topics,
         kafka_properties: args.kafka_properties,
         broker_jvm_flags: args.broker_jvm_flag,
+        broker_properties: args.broker_property,
         runs: args.runs.unwrap_or(base.runs),
         steps: args.steps.unwrap_or(base.steps).max(1),
         concurrency: args.concurrency.unwrap_or(base.concurrency).max(1),

@@ -115,6 +115,9 @@ pub struct BrokerConfig {
     /// Replication factor of the internal topics (offsets, transaction state) and the
     /// broker default for new topics; their `min.insync.replicas` is one less (at least 1).
     pub replication: u16,
+    /// Extra `server.properties` lines (`key=value`), written after the defaults, so a
+    /// key set here wins (Kafka reads the last one).
+    pub properties: Vec<String>,
 }
 
 impl BrokerConfig {
@@ -139,6 +142,7 @@ impl BrokerConfig {
             voters: Vec::new(),
             cluster_id: None,
             replication: 1,
+            properties: Vec::new(),
         }
     }
 }
@@ -334,8 +338,15 @@ impl LocalBroker {
              unclean.leader.election.enable=false\n\
              log.cleaner.backoff.ms=500\n\
              broker.heartbeat.interval.ms=1000\n\
-             broker.session.timeout.ms=4000\n",
-            logs = logs.display()
+             broker.session.timeout.ms=4000\n\
+             {extra}",
+            logs = logs.display(),
+            extra = self
+                .config
+                .properties
+                .iter()
+                .map(|line| format!("{line}\n"))
+                .collect::<String>()
         )
     }
 
