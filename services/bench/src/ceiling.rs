@@ -252,7 +252,7 @@ pub(crate) async fn create_topics(
         .iter()
         .map(|name| {
             NewTopic::new(name, partitions as i32, TopicReplication::Fixed(1))
-                .set("compression.type", "zstd")
+                .set("compression.type", "producer")
         })
         .collect();
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
@@ -271,7 +271,7 @@ fn preload(kafka: &KafkaConfig, topic: &str, setup: &Setup) -> anyhow::Result<()
     config
         .set("enable.idempotence", "true")
         .set("linger.ms", "20")
-        .set("compression.type", "zstd")
+        .set("compression.type", sortie_kafka::COMPRESSION[0].1)
         .set("queue.buffering.max.messages", "1000000");
     let producer: BaseProducer = config.create()?;
     let value = vec![b'x'; setup.value_bytes];

@@ -11,7 +11,7 @@
 //!   run in a map.
 //! - **Executor leg**: a `read_committed` member (cooperative-sticky) reading `intents`,
 //!   answering each with a result from an idempotent `acks=all` producer (the executor's
-//!   settings: 1 ms linger, zstd), committing its offsets every 100 ms.
+//!   settings: 1 ms linger, lz4), committing its offsets every 100 ms.
 //! - **Driver**: Sortie's closed loop (starts runs to keep `concurrency` in flight and
 //!   follows the events topic `read_committed`, 20 ms fetch wait); a step's round trip is
 //!   the same pair of record timestamps as Sortie's (the intent's transaction → the
@@ -264,9 +264,9 @@ fn executor_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow
             None,
         )
         .create()?;
-    let [compression, level] = sortie_kafka::ZSTD_COMPRESSION;
+    let [compression] = sortie_kafka::COMPRESSION;
     let producer: ThreadedProducer<DefaultProducerContext> = kafka
-        .producer_with(&[("linger.ms", "1"), compression, level])
+        .producer_with(&[("linger.ms", "1"), compression])
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .create()?;

@@ -135,7 +135,7 @@ fn write_states(
         .set("enable.idempotence", "true")
         .set("linger.ms", "50")
         .set("batch.size", "1000000")
-        .set("compression.type", "zstd")
+        .set("compression.type", sortie_kafka::COMPRESSION[0].1)
         .set("queue.buffering.max.messages", "200000");
     let producer: BaseProducer = config.create()?;
     let topic = topics.run_state();

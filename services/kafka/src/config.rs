@@ -21,21 +21,13 @@ pub const TXN_RETRY_BACKOFF_MS: &str = "5";
 /// CONCURRENT_TRANSACTIONS several times in a row; a low cap keeps each wait short.
 pub const TXN_RETRY_BACKOFF_MAX_MS: &str = "20";
 
-/// `compression.level` of Sortie's zstd producers (the reducer's transactions, the
-/// executors' results). The librdkafka linked here gives zstd no size hint, so every
-/// compression — one per partition per produce request — sets up and clears match tables
-/// sized for large inputs: at zstd's default level 3 a 2^17-entry hash table and a
-/// 2^16-entry chain table (~768 KB), at level 1 a 2^13-entry hash table (~32 KB). A
-/// reducer profile under load had 7 % of its samples in that `memset`. Measured with
-/// `sortie bench`, alternating: the light-load step round trip p50 62 / 65 ms at level 1
-/// against 79 / 90 ms at level 3. Set properties win.
-pub const ZSTD_LEVEL: &str = "1";
-
-/// The compression settings of Sortie's zstd producers, as producer defaults.
-pub const ZSTD_COMPRESSION: [(&str, &str); 2] = [
-    ("compression.type", "zstd"),
-    ("compression.level", ZSTD_LEVEL),
-];
+/// The compression of Sortie's batching producers (the reducer's transactions, the
+/// executors' results), as producer defaults; set properties win. lz4: in a profile of
+/// the reducer under full load, librdkafka's zstd (level 1) took 9.8 % of its CPU
+/// samples and lz4 4.2 % (`perf record` during `sortie bench`'s run phase, topics storing
+/// what producers send). The topics keep what the producer sent (`compression.type:
+/// producer` in `topology/topics.yaml`), so the broker never recompresses a batch.
+pub const COMPRESSION: [(&str, &str); 1] = [("compression.type", "lz4")];
 
 /// How a Sortie service reaches Kafka.
 ///
@@ -111,10 +103,10 @@ impl KafkaConfig {
     /// a transaction timeout short enough that a dead producer cannot hold
     /// `read_committed` readers for long, the retry backoff transactions need, a 2 ms
     /// linger (a transaction's records are handed over at once and go out in few
-    /// requests) and zstd at [`ZSTD_LEVEL`] (a run's states repeat its payloads). Set
+    /// requests) and [`COMPRESSION`] (a run's states repeat its payloads). Set
     /// properties win, as everywhere.
     pub fn transactional_producer(&self, transactional_id: &str) -> ClientConfig {
-        let [compression, level] = ZSTD_COMPRESSION;
+        let [compression] = COMPRESSION;
         self.producer_with(&[
             ("transactional.id", transactional_id),
             ("enable.idempotence", "true"),
@@ -123,7 +115,6 @@ impl KafkaConfig {
             ("retry.backoff.max.ms", TXN_RETRY_BACKOFF_MAX_MS),
             ("linger.ms", "2"),
             compression,
-            level,
         ])
     }
 
@@ -191,19 +182,18 @@ mod tests {
         let mut kafka = KafkaConfig::new("127.0.0.1:9092");
         let defaults = kafka.transactional_producer("t.reducer-0");
         assert_eq!(defaults.get("linger.ms"), Some("2"));
-        assert_eq!(defaults.get("compression.type"), Some("zstd"));
-        assert_eq!(defaults.get("compression.level"), Some(ZSTD_LEVEL));
+        assert_eq!(defaults.get("compression.type"), Some("lz4"));
         assert_eq!(defaults.get("retry.backoff.ms"), Some(TXN_RETRY_BACKOFF_MS));
         for (key, value) in [
             ("linger.ms", "0"),
-            ("compression.type", "lz4"),
+            ("compression.type", "zstd"),
             ("compression.level", "3"),
         ] {
             kafka.properties.insert(key.into(), value.into());
         }
         let set = kafka.transactional_producer("t.reducer-0");
         assert_eq!(set.get("linger.ms"), Some("0"));
-        assert_eq!(set.get("compression.type"), Some("lz4"));
+        assert_eq!(set.get("compression.type"), Some("zstd"));
         assert_eq!(set.get("compression.level"), Some("3"));
         assert_eq!(set.get("transactional.id"), Some("t.reducer-0"));
     }

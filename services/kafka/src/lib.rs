@@ -16,5 +16,5 @@ pub mod topology;
 pub mod watchdog;
 mod watermarks;
 
-pub use config::{KafkaConfig, MAX_RECORD_BYTES, ZSTD_COMPRESSION};
+pub use config::{KafkaConfig, COMPRESSION, MAX_RECORD_BYTES};
 pub use watermarks::{fetch_watermarks, is_transient, list_offsets, End};

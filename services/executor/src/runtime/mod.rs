@@ -240,7 +240,7 @@ pub async fn run_with_health(
     }
     // Batching and compression yield to the properties file (as the reducer's do);
     // idempotence and acks, which keep a result from being lost or doubled, do not.
-    let [compression, level] = sortie_kafka::ZSTD_COMPRESSION;
+    let [compression] = sortie_kafka::COMPRESSION;
     let mut producer_config = config
         .kafka
         .named(&format!(
@@ -248,7 +248,7 @@ pub async fn run_with_health(
             config.topics.prefix(),
             config.executor_id
         ))
-        .producer_with(&[("linger.ms", "1"), compression, level]);
+        .producer_with(&[("linger.ms", "1"), compression]);
     producer_config
         .set("enable.idempotence", "true")
         .set("acks", "all");
