@@ -1,10 +1,12 @@
 //! The cache write after a commit: the batch's run states, their timers, the changelog
 //! offsets they reflect and the gauges' tallies (with their open-interrupt index) at those
-//! offsets, in ONE atomic sled batch.
+//! offsets, in ONE atomic store batch — held behind the commit for up to
+//! `store::WRITE_BEHIND` and merged with the next ones before it reaches sled
+//! (`Store::apply_behind`; reads see it at once).
 //!
 //! It happens only after Kafka has the transaction, so sled is never ahead of Kafka; a
-//! crash before it leaves sled behind, and the next restore reads the changelog from the
-//! older marker (SPEC §13).
+//! crash before it reaches sled leaves sled behind, and the next restore reads the
+//! changelog from the older marker (SPEC §13).
 
 use std::collections::BTreeMap;
 
@@ -44,7 +46,7 @@ impl Engine {
                     sled.arm_timer(partition, &run_id, key, *due);
                 }
             }
-            sled.put_packed(&run_id, self.store.pack(&bytes));
+            sled.put_state(&run_id, bytes);
         }
         for timer in &batch.fired {
             let still = batch
@@ -78,7 +80,7 @@ impl Engine {
             self.gauges
                 .save_into(*partition, *next, &mut sled, &self.store)?;
         }
-        self.store.apply(sled)?;
+        self.store.apply_behind(sled)?;
         self.gauges.saved(committed.changelog.keys().copied());
         tracing::debug!(
             inputs = batch.inputs,

@@ -495,6 +495,10 @@ impl Reducer {
                 if let Err(e) = engine.fire_timers(sortie_kafka::clock::now_ms()) {
                     engine.recover(e, &self.consumer)?;
                 }
+                // An idle loop commits nothing that would write the cache held behind.
+                engine
+                    .store
+                    .flush_behind_older_than(crate::store::WRITE_BEHIND)?;
                 housekept = true;
             }
             let full = engine.batch.inputs >= self.max_batch
