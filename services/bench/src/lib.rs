@@ -70,6 +70,8 @@ pub struct Options {
     pub payload_bytes: usize,
     pub queues: usize,
     pub partitions: u32,
+    /// Partitions of every intents topic (default: `topology/topics.yaml`'s).
+    pub intent_partitions: Option<u32>,
     pub commit_interval: Duration,
     pub max_batch: usize,
     pub executors: usize,
@@ -123,6 +125,7 @@ impl Options {
             payload_bytes: 256,
             queues: 2,
             partitions: 12,
+            intent_partitions: None,
             commit_interval: Duration::from_millis(100),
             max_batch: 500,
             executors: 1,
@@ -197,7 +200,14 @@ impl Bench {
         let queues = stack::queues(options.queues);
         let graph = stack::graph(options.steps, &queues)?;
         self.runtime.block_on(async {
-            stack::apply_topology(&self.kafka, &self.prefix, options.partitions, &queues).await?;
+            stack::apply_topology(
+                &self.kafka,
+                &self.prefix,
+                options.partitions,
+                options.intent_partitions,
+                &queues,
+            )
+            .await?;
             stack::publish_graph(&self.kafka, &self.codec, &topics, &graph).await
         })?;
         Ok(topics)
@@ -803,6 +813,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             "payload_bytes": options.payload_bytes,
             "queues": options.queues,
             "partitions": options.partitions,
+            "intent_partitions": options.intent_partitions,
             "commit_interval_ms": commit_interval_ms,
             "max_batch": options.max_batch,
             "executors": options.executors,

@@ -209,7 +209,14 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
     let queues = stack::queues(options.queues);
     let graph = stack::graph(options.scale_steps, &queues)?;
     bench.runtime.block_on(async {
-        stack::apply_topology(&bench.kafka, &prefix, options.partitions, &queues).await?;
+        stack::apply_topology(
+            &bench.kafka,
+            &prefix,
+            options.partitions,
+            options.intent_partitions,
+            &queues,
+        )
+        .await?;
         stack::publish_graph(&bench.kafka, &bench.codec, &topics, &graph).await
     })?;
     let template = finished_run(&graph, options.scale_payload_bytes)?;

@@ -139,12 +139,14 @@ pub fn queues(count: usize) -> Vec<String> {
     (0..count.max(1)).map(|i| format!("bench{i}")).collect()
 }
 
-/// Applies `topology/topics.yaml` under `prefix` with `partitions` run partitions and the
-/// bench queues instead of the declared ones.
+/// Applies `topology/topics.yaml` under `prefix` with `partitions` run partitions (and
+/// `intent_partitions` for every intents topic, when given) and the bench queues instead
+/// of the declared ones.
 pub async fn apply_topology(
     kafka: &KafkaConfig,
     prefix: &str,
     partitions: u32,
+    intent_partitions: Option<u32>,
     queues: &[String],
 ) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(repo_file("topology/topics.yaml")?)?;
@@ -160,6 +162,7 @@ pub async fn apply_topology(
         Topology::from_yaml(&serde_yaml::to_string(&yaml)?)?.with_overrides(&Overrides {
             prefix: Some(prefix.to_owned()),
             run_partitions: Some(partitions),
+            intent_partitions,
             ..Overrides::default()
         })?;
     let report = topology.apply(kafka).await?;

@@ -61,6 +61,9 @@ pub struct Args {
     /// Partitions of the co-partitioned topics.
     #[arg(long, default_value_t = 12)]
     partitions: u32,
+    /// Partitions of every intents topic [default: topology/topics.yaml's].
+    #[arg(long)]
+    intent_partitions: Option<u32>,
     /// The reducer's (and the ceiling loop's) commit interval.
     #[arg(long, default_value_t = 100)]
     commit_interval_ms: u64,
@@ -146,6 +149,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .max(1),
         queues: args.queues.max(1),
         partitions: args.partitions.max(1),
+        intent_partitions: args.intent_partitions,
         commit_interval: Duration::from_millis(args.commit_interval_ms),
         max_batch: args.max_batch.max(1),
         executors: args.executors.max(1),

@@ -142,7 +142,7 @@ async fn campaign_on(
     std::fs::create_dir_all(&dir)?;
     let kafka = KafkaConfig::new(bootstrap.to_owned());
     let partitions = 6;
-    stack::apply_topology(&kafka, &prefix, partitions, &["default".to_owned()]).await?;
+    stack::apply_topology(&kafka, &prefix, partitions, None, &["default".to_owned()]).await?;
     let registry = stack::ServedRegistry::start(&kafka, &format!("{prefix}_schemas")).await?;
     let codec = stack::codec(&registry.url);
     let topics = Topics::new(prefix.clone());

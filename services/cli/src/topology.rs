@@ -34,6 +34,9 @@ struct Options {
     /// Partition count of the co-partitioned run topics (overrides run_partitions).
     #[arg(long, global = true)]
     partitions: Option<u32>,
+    /// Partition count of every intents topic (overrides the file's).
+    #[arg(long, global = true)]
+    intent_partitions: Option<u32>,
     /// Replication factor of created topics (overrides the file's).
     #[arg(long, global = true)]
     replication_factor: Option<u16>,
@@ -51,6 +54,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             t.with_overrides(&Overrides {
                 prefix: options.prefix,
                 run_partitions: options.partitions,
+                intent_partitions: options.intent_partitions,
                 replication_factor: options.replication_factor,
                 min_insync_replicas: options.min_insync_replicas,
             })

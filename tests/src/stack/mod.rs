@@ -154,6 +154,7 @@ impl<'a> StackBuilder<'a> {
                 t.with_overrides(&Overrides {
                     prefix: Some(prefix.clone()),
                     run_partitions: Some(partitions),
+                    intent_partitions: None,
                     replication_factor: replication.map(|r| r.0),
                     min_insync_replicas: replication.map(|r| r.1),
                 })

@@ -175,6 +175,10 @@ pub struct Overrides {
     pub prefix: Option<String>,
     /// The partition count of the co-partitioned group.
     pub run_partitions: Option<u32>,
+    /// The partition count of every intents topic (`intents.{queue}`): how many executors
+    /// of one queue can share its work, and how many produce requests a reducer's
+    /// transaction can spread its intents over.
+    pub intent_partitions: Option<u32>,
     pub replication_factor: Option<u16>,
     pub min_insync_replicas: Option<u16>,
 }

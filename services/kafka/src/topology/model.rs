@@ -134,6 +134,13 @@ pub(super) fn resolve(file: File, overrides: &Overrides) -> Result<Topology, Err
             (Some(0), false) => return Err(fail(Problem::ZeroPartitions)),
             (Some(declared), false) => declared,
         };
+        let partitions = match overrides.intent_partitions {
+            Some(0) if entry.name.contains(QUEUE_PLACEHOLDER) => {
+                return Err(fail(Problem::ZeroPartitions))
+            }
+            Some(intents) if entry.name.contains(QUEUE_PLACEHOLDER) => intents,
+            _ => partitions,
+        };
         let mut configs = defaults.clone();
         configs.extend(stringify_configs(&entry.configs).map_err(fail)?);
         configs.insert(

@@ -76,6 +76,7 @@ fn overrides_apply_to_the_whole_group() {
             t.with_overrides(&Overrides {
                 prefix: Some("t1.".into()),
                 run_partitions: Some(2),
+                intent_partitions: None,
                 replication_factor: Some(3),
                 min_insync_replicas: None,
             })
@@ -131,6 +132,36 @@ fn zero_partitions_is_rejected() {
     assert!(matches!(
         overridden,
         Err(Error::InvalidTopology(Problem::ZeroRunPartitions))
+    ));
+}
+
+#[test]
+fn intent_partitions_override_every_intents_topic_and_nothing_else() {
+    let topology = Topology::from_yaml(MINIMAL).expect("valid");
+    let overridden = topology
+        .with_overrides(&Overrides {
+            intent_partitions: Some(3),
+            ..Overrides::default()
+        })
+        .expect("valid");
+    for topic in overridden.topics() {
+        let declared = topology.topic(&topic.name).expect("same topics").partitions;
+        match topic.queue {
+            Some(_) => assert_eq!(topic.partitions, 3, "{}", topic.name),
+            None => assert_eq!(topic.partitions, declared, "{}", topic.name),
+        }
+    }
+    assert!(overridden.topics().iter().any(|t| t.queue.is_some()));
+    let zero = topology.with_overrides(&Overrides {
+        intent_partitions: Some(0),
+        ..Overrides::default()
+    });
+    assert!(matches!(
+        zero,
+        Err(Error::InvalidTopic {
+            problem: Problem::ZeroPartitions,
+            ..
+        })
     ));
 }
 
