@@ -311,6 +311,10 @@ struct Pending {
     writes: BTreeMap<Vec<u8>, Write>,
     bytes: usize,
     since: Option<Instant>,
+    /// sled's last write was a direct one (a restore's marker, the tallies after it): the
+    /// next committed batch goes through at once, so that sled's log holds a batch with
+    /// marker and tally together right behind them, as it did before any write was held.
+    direct: bool,
 }
 
 impl Write {
@@ -555,7 +559,9 @@ impl Store {
             return Err(Error::InvalidRunId(run_id));
         }
         self.flush_behind()?;
-        self.write_to_sled(batch.writes)
+        self.write_to_sled(batch.writes)?;
+        self.pending().direct = true;
+        Ok(())
     }
 
     /// Apply one committed batch behind the commit: held in memory, merged with the
@@ -575,12 +581,14 @@ impl Store {
         }
         let due = {
             let mut pending = self.pending();
+            let through = std::mem::take(&mut pending.direct) && pending.writes.is_empty();
             pending.since.get_or_insert_with(Instant::now);
             for (key, write) in batch.writes {
                 pending.bytes += key.len() + write.len();
                 pending.writes.insert(key, write);
             }
-            self.durable
+            through
+                || self.durable
                 || pending.bytes >= WRITE_BEHIND_BYTES
                 || pending.since.is_some_and(|at| at.elapsed() >= WRITE_BEHIND)
         };
@@ -604,11 +612,12 @@ impl Store {
     pub fn flush_behind(&self) -> Result<()> {
         let writes = {
             let mut pending = self.pending();
+            pending.since = None;
+            pending.bytes = 0;
             if pending.writes.is_empty() {
-                pending.since = None;
                 return Ok(());
             }
-            std::mem::take(&mut *pending).writes
+            std::mem::take(&mut pending.writes)
         };
         self.write_to_sled(writes)
     }
@@ -674,6 +683,7 @@ impl Store {
             Some(state) => db.insert(run_key(run_id), state.0)?,
             None => db.remove(run_key(run_id))?,
         };
+        self.pending().direct = true;
         Ok(())
     }
 
@@ -688,6 +698,7 @@ impl Store {
             Some(reason) => db.insert(key, reason.as_bytes())?,
             None => db.remove(key)?,
         };
+        self.pending().direct = true;
         Ok(())
     }
 
@@ -710,6 +721,7 @@ impl Store {
     pub fn forget_tally(&self, partition: i32) -> Result<()> {
         self.flush_behind()?;
         self.db()?.remove(tally_key(partition))?;
+        self.pending().direct = true;
         Ok(())
     }
 
@@ -854,6 +866,7 @@ impl Store {
         if self.durable {
             db.flush()?;
         }
+        self.pending().direct = true;
         Ok(())
     }
 
@@ -1195,7 +1208,8 @@ mod tests {
     }
 
     /// Checked red: with `get_run` reading sled only, the held state is not seen; with
-    /// the overlay ignoring held removals, the disarmed timer still fires.
+    /// the overlay ignoring held removals, the disarmed timer still fires; with every
+    /// batch held, the one after a direct write is not in sled.
     #[test]
     fn batches_held_behind_are_read_at_once_and_reach_sled_merged() {
         let store = Store::temporary().unwrap();
@@ -1204,9 +1218,15 @@ mod tests {
             .put_run("run-1", b"old")
             .arm_timer(0, "run-1", "step-a", 100)
             .arm_timer(0, "run-2", "approval", 50)
-            .set_changelog_offset(0, 10);
+            .set_changelog_offset(0, 9);
         store.apply(first).unwrap();
+        // The first committed batch after a direct write goes through at once...
+        let mut through = Batch::new();
+        through.set_changelog_offset(0, 10);
+        store.apply_behind(through).unwrap();
+        assert!(store.pending().writes.is_empty(), "written through");
 
+        // ...the next ones are held.
         let mut held = Batch::new();
         held.put_state("run-1", b"{\"v\":1}".to_vec())
             .disarm_timer(0, "run-1", "step-a", 100)
