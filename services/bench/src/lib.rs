@@ -28,6 +28,7 @@ mod pipeline;
 mod procfs;
 mod roll;
 mod scale;
+mod shape;
 /// The stack a bench runs on (broker, registry, topology, services as processes), shared
 /// with `sortie fuzz`.
 pub mod stack;
@@ -583,6 +584,11 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         .pop()
         .ok_or_else(|| anyhow::anyhow!("no ceiling"))?;
 
+    // What one transaction costs by the partitions it writes, on the quiet broker.
+    eprintln!("sortie bench: transaction shape");
+    let shape = shape::run(&bench.kafka, &bench.prefix, &bench.runtime)
+        .unwrap_or_else(|e| json!({ "error": e.to_string() }));
+
     // The pipeline: Sortie's legs per step with no Sortie logic, the same loads (the
     // light one once unmeasured first, as for Sortie).
     let pipeline = {
@@ -837,6 +843,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         "ceiling": ceiling.json(),
         "ceilings_one_record_per_input": ceilings.iter().map(ceiling::Ceiling::json).collect::<Vec<_>>(),
         "pipeline": pipeline,
+        "transaction_shape": shape,
         "ratios": {
             "sortie_to_pipeline": vs_pipeline,
             "steps_per_s_to_ceiling_records_per_s": ratio(steps_per_s, ceiling_per_s),

@@ -1,0 +1,105 @@
+//! The transaction's shape: how long one transaction of Sortie's transactional producer
+//! takes on this broker, by the number of partitions it writes to, with nothing else
+//! running. One small record to each of `P` partitions, the offsets of one input
+//! partition sent with a group member's metadata, every delivery awaited, commit — back
+//! to back, as a light-load reducer commits.
+//!
+//! It says what bounds a light-load step: librdkafka sends one produce request per
+//! partition, and the broker answers the requests of one connection one at a time, each
+//! after it verified the partition's membership in the transaction (KIP-890); so a
+//! transaction costs a fixed part plus a part per partition, whatever the records.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::{json, Value};
+use sortie_kafka::produce::PolledProducer;
+use sortie_kafka::KafkaConfig;
+use tokio::runtime::Handle;
+
+use crate::stats::summary;
+
+/// The partition counts measured, and the topic's partitions.
+const SHAPES: [usize; 4] = [1, 4, 12, 24];
+const TOPIC_PARTITIONS: u32 = 24;
+/// Transactions per shape (after a few unmeasured).
+const TRANSACTIONS: usize = 100;
+const UNMEASURED: usize = 10;
+
+/// Measures every shape; `prefix` names the topics and the group.
+pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Result<Value> {
+    let output = format!("{prefix}shape.out");
+    let input = format!("{prefix}shape.in");
+    runtime.block_on(crate::ceiling::create_topics(
+        kafka,
+        &[&output, &input],
+        TOPIC_PARTITIONS,
+    ))?;
+    let kafka = kafka.named(&format!("{prefix}shape"));
+    let consumer: BaseConsumer = kafka
+        .group_member(
+            &format!("{prefix}shape"),
+            "range",
+            Duration::from_secs(10),
+            None,
+        )
+        .create()?;
+    consumer.subscribe(&[&input])?;
+    // Joined once the group has assigned the input topic: its metadata is then what a
+    // reducer sends with its offsets.
+    let joined_by = Instant::now() + Duration::from_secs(30);
+    while consumer.assignment()?.count() == 0 {
+        if Instant::now() > joined_by {
+            bail!("the transaction-shape consumer was not assigned its topic in 30 s");
+        }
+        consumer.poll(Duration::from_millis(100));
+    }
+    let producer = PolledProducer::create(
+        &kafka.transactional_producer(&format!("{prefix}shape")),
+        DefaultProducerContext,
+    )?;
+    producer.init_transactions(Duration::from_secs(30))?;
+    let value = vec![b'x'; 256];
+    let mut shapes = BTreeMap::new();
+    for partitions in SHAPES {
+        let mut took = Vec::with_capacity(TRANSACTIONS);
+        for i in 0..TRANSACTIONS + UNMEASURED {
+            let started = Instant::now();
+            producer.begin_transaction()?;
+            for p in 0..partitions {
+                let partition = ((i + p) % TOPIC_PARTITIONS as usize) as i32;
+                let record = BaseRecord::to(&output)
+                    .key("k")
+                    .payload(&value)
+                    .partition(partition);
+                producer.send(record).map_err(|(e, _)| e)?;
+            }
+            let mut offsets = TopicPartitionList::new();
+            offsets.add_partition_offset(&input, 0, Offset::Offset(0))?;
+            let metadata = consumer
+                .group_metadata()
+                .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
+            producer.send_offsets_to_transaction(&offsets, &metadata, Duration::from_secs(10))?;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while producer.in_flight_count() > 0 {
+                if Instant::now() > deadline {
+                    bail!("a transaction's deliveries did not come in 30 s");
+                }
+                producer.serve(Duration::from_millis(100));
+            }
+            producer.commit_transaction(Duration::from_secs(10))?;
+            if i >= UNMEASURED {
+                took.push(started.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        shapes.insert(partitions.to_string(), summary(&took));
+    }
+    Ok(json!({
+        "what": "ms per transaction of Sortie's transactional producer, back to back on an otherwise idle broker, by partitions written (one 256 B record each) with one input partition's offsets",
+        "transaction_ms_by_partitions": shapes,
+    }))
+}
