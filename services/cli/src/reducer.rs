@@ -39,7 +39,8 @@ pub struct Args {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     store_dictionary_after: u64,
-    /// Stable identity of this instance (the transactional id derives from it).
+    /// Stable identity of this instance (its producers' transactional ids derive from it;
+    /// no `#`).
     #[arg(long, env = "SORTIE__REDUCER__INSTANCE_ID", default_value = "0")]
     instance_id: String,
     /// Use static group membership (group.instance.id = instance id).

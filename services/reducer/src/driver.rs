@@ -146,8 +146,25 @@ impl ReducerConfig {
         }
     }
 
+    /// The instance's transactional id, `<group>-<instance id>`; also the prefix of its
+    /// clients' names.
     pub fn transactional_id(&self) -> String {
         format!("{}-{}", self.group_id, self.instance_id)
+    }
+
+    /// The transactional ids of the instance's two producers, which take turns (see
+    /// `Engine::turn`): the instance's own, then `<own>#2`. An instance id may not hold a
+    /// `#`, so no instance's first id is another's second.
+    pub fn transactional_ids(&self) -> Result<[String; 2], Error> {
+        if self.instance_id.contains('#') {
+            return Err(Error::Setup(format!(
+                "the instance id {:?} holds a '#', which marks its second producer's transactional id",
+                self.instance_id
+            )));
+        }
+        let own = self.transactional_id();
+        let second = format!("{own}#2");
+        Ok([own, second])
     }
 }
 
@@ -265,25 +282,27 @@ impl Reducer {
         };
         let topics = &config.topics;
         let keys = crate::keys::Keys::open(config.keyring.clone(), config.require_signatures)?;
-        // The transactional producer (init fences and aborts a previous incarnation's
-        // transaction, which the stable offset fetch of the first assignment would
-        // otherwise wait out) and the graph table start side by side: both are round
-        // trips to the broker, and a restart waits for the slower only.
-        let (producer, graphs) = std::thread::scope(|scope| {
-            let init = scope.spawn(|| -> Result<TxnProducer, Error> {
-                let producer = TxnProducer::create(
-                    &config
-                        .kafka
-                        .named("producer")
-                        .transactional_producer(&config.transactional_id()),
-                    Deliveries::default(),
-                )?;
-                let timeout = Duration::from_secs(30);
-                watchdog.bound("init_transactions", timeout, || {
-                    producer.init_transactions(timeout)
-                })?;
-                Ok(producer)
-            });
+        // The transactional producers (init fences and aborts a previous incarnation's
+        // transactions, which the stable offset fetch of the first assignment would
+        // otherwise wait out) and the graph table start side by side: all are round
+        // trips to the broker, and a restart waits for the slowest only.
+        let [first_id, second_id] = config.transactional_ids()?;
+        let (producers, graphs) = std::thread::scope(|scope| {
+            let init = |id: String, role: &'static str| {
+                let watchdog = &watchdog;
+                scope.spawn(move || -> Result<TxnProducer, Error> {
+                    let producer = TxnProducer::create(
+                        &config.kafka.named(role).transactional_producer(&id),
+                        Deliveries::default(),
+                    )?;
+                    let timeout = Duration::from_secs(30);
+                    watchdog.bound("init_transactions", timeout, || {
+                        producer.init_transactions(timeout)
+                    })?;
+                    Ok(producer)
+                })
+            };
+            let inits = [init(first_id, "producer"), init(second_id, "producer-2")];
             let graphs_kafka = config.kafka.named("graphs");
             let graphs = GraphTable::open(&graphs_kafka, topics, codec.clone(), runtime.clone())
                 .map_err(Error::from)
@@ -300,12 +319,15 @@ impl Reducer {
                     crate::metrics::graphs_untrusted(graphs.untrusted());
                     Ok(graphs)
                 });
-            let producer = init
-                .join()
-                .unwrap_or_else(|_| Err(Error::Setup("initialising the producer panicked".into())));
-            (producer, graphs)
+            let producers = inits.map(|init| {
+                init.join().unwrap_or_else(|_| {
+                    Err(Error::Setup("initialising a producer panicked".into()))
+                })
+            });
+            (producers, graphs)
         });
-        let (producer, graphs) = (producer?, graphs?);
+        let [producer, turn] = producers;
+        let (producer, turn, graphs) = (producer?, turn?, graphs?);
 
         let wiring = Arc::new(OnceLock::new());
         // A new incarnation joins afresh: whatever the last one's consumer was doing, its
@@ -375,6 +397,7 @@ impl Reducer {
             store,
             graphs,
             producer,
+            turn,
             marks,
             keys,
             partitions,
@@ -669,6 +692,9 @@ impl Engine {
         let first = crate::batch::first_offsets([&sending.batch]);
         match self.finish_sending(sending) {
             Ok((batch, committed)) => {
+                // The other producer begins the next transaction: this one's commit
+                // markers may still be being written (see `Engine::turn`).
+                std::mem::swap(&mut self.producer, &mut self.turn);
                 self.committed(&batch);
                 self.write_cache(batch, committed).map_err(Failure::Fatal)
             }
@@ -805,5 +831,30 @@ impl Engine {
             });
         }
         tasks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(instance_id: &str) -> ReducerConfig {
+        let topics = Topics::new("t.");
+        ReducerConfig {
+            instance_id: instance_id.into(),
+            ..ReducerConfig::new(KafkaConfig::new("127.0.0.1:9092"), "", topics, ".".into())
+        }
+    }
+
+    #[test]
+    fn the_first_producer_keeps_the_instances_transactional_id_and_the_second_is_marked() {
+        let ids = config("reducer-0").transactional_ids().expect("ids");
+        // The first is the id every earlier version used: an upgrade fences the old one.
+        assert_eq!(ids, ["t.reducer-reducer-0", "t.reducer-reducer-0#2"]);
+        let other = config("reducer-0#2").transactional_ids();
+        assert!(
+            matches!(other, Err(Error::Setup(ref why)) if why.contains("'#'")),
+            "an instance id whose first id would be another's second is refused: {other:?}"
+        );
     }
 }

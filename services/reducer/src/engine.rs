@@ -34,7 +34,17 @@ pub(crate) struct Engine {
     pub codec: Arc<Codec>,
     pub store: Arc<Store>,
     pub graphs: GraphTable,
+    /// The producer of the open transaction, or of the next one.
     pub producer: TxnProducer,
+    /// The other producer, whose turn comes after [`Engine::producer`]'s next commit: the
+    /// two take turns, transaction by transaction. After a commit the broker writes the
+    /// transaction's markers, and until they are written it answers that producer's next
+    /// AddPartitionsToTxn and AddOffsetsToTxn with CONCURRENT_TRANSACTIONS, which
+    /// librdkafka retries (AddPartitionsToTxn after a fixed 20 ms). Taking turns, a
+    /// producer begins again only after a whole other transaction. Still one transaction
+    /// open at a time: the next begins after the previous committed, so every record of
+    /// the previous is in the log before any of the next (its markers may come after).
+    pub turn: TxnProducer,
     /// A `read_uncommitted` client, only for the changelog's high watermarks: the end a
     /// restore reads to (see `restore`). Asked through the `read_committed` input consumer
     /// they would be last stable offsets.
