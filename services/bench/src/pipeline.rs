@@ -3,12 +3,12 @@
 //! this machine.
 //!
 //! - **Reducer leg**: a `read_committed` member of its own group (range) reading
-//!   `commands` and `results`, folding in one transactional producer (Sortie's
-//!   transactional settings, polled on its own thread): per input it writes `fan_out`
-//!   records — Sortie's records per input from the calibration run — an intent (or, when
-//!   the run is done, an end event), a state, and events; then the consumed offsets with
-//!   the group metadata, every delivery awaited, commit. The fold is a step counter per
-//!   run in a map.
+//!   `commands` and `results`, folding in two transactional producers that take turns, a
+//!   transaction each, as the reducer's (Sortie's transactional settings, polled on its
+//!   own thread): per input it writes `fan_out` records — Sortie's records per input
+//!   from the calibration run — an intent (or, when the run is done, an end event), a
+//!   state, and events; then the consumed offsets with the group metadata, every
+//!   delivery awaited, commit. The fold is a step counter per run in a map.
 //! - **Executor leg**: a `read_committed` member (cooperative-sticky) reading `intents`,
 //!   answering each with a result from an idempotent `acks=all` producer (the executor's
 //!   settings: 1 ms linger, lz4), committing its offsets every 100 ms.
@@ -65,6 +65,11 @@ pub struct Load {
     pub concurrency: usize,
 }
 
+/// The reducer leg's transactions since the driver last took them: per transaction the
+/// ms it spent in each phase — produce, send offsets, deliveries, commit — and the ms
+/// between the previous commit and its begin.
+type Phases = Arc<std::sync::Mutex<Vec<[f64; 5]>>>;
+
 /// The pipeline's topics.
 struct Names {
     commands: String,
@@ -119,11 +124,13 @@ pub fn run(
         setup.partitions,
     ))?;
     let stop = Arc::new(AtomicBool::new(false));
+    let phases = Phases::default();
     let reducer = {
-        let (kafka, setup, stop) = (kafka.clone(), setup.clone(), stop.clone());
+        let (kafka, setup, stop, phases) =
+            (kafka.clone(), setup.clone(), stop.clone(), phases.clone());
         std::thread::Builder::new()
             .name("pipeline-reducer".into())
-            .spawn(move || reducer_leg(&kafka, &setup, &stop))?
+            .spawn(move || reducer_leg(&kafka, &setup, &stop, &phases))?
     };
     let executor = {
         let (kafka, setup, stop) = (kafka.clone(), setup.clone(), stop.clone());
@@ -132,7 +139,7 @@ pub fn run(
             .spawn(move || executor_leg(&kafka, &setup, &stop))?
     };
     let driven = (|| {
-        let mut driver = Driver::new(kafka, setup)?;
+        let mut driver = Driver::new(kafka, setup, phases)?;
         loads
             .iter()
             .map(|load| driver.drive(setup, load))
@@ -150,7 +157,12 @@ pub fn run(
     Ok(reports)
 }
 
-fn reducer_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow::Result<()> {
+fn reducer_leg(
+    kafka: &KafkaConfig,
+    setup: &Setup,
+    stop: &AtomicBool,
+    phases: &Phases,
+) -> anyhow::Result<()> {
     let names = Names::new(&setup.prefix);
     let kafka = kafka.named(&format!("{}pipeline-reducer", setup.prefix));
     let consumer: BaseConsumer = kafka
@@ -162,15 +174,29 @@ fn reducer_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow:
         )
         .set("fetch.wait.max.ms", "100")
         .create()?;
-    let producer = PolledProducer::create(
-        &kafka.transactional_producer(&format!("{}pipeline-reducer", setup.prefix)),
-        DefaultProducerContext,
-    )?;
-    producer.init_transactions(Duration::from_secs(30))?;
+    // Two producers taking turns, a transaction each, as the reducer's (see its
+    // `Engine::turn`).
+    let producers = [
+        format!("{}pipeline-reducer", setup.prefix),
+        format!("{}pipeline-reducer#2", setup.prefix),
+    ]
+    .map(
+        |id| -> anyhow::Result<PolledProducer<DefaultProducerContext>> {
+            let producer =
+                PolledProducer::create(&kafka.transactional_producer(&id), DefaultProducerContext)?;
+            producer.init_transactions(Duration::from_secs(30))?;
+            Ok(producer)
+        },
+    );
+    let [first, second] = producers;
+    let producers = [first?, second?];
+    let mut turn = 0usize;
     consumer.subscribe(&[&names.commands, &names.results])?;
     let payload = vec![b'x'; setup.payload_bytes];
     let state = vec![b's'; setup.payload_bytes * 2];
     let mut done: HashMap<Vec<u8>, usize> = HashMap::new();
+    let ms = |since: Instant| since.elapsed().as_secs_f64() * 1000.0;
+    let mut last_commit = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         // The reducer's batch: block for the first input, then take what is there.
         let mut batch = Vec::new();
@@ -186,6 +212,10 @@ fn reducer_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow:
         if batch.is_empty() {
             continue;
         }
+        let producer = &producers[turn % 2];
+        turn += 1;
+        let begun = Instant::now();
+        let gap = (begun - last_commit).as_secs_f64() * 1000.0;
         producer.begin_transaction()?;
         let mut offsets: HashMap<(String, i32), i64> = HashMap::new();
         for message in &batch {
@@ -233,6 +263,8 @@ fn reducer_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow:
                 message.offset() + 1,
             );
         }
+        let produced = ms(begun);
+        let phase = Instant::now();
         let mut list = TopicPartitionList::new();
         for ((topic, partition), next) in offsets {
             list.add_partition_offset(&topic, partition, Offset::Offset(next))?;
@@ -241,6 +273,8 @@ fn reducer_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow:
             .group_metadata()
             .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
         producer.send_offsets_to_transaction(&list, &metadata, Duration::from_secs(10))?;
+        let sent_offsets = ms(phase);
+        let phase = Instant::now();
         let deadline = Instant::now() + Duration::from_secs(60);
         while producer.in_flight_count() > 0 {
             producer.serve(deadline.saturating_duration_since(Instant::now()));
@@ -248,7 +282,12 @@ fn reducer_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow:
                 bail!("the pipeline's deliveries did not drain in 60 s");
             }
         }
+        let delivered = ms(phase);
+        let phase = Instant::now();
         producer.commit_transaction(Duration::from_secs(15))?;
+        last_commit = Instant::now();
+        let timings = [produced, sent_offsets, delivered, ms(phase), gap];
+        phases.lock().expect("phases").push(timings);
     }
     Ok(())
 }
@@ -316,6 +355,7 @@ struct Track {
 }
 
 struct Driver {
+    phases: Phases,
     consumer: BaseConsumer,
     producer: BaseProducer,
     commands: String,
@@ -324,7 +364,7 @@ struct Driver {
 }
 
 impl Driver {
-    fn new(kafka: &KafkaConfig, setup: &Setup) -> anyhow::Result<Driver> {
+    fn new(kafka: &KafkaConfig, setup: &Setup, phases: Phases) -> anyhow::Result<Driver> {
         let names = Names::new(&setup.prefix);
         let kafka = kafka.named(&format!("{}pipeline-driver", setup.prefix));
         let consumer: BaseConsumer = kafka
@@ -354,6 +394,7 @@ impl Driver {
             .set("queue.buffering.max.messages", "1000000")
             .create()?;
         Ok(Driver {
+            phases,
             consumer,
             producer,
             commands: names.commands,
@@ -394,6 +435,7 @@ impl Driver {
             load.name, load.runs, setup.steps, load.concurrency
         );
         let payload = vec![b'p'; setup.payload_bytes];
+        self.phases.lock().expect("phases").clear();
         let window = CpuWindow::start(&setup.watch);
         let started = Instant::now();
         let deadline = started + Duration::from_secs(600);
@@ -447,6 +489,9 @@ impl Driver {
         }
         let elapsed = started.elapsed().as_secs_f64();
         let steps = load.runs * setup.steps;
+        let transactions = std::mem::take(&mut *self.phases.lock().expect("phases"));
+        let phase = |i: usize| summary(&transactions.iter().map(|t| t[i]).collect::<Vec<_>>());
+        let total: Vec<f64> = transactions.iter().map(|t| t[..4].iter().sum()).collect();
         Ok(json!({
             "load": load.name,
             "runs": load.runs,
@@ -455,6 +500,15 @@ impl Driver {
             "steps_per_s": round(steps as f64 / elapsed.max(1e-9)),
             "step_round_trip_ms": summary(&round_trips),
             "run_duration_ms": summary(&runs_ms),
+            "transactions": transactions.len(),
+            "transaction_ms": summary(&total),
+            "transaction_phase_ms": {
+                "produce": phase(0),
+                "send_offsets": phase(1),
+                "await_deliveries": phase(2),
+                "commit": phase(3),
+                "since_previous_commit": phase(4),
+            },
             "processes": window.finish(),
         }))
     }

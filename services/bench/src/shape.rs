@@ -1,8 +1,9 @@
-//! The transaction's shape: how long one transaction of Sortie's transactional producer
+//! The transaction's shape: how long one transaction of Sortie's transactional producers
 //! takes on this broker, by the number of partitions it writes to, with nothing else
 //! running. One small record to each of `P` partitions, the offsets of one input
 //! partition sent with a group member's metadata, every delivery awaited, commit — back
-//! to back, as a light-load reducer commits.
+//! to back, as a light-load reducer commits: two producers taking turns, as the
+//! reducer's, and one alone (whose next transaction meets the markers of its last).
 //!
 //! It says what bounds a light-load step: librdkafka sends one produce request per
 //! partition, and the broker answers the requests of one connection one at a time, each
@@ -29,6 +30,8 @@ const TOPIC_PARTITIONS: u32 = 24;
 /// Transactions per shape (after a few unmeasured).
 const TRANSACTIONS: usize = 100;
 const UNMEASURED: usize = 10;
+
+type TxnProducer = PolledProducer<DefaultProducerContext>;
 
 /// Measures every shape; `prefix` names the topics and the group.
 pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Result<Value> {
@@ -58,48 +61,63 @@ pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Resul
         }
         consumer.poll(Duration::from_millis(100));
     }
-    let producer = PolledProducer::create(
-        &kafka.transactional_producer(&format!("{prefix}shape")),
-        DefaultProducerContext,
-    )?;
-    producer.init_transactions(Duration::from_secs(30))?;
+    let producers = ["shape", "shape#2"].map(|id| -> anyhow::Result<TxnProducer> {
+        let producer = PolledProducer::create(
+            &kafka.transactional_producer(&format!("{prefix}{id}")),
+            DefaultProducerContext,
+        )?;
+        producer.init_transactions(Duration::from_secs(30))?;
+        Ok(producer)
+    });
+    let [first, second] = producers;
+    let producers = [first?, second?];
     let value = vec![b'x'; 256];
-    let mut shapes = BTreeMap::new();
-    for partitions in SHAPES {
-        let mut took = Vec::with_capacity(TRANSACTIONS);
-        for i in 0..TRANSACTIONS + UNMEASURED {
-            let started = Instant::now();
-            producer.begin_transaction()?;
-            for p in 0..partitions {
-                let partition = ((i + p) % TOPIC_PARTITIONS as usize) as i32;
-                let record = BaseRecord::to(&output)
-                    .key("k")
-                    .payload(&value)
-                    .partition(partition);
-                producer.send(record).map_err(|(e, _)| e)?;
-            }
-            let mut offsets = TopicPartitionList::new();
-            offsets.add_partition_offset(&input, 0, Offset::Offset(0))?;
-            let metadata = consumer
-                .group_metadata()
-                .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
-            producer.send_offsets_to_transaction(&offsets, &metadata, Duration::from_secs(10))?;
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while producer.in_flight_count() > 0 {
-                if Instant::now() > deadline {
-                    bail!("a transaction's deliveries did not come in 30 s");
+    // As the reducer commits: two producers taking turns; then one alone, back to back.
+    let mut by_turns = BTreeMap::new();
+    let mut by_one = BTreeMap::new();
+    for (taking_turns, shapes) in [(2, &mut by_turns), (1, &mut by_one)] {
+        for partitions in SHAPES {
+            let mut took = Vec::with_capacity(TRANSACTIONS);
+            for i in 0..TRANSACTIONS + UNMEASURED {
+                let producer = &producers[i % taking_turns];
+                let started = Instant::now();
+                producer.begin_transaction()?;
+                for p in 0..partitions {
+                    let partition = ((i + p) % TOPIC_PARTITIONS as usize) as i32;
+                    let record = BaseRecord::to(&output)
+                        .key("k")
+                        .payload(&value)
+                        .partition(partition);
+                    producer.send(record).map_err(|(e, _)| e)?;
                 }
-                producer.serve(Duration::from_millis(100));
+                let mut offsets = TopicPartitionList::new();
+                offsets.add_partition_offset(&input, 0, Offset::Offset(0))?;
+                let metadata = consumer
+                    .group_metadata()
+                    .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
+                producer.send_offsets_to_transaction(
+                    &offsets,
+                    &metadata,
+                    Duration::from_secs(10),
+                )?;
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while producer.in_flight_count() > 0 {
+                    if Instant::now() > deadline {
+                        bail!("a transaction's deliveries did not come in 30 s");
+                    }
+                    producer.serve(Duration::from_millis(100));
+                }
+                producer.commit_transaction(Duration::from_secs(10))?;
+                if i >= UNMEASURED {
+                    took.push(started.elapsed().as_secs_f64() * 1000.0);
+                }
             }
-            producer.commit_transaction(Duration::from_secs(10))?;
-            if i >= UNMEASURED {
-                took.push(started.elapsed().as_secs_f64() * 1000.0);
-            }
+            shapes.insert(partitions.to_string(), summary(&took));
         }
-        shapes.insert(partitions.to_string(), summary(&took));
     }
     Ok(json!({
-        "what": "ms per transaction of Sortie's transactional producer, back to back on an otherwise idle broker, by partitions written (one 256 B record each) with one input partition's offsets",
-        "transaction_ms_by_partitions": shapes,
+        "what": "ms per transaction of Sortie's transactional producers (two taking turns, as the reducer's), back to back on an otherwise idle broker, by partitions written (one 256 B record each) with one input partition's offsets; one_producer_ms_by_partitions: the same from one producer alone",
+        "transaction_ms_by_partitions": by_turns,
+        "one_producer_ms_by_partitions": by_one,
     }))
 }
