@@ -43,8 +43,9 @@ pub const REJOINING: &str = "rejoining the consumer group";
 
 /// Arms a deadline around blocking calls; a thread ends the process when one passes.
 ///
-/// One watchdog per thread that makes such calls: it holds one armed call at a time. A
-/// call bound inside another's bound (a commit inside a poll that runs a rebalance
+/// It holds one armed call per thread: threads may bound calls side by side (a reducer
+/// initialises its two producers while the graph table loads). A call bound inside
+/// another's bound on the same thread (a commit inside a poll that runs a rebalance
 /// callback) is watched on its own deadline, and the outer one is watched again once it
 /// returns.
 #[derive(Clone)]
@@ -53,10 +54,19 @@ pub struct Watchdog {
 }
 
 struct Inner {
-    armed: Mutex<Option<Armed>>,
+    /// The armed call of each thread that has one, and the held condition (see
+    /// [`Watchdog::hold`]).
+    armed: Mutex<Vec<(Slot, Armed)>>,
     grace: Duration,
     /// Which service, for the last line (`reducer`, `executor`).
     role: &'static str,
+}
+
+/// Whose armed call: a thread's bound call, or the held condition.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Slot {
+    Thread(std::thread::ThreadId),
+    Held,
 }
 
 #[derive(Clone, Copy)]
@@ -99,7 +109,7 @@ impl Watchdog {
     fn unwatched(grace: Duration, role: &'static str) -> Self {
         Self {
             inner: Arc::new(Inner {
-                armed: Mutex::new(None),
+                armed: Mutex::new(Vec::new()),
                 grace,
                 role,
             }),
@@ -122,20 +132,23 @@ impl Watchdog {
     /// with `on` set (keeping that start while it stays on) and disarmed by the first with
     /// `on` clear; past `timeout` and the grace the process ends as for a wedged call. For
     /// a state reported now and then (a consumer outside its group, from librdkafka's
-    /// statistics), on a watchdog of its own: it shares no slot with [`Watchdog::bound`].
+    /// statistics, on whichever thread reports them), on a watchdog of its own.
     pub fn hold(&self, what: &'static str, timeout: Duration, on: bool) {
-        let Ok(mut slot) = self.inner.armed.lock() else {
-            return;
-        };
-        let held = slot.is_some_and(|armed| armed.what == what);
+        let held = self
+            .armed(Slot::Held)
+            .is_some_and(|armed| armed.what == what);
         if on && !held {
-            *slot = Some(Armed {
-                what,
-                timeout,
-                since: Instant::now(),
-            });
+            let since = Instant::now();
+            self.arm(
+                Slot::Held,
+                Some(Armed {
+                    what,
+                    timeout,
+                    since,
+                }),
+            );
         } else if !on && held {
-            *slot = None;
+            self.arm(Slot::Held, None);
         }
     }
 
@@ -152,20 +165,45 @@ impl Watchdog {
         }
     }
 
+    /// Arms (or with `None` disarms) this thread's slot; returns what it held.
     fn replace(&self, armed: Option<Armed>) -> Option<Armed> {
-        match self.inner.armed.lock() {
-            Ok(mut slot) => std::mem::replace(&mut *slot, armed),
-            Err(_) => None,
+        self.arm(Slot::Thread(std::thread::current().id()), armed)
+    }
+
+    fn arm(&self, slot: Slot, armed: Option<Armed>) -> Option<Armed> {
+        let Ok(mut slots) = self.inner.armed.lock() else {
+            return None;
+        };
+        let held = slots
+            .iter()
+            .position(|(s, _)| *s == slot)
+            .map(|at| slots.swap_remove(at).1);
+        if let Some(armed) = armed {
+            slots.push((slot, armed));
         }
+        held
+    }
+
+    fn armed(&self, slot: Slot) -> Option<Armed> {
+        let slots = self.inner.armed.lock().ok()?;
+        slots
+            .iter()
+            .find(|(s, _)| *s == slot)
+            .map(|(_, armed)| *armed)
     }
 }
 
 impl Inner {
     /// The armed call and how far past its timeout it is, once that is beyond the grace.
     fn overdue(&self) -> Option<(Armed, Duration)> {
-        let armed = (*self.armed.lock().ok()?)?;
-        let late = armed.since.elapsed().checked_sub(armed.timeout)?;
-        (late > self.grace).then_some((armed, late))
+        let slots = self.armed.lock().ok()?;
+        slots
+            .iter()
+            .filter_map(|(_, armed)| {
+                let late = armed.since.elapsed().checked_sub(armed.timeout)?;
+                (late > self.grace).then_some((*armed, late))
+            })
+            .max_by_key(|(_, late)| *late)
     }
 }
 
@@ -224,15 +262,7 @@ mod tests {
         watchdog.hold("rejoining", Duration::from_millis(30), false);
         assert!(watchdog.inner.overdue().is_none(), "never on");
         watchdog.hold("rejoining", Duration::from_millis(30), true);
-        let since = || {
-            watchdog
-                .inner
-                .armed
-                .lock()
-                .expect("lock")
-                .expect("armed")
-                .since
-        };
+        let since = || watchdog.armed(Slot::Held).expect("armed").since;
         let first = since();
         std::thread::sleep(Duration::from_millis(10));
         watchdog.hold("rejoining", Duration::from_millis(30), true);
@@ -263,5 +293,55 @@ mod tests {
             assert_eq!(armed.what, "poll");
         });
         assert!(watchdog.inner.overdue().is_none(), "disarmed after both");
+    }
+
+    /// Red-proofed: with one slot for every thread, the first call to return restored
+    /// "nothing armed" over the second's, and the second then restored the first's —
+    /// a call long returned stayed armed and, past its timeout, ended the process (a
+    /// reducer initialising its two producers side by side, 60 s after every start).
+    #[test]
+    fn calls_bound_on_two_threads_side_by_side_are_each_watched_and_each_disarmed() {
+        let watchdog = Watchdog::unwatched(Duration::from_millis(20), "test");
+        let (armed_tx, armed_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let other = {
+            let watchdog = watchdog.clone();
+            std::thread::spawn(move || {
+                watchdog.bound("init second", Duration::from_secs(60), || {
+                    armed_tx.send(()).expect("armed");
+                    let _ = release_rx.recv();
+                });
+            })
+        };
+        armed_rx.recv().expect("the other thread armed its call");
+        watchdog.bound("init first", Duration::from_millis(10), || {
+            std::thread::sleep(Duration::from_millis(50));
+            let (armed, _) = watchdog
+                .inner
+                .overdue()
+                .expect("this thread's call is overdue");
+            assert_eq!(armed.what, "init first");
+        });
+        // This thread's call returned first; the other's is still watched, on its own
+        // deadline.
+        assert!(
+            watchdog.inner.overdue().is_none(),
+            "the other call is within its timeout"
+        );
+        assert_eq!(
+            watchdog
+                .armed(Slot::Thread(other.thread().id()))
+                .map(|a| a.what),
+            Some("init second")
+        );
+        release_tx.send(()).expect("release");
+        other.join().expect("the other thread");
+        assert!(
+            watchdog.inner.armed.lock().expect("slots").is_empty(),
+            "nothing stays armed once both calls returned"
+        );
+        // The same order with the calls' deadlines past: nothing left to end the process.
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(watchdog.inner.overdue().is_none());
     }
 }
