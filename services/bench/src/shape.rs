@@ -27,9 +27,9 @@ use crate::stats::summary;
 /// The partition counts measured, and the topic's partitions.
 const SHAPES: [usize; 4] = [1, 4, 12, 24];
 const TOPIC_PARTITIONS: u32 = 24;
-/// Transactions per shape (after a few unmeasured).
-const TRANSACTIONS: usize = 100;
-const UNMEASURED: usize = 10;
+/// Measured blocks of each way per shape, and transactions measured per block.
+const BLOCKS: usize = 10;
+const BLOCK: usize = 10;
 
 type TxnProducer = PolledProducer<DefaultProducerContext>;
 
@@ -72,14 +72,19 @@ pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Resul
     let [first, second] = producers;
     let producers = [first?, second?];
     let value = vec![b'x'; 256];
-    // As the reducer commits: two producers taking turns; then one alone, back to back.
+    // As the reducer commits: two producers taking turns; and one alone, back to back.
+    // The two ways alternate in blocks, so neither gets the broker's warm-up alone; the
+    // first transaction of a block follows the other way's last and is not measured.
     let mut by_turns = BTreeMap::new();
     let mut by_one = BTreeMap::new();
-    for (taking_turns, shapes) in [(2, &mut by_turns), (1, &mut by_one)] {
-        for partitions in SHAPES {
-            let mut took = Vec::with_capacity(TRANSACTIONS);
-            for i in 0..TRANSACTIONS + UNMEASURED {
-                let producer = &producers[i % taking_turns];
+    let mut i = 0usize;
+    for partitions in SHAPES {
+        let (mut turns, mut one) = (Vec::new(), Vec::new());
+        for block in 0..2 * BLOCKS + 2 {
+            let taking_turns = if block % 2 == 0 { 2 } else { 1 };
+            for j in 0..=BLOCK {
+                i += 1;
+                let producer = &producers[j % taking_turns];
                 let started = Instant::now();
                 producer.begin_transaction()?;
                 for p in 0..partitions {
@@ -108,12 +113,19 @@ pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Resul
                     producer.serve(Duration::from_millis(100));
                 }
                 producer.commit_transaction(Duration::from_secs(10))?;
-                if i >= UNMEASURED {
-                    took.push(started.elapsed().as_secs_f64() * 1000.0);
+                // The first two blocks warm up; a block's first transaction follows the
+                // other way's.
+                if block >= 2 && j > 0 {
+                    let took = started.elapsed().as_secs_f64() * 1000.0;
+                    match taking_turns {
+                        2 => turns.push(took),
+                        _ => one.push(took),
+                    }
                 }
             }
-            shapes.insert(partitions.to_string(), summary(&took));
         }
+        by_turns.insert(partitions.to_string(), summary(&turns));
+        by_one.insert(partitions.to_string(), summary(&one));
     }
     Ok(json!({
         "what": "ms per transaction of Sortie's transactional producers (two taking turns, as the reducer's), back to back on an otherwise idle broker, by partitions written (one 256 B record each) with one input partition's offsets; one_producer_ms_by_partitions: the same from one producer alone",

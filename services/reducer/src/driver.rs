@@ -284,12 +284,14 @@ impl Reducer {
         let keys = crate::keys::Keys::open(config.keyring.clone(), config.require_signatures)?;
         // The transactional producers (init fences and aborts a previous incarnation's
         // transactions, which the stable offset fetch of the first assignment would
-        // otherwise wait out), one after the other, and the graph table start side by
-        // side: both are round trips to the broker, and a restart waits for the slower.
+        // otherwise wait out) and the graph table start side by side: all are round
+        // trips to the broker, and a restart waits for the slowest only. (The watchdog
+        // watches each thread's call on its own.)
         let [first_id, second_id] = config.transactional_ids()?;
         let (producers, graphs) = std::thread::scope(|scope| {
-            let init = scope.spawn(|| {
-                [(first_id, "producer"), (second_id, "producer-2")].map(|(id, role)| {
+            let init = |id: String, role: &'static str| {
+                let watchdog = &watchdog;
+                scope.spawn(move || -> Result<TxnProducer, Error> {
                     let producer = TxnProducer::create(
                         &config.kafka.named(role).transactional_producer(&id),
                         Deliveries::default(),
@@ -298,9 +300,10 @@ impl Reducer {
                     watchdog.bound("init_transactions", timeout, || {
                         producer.init_transactions(timeout)
                     })?;
-                    Ok::<_, Error>(producer)
+                    Ok(producer)
                 })
-            });
+            };
+            let inits = [init(first_id, "producer"), init(second_id, "producer-2")];
             let graphs_kafka = config.kafka.named("graphs");
             let graphs = GraphTable::open(&graphs_kafka, topics, codec.clone(), runtime.clone())
                 .map_err(Error::from)
@@ -317,12 +320,14 @@ impl Reducer {
                     crate::metrics::graphs_untrusted(graphs.untrusted());
                     Ok(graphs)
                 });
-            let producers = init
-                .join()
-                .map_err(|_| Error::Setup("initialising the producers panicked".into()));
+            let producers = inits.map(|init| {
+                init.join().unwrap_or_else(|_| {
+                    Err(Error::Setup("initialising a producer panicked".into()))
+                })
+            });
             (producers, graphs)
         });
-        let [producer, turn] = producers?;
+        let [producer, turn] = producers;
         let (producer, turn, graphs) = (producer?, turn?, graphs?);
 
         let wiring = Arc::new(OnceLock::new());
