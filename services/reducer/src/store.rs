@@ -558,10 +558,7 @@ impl Store {
         if let Some(run_id) = batch.invalid {
             return Err(Error::InvalidRunId(run_id));
         }
-        self.flush_behind()?;
-        self.write_to_sled(batch.writes)?;
-        self.pending().direct = true;
-        Ok(())
+        self.write_direct(|| self.write_to_sled(batch.writes))
     }
 
     /// Apply one committed batch behind the commit: held in memory, merged with the
@@ -648,6 +645,26 @@ impl Store {
         self.pending().writes.get(key).cloned()
     }
 
+    /// `key`'s bytes as the store has them: the writes held behind first, then sled's
+    /// (a run state, packed in sled and maybe not held, is read by `get_run`).
+    fn stored(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        match self.held(key) {
+            Some(Write::Put(value) | Write::State(value)) => Ok(Some(value)),
+            Some(Write::Remove) => Ok(None),
+            None => Ok(self.db()?.get(key)?.map(|v| v.to_vec())),
+        }
+    }
+
+    /// A write that goes to sled at once, outside the committed batches: what is held
+    /// behind goes first, and the next committed batch after it goes through too (see
+    /// `Pending::direct`).
+    fn write_direct(&self, write: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.flush_behind()?;
+        write()?;
+        self.pending().direct = true;
+        Ok(())
+    }
+
     /// The entries under `prefix` with the writes held behind laid over sled's, in key
     /// order (for the index prefixes: a held run state is never scanned, see `runs`).
     fn scan_over(
@@ -677,29 +694,29 @@ impl Store {
     /// crash covers every state before it; states past the marker are overwritten when
     /// the changelog is read from the marker again.
     pub fn write_run(&self, run_id: &str, state: Option<Packed>) -> Result<()> {
-        self.flush_behind()?;
-        let db = self.db()?;
-        match state {
-            Some(state) => db.insert(run_key(run_id), state.0)?,
-            None => db.remove(run_key(run_id))?,
-        };
-        self.pending().direct = true;
-        Ok(())
+        self.write_direct(|| {
+            let db = self.db()?;
+            match state {
+                Some(state) => db.insert(run_key(run_id), state.0)?,
+                None => db.remove(run_key(run_id))?,
+            };
+            Ok(())
+        })
     }
 
     /// Quarantines a run whose changelog record does not read back (`reason`), or
     /// releases it (`None`): see `crate::restore`. Written at once, like the restore's
     /// states.
     pub fn set_quarantine(&self, run_id: &str, reason: Option<&str>) -> Result<()> {
-        self.flush_behind()?;
-        let db = self.db()?;
-        let key = [QUARANTINE_PREFIX, run_id.as_bytes()].concat();
-        match reason {
-            Some(reason) => db.insert(key, reason.as_bytes())?,
-            None => db.remove(key)?,
-        };
-        self.pending().direct = true;
-        Ok(())
+        self.write_direct(|| {
+            let db = self.db()?;
+            let key = [QUARANTINE_PREFIX, run_id.as_bytes()].concat();
+            match reason {
+                Some(reason) => db.insert(key, reason.as_bytes())?,
+                None => db.remove(key)?,
+            };
+            Ok(())
+        })
     }
 
     /// Every quarantined run and why (a handful at most: a scan of their prefix only).
@@ -719,10 +736,10 @@ impl Store {
     /// from the cache (a restore about to write states past the tally's marker, which the
     /// tally would otherwise be trusted to reflect after a crash).
     pub fn forget_tally(&self, partition: i32) -> Result<()> {
-        self.flush_behind()?;
-        self.db()?.remove(tally_key(partition))?;
-        self.pending().direct = true;
-        Ok(())
+        self.write_direct(|| {
+            self.db()?.remove(tally_key(partition))?;
+            Ok(())
+        })
     }
 
     /// Write everything pending to disk, what is held behind included (e.g. at shutdown).
@@ -772,12 +789,7 @@ impl Store {
     /// The next `sortie.run-state` offset of `partition` this cache reflects; `None`
     /// means nothing is cached for it and it must be restored from the beginning.
     pub fn changelog_offset(&self, partition: i32) -> Result<Option<u64>> {
-        let stored = match self.held(&offset_key(partition)) {
-            Some(Write::Put(value) | Write::State(value)) => Some(sled::IVec::from(value)),
-            Some(Write::Remove) => None,
-            None => self.db()?.get(offset_key(partition))?,
-        };
-        match stored {
+        match self.stored(&offset_key(partition))? {
             None => Ok(None),
             Some(value) => decode_offset(&value).map(Some).ok_or_else(|| {
                 Error::Corrupt(format!(
@@ -791,11 +803,7 @@ impl Store {
     /// A partition's stored gauge tally, if any (it may be stale: the caller checks the
     /// offset it carries).
     pub fn tally(&self, partition: i32) -> Result<Option<Vec<u8>>> {
-        match self.held(&tally_key(partition)) {
-            Some(Write::Put(value) | Write::State(value)) => Ok(Some(value)),
-            Some(Write::Remove) => Ok(None),
-            None => Ok(self.db()?.get(tally_key(partition))?.map(|v| v.to_vec())),
-        }
+        self.stored(&tally_key(partition))
     }
 
     /// The open-interrupt index of `partition`: (run id, interrupt id, open since ms).
@@ -847,27 +855,27 @@ impl Store {
     /// changelog. Run states stay (they are not keyed by partition); the restore
     /// overwrites them.
     pub fn forget_partition(&self, partition: i32) -> Result<()> {
-        self.flush_behind()?;
-        let mut writes = sled::Batch::default();
-        writes.remove(&offset_key(partition)[..]);
-        writes.remove(&tally_key(partition)[..]);
-        let db = self.db()?;
-        for entry in db.scan_prefix(interrupt_partition_prefix(partition)) {
-            writes.remove(entry?.0);
-        }
-        for entry in db.scan_prefix(TIMER_PREFIX) {
-            let (key, _) = entry?;
-            let timer = decode_timer_key(&key).ok_or_else(|| corrupt_timer(&key))?;
-            if timer.partition == partition {
-                writes.remove(key);
+        self.write_direct(|| {
+            let mut writes = sled::Batch::default();
+            writes.remove(&offset_key(partition)[..]);
+            writes.remove(&tally_key(partition)[..]);
+            let db = self.db()?;
+            for entry in db.scan_prefix(interrupt_partition_prefix(partition)) {
+                writes.remove(entry?.0);
             }
-        }
-        db.apply_batch(writes)?;
-        if self.durable {
-            db.flush()?;
-        }
-        self.pending().direct = true;
-        Ok(())
+            for entry in db.scan_prefix(TIMER_PREFIX) {
+                let (key, _) = entry?;
+                let timer = decode_timer_key(&key).ok_or_else(|| corrupt_timer(&key))?;
+                if timer.partition == partition {
+                    writes.remove(key);
+                }
+            }
+            db.apply_batch(writes)?;
+            if self.durable {
+                db.flush()?;
+            }
+            Ok(())
+        })
     }
 
     /// Marks the store untrusted (its marker removed, flushed): the next [`Store::open`]
