@@ -34,7 +34,6 @@ use rdkafka::producer::{
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::{json, Value};
-use sortie_kafka::produce::PolledProducer;
 use sortie_kafka::KafkaConfig;
 use tokio::runtime::Handle;
 
@@ -174,22 +173,8 @@ fn reducer_leg(
         )
         .set("fetch.wait.max.ms", "100")
         .create()?;
-    // Two producers taking turns, a transaction each, as the reducer's (see its
-    // `Engine::turn`).
-    let producers = [
-        format!("{}pipeline-reducer", setup.prefix),
-        format!("{}pipeline-reducer#2", setup.prefix),
-    ]
-    .map(
-        |id| -> anyhow::Result<PolledProducer<DefaultProducerContext>> {
-            let producer =
-                PolledProducer::create(&kafka.transactional_producer(&id), DefaultProducerContext)?;
-            producer.init_transactions(Duration::from_secs(30))?;
-            Ok(producer)
-        },
-    );
-    let [first, second] = producers;
-    let producers = [first?, second?];
+    let producers =
+        crate::shape::taking_turns(&kafka, &format!("{}pipeline-reducer", setup.prefix))?;
     let mut turn = 0usize;
     consumer.subscribe(&[&names.commands, &names.results])?;
     let payload = vec![b'x'; setup.payload_bytes];

@@ -31,7 +31,19 @@ const TOPIC_PARTITIONS: u32 = 24;
 const BLOCKS: usize = 10;
 const BLOCK: usize = 10;
 
-type TxnProducer = PolledProducer<DefaultProducerContext>;
+pub(crate) type TxnProducer = PolledProducer<DefaultProducerContext>;
+
+/// Two initialised transactional producers that take turns, a transaction each, as the
+/// reducer's (see its `Engine::turn`): `<id>` and `<id>#2`.
+pub(crate) fn taking_turns(kafka: &KafkaConfig, id: &str) -> anyhow::Result<[TxnProducer; 2]> {
+    let init = |id: String| -> anyhow::Result<TxnProducer> {
+        let producer =
+            PolledProducer::create(&kafka.transactional_producer(&id), DefaultProducerContext)?;
+        producer.init_transactions(Duration::from_secs(30))?;
+        Ok(producer)
+    };
+    Ok([init(id.to_owned())?, init(format!("{id}#2"))?])
+}
 
 /// Measures every shape; `prefix` names the topics and the group.
 pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Result<Value> {
@@ -61,16 +73,7 @@ pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Resul
         }
         consumer.poll(Duration::from_millis(100));
     }
-    let producers = ["shape", "shape#2"].map(|id| -> anyhow::Result<TxnProducer> {
-        let producer = PolledProducer::create(
-            &kafka.transactional_producer(&format!("{prefix}{id}")),
-            DefaultProducerContext,
-        )?;
-        producer.init_transactions(Duration::from_secs(30))?;
-        Ok(producer)
-    });
-    let [first, second] = producers;
-    let producers = [first?, second?];
+    let producers = taking_turns(&kafka, &format!("{prefix}shape"))?;
     let value = vec![b'x'; 256];
     // As the reducer commits: two producers taking turns; and one alone, back to back.
     // The two ways alternate in blocks, so neither gets the broker's warm-up alone; the
