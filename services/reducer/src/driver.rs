@@ -451,15 +451,13 @@ impl Reducer {
             // flight has deliveries to serve.
             let wait = {
                 let engine = self.engine()?;
-                if engine.sending.is_some() {
-                    Duration::ZERO
-                } else if engine.batch.is_empty() {
-                    self.commit_interval.min(Duration::from_millis(100))
-                } else if self.batch_linger.is_zero() {
-                    Duration::ZERO
-                } else {
-                    Duration::from_millis(10)
-                }
+                poll_wait(
+                    engine.sending.is_some(),
+                    (!engine.batch.is_empty())
+                        .then(|| engine.batch.opened.unwrap_or_else(Instant::now)),
+                    self.batch_linger,
+                    self.commit_interval,
+                )
             };
             // Only once it holds partitions: a member that left after joining. (The fault
             // is checked first: the loop's every pass goes through here.)
@@ -642,6 +640,24 @@ fn seek_back<C: ConsumerContext>(
         }
     }
     Ok(())
+}
+
+/// How long a pass of the loop waits for input: not at all with a transaction in flight
+/// (its deliveries are served) or with an open batch past its linger (it commits when no
+/// input is waiting: adaptive batching); an open batch still lingering (`opened` then,
+/// `linger` long) waits what its linger has left, no longer; with nothing open, up to the
+/// commit interval (at most 100 ms, so housekeeping runs).
+fn poll_wait(
+    in_flight: bool,
+    opened: Option<Instant>,
+    linger: Duration,
+    commit_interval: Duration,
+) -> Duration {
+    match opened {
+        _ if in_flight => Duration::ZERO,
+        None => commit_interval.min(Duration::from_millis(100)),
+        Some(at) => linger.saturating_sub(at.elapsed()),
+    }
 }
 
 /// Most aborted transactions in a row before the reducer says it is not ready.
@@ -845,6 +861,34 @@ mod tests {
             instance_id: instance_id.into(),
             ..ReducerConfig::new(KafkaConfig::new("127.0.0.1:9092"), "", topics, ".".into())
         }
+    }
+
+    /// Checked red: with the wait it replaced (10 ms whenever a linger was set), a batch
+    /// lingering 3 ms waited 10 before it could commit.
+    #[test]
+    fn a_lingering_batch_waits_only_what_its_linger_has_left() {
+        let linger = Duration::from_millis(3);
+        let interval = Duration::from_millis(100);
+        let now = Instant::now();
+        let wait = poll_wait(false, Some(now), linger, interval);
+        assert!(wait <= linger && wait > Duration::ZERO, "{wait:?}");
+        let long_ago = now - Duration::from_millis(50);
+        assert_eq!(
+            poll_wait(false, Some(long_ago), linger, interval),
+            Duration::ZERO
+        );
+        assert_eq!(
+            poll_wait(false, Some(now), Duration::ZERO, interval),
+            Duration::ZERO
+        );
+        assert_eq!(poll_wait(true, Some(now), linger, interval), Duration::ZERO);
+        assert_eq!(poll_wait(true, None, linger, interval), Duration::ZERO);
+        assert_eq!(poll_wait(false, None, linger, interval), interval);
+        let slow = Duration::from_secs(1);
+        assert_eq!(
+            poll_wait(false, None, linger, slow),
+            Duration::from_millis(100)
+        );
     }
 
     #[test]
