@@ -116,16 +116,28 @@ impl Watchdog {
         }
     }
 
-    /// Runs `call`, which should return within `timeout`, under the watchdog.
+    /// Runs `call`, which should return within `timeout`, under the watchdog. The call is
+    /// disarmed however it ends, a panic unwinding through it included: a thread that
+    /// caught the panic and went on would otherwise be taken for wedged in it.
     pub fn bound<T>(&self, what: &'static str, timeout: Duration, call: impl FnOnce() -> T) -> T {
-        let outer = self.replace(Some(Armed {
-            what,
-            timeout,
-            since: Instant::now(),
-        }));
-        let result = call();
-        self.replace(outer);
-        result
+        struct Disarm<'w> {
+            watchdog: &'w Watchdog,
+            outer: Option<Armed>,
+        }
+        impl Drop for Disarm<'_> {
+            fn drop(&mut self) {
+                self.watchdog.replace(self.outer.take());
+            }
+        }
+        let _disarm = Disarm {
+            watchdog: self,
+            outer: self.replace(Some(Armed {
+                what,
+                timeout,
+                since: Instant::now(),
+            })),
+        };
+        call()
     }
 
     /// Watches a condition rather than a call: `what` is armed from the first report
@@ -293,6 +305,25 @@ mod tests {
             assert_eq!(armed.what, "poll");
         });
         assert!(watchdog.inner.overdue().is_none(), "disarmed after both");
+    }
+
+    /// Red-proofed: with the slot restored after `call` returned (not on unwinding), the
+    /// panicking call stayed armed and the thread, gone on, was taken for wedged in it.
+    #[test]
+    fn a_call_that_panics_is_disarmed_as_it_unwinds() {
+        let watchdog = Watchdog::unwatched(Duration::from_millis(20), "test");
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            watchdog.bound("flush", Duration::from_millis(10), || {
+                panic!("inside the call")
+            })
+        }));
+        assert!(caught.is_err(), "the panic reaches the caller");
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(
+            watchdog.inner.overdue().is_none(),
+            "nothing is left armed past its timeout"
+        );
+        assert!(watchdog.inner.armed.lock().expect("slots").is_empty());
     }
 
     /// Red-proofed: with one slot for every thread, the first call to return restored
