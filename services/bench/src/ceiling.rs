@@ -140,7 +140,6 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
     let mut commit_ms = Vec::new();
     let mut records_per_txn = Vec::new();
     let mut phases_ms: [Vec<f64>; 4] = Default::default();
-    let ms = |since: Instant| since.elapsed().as_secs_f64() * 1000.0;
     while consumed < setup.records {
         if Instant::now() > deadline {
             bail!(
@@ -171,58 +170,29 @@ pub fn run(kafka: &KafkaConfig, setup: &Setup, runtime: &Handle) -> anyhow::Resu
             continue;
         }
         let started = Instant::now();
-        producer.begin_transaction()?;
-        let mut sent = 0usize;
         let mut offsets = std::collections::BTreeMap::new();
         for message in &batch {
-            for _ in 0..setup.fan_out.max(1) {
-                let mut record = BaseRecord::to(&output)
-                    .key(message.key().unwrap_or_default())
-                    .payload(message.payload().unwrap_or_default())
-                    .partition(message.partition());
-                loop {
-                    match producer.send(record) {
-                        Ok(()) => {
-                            sent += 1;
-                            break;
-                        }
-                        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                            producer.serve(Duration::from_millis(5));
-                            record = back;
-                        }
-                        Err((e, _)) => bail!("ceiling produce failed: {e}"),
-                    }
-                }
-            }
             offsets.insert(message.partition(), message.offset() + 1);
         }
         let mut list = TopicPartitionList::new();
         for (partition, next) in offsets {
             list.add_partition_offset(&input, partition, Offset::Offset(next))?;
         }
-        let metadata = consumer
-            .group_metadata()
-            .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
-        phases_ms[0].push(ms(started));
-        let phase = Instant::now();
-        producer.send_offsets_to_transaction(&list, &metadata, Duration::from_secs(10))?;
-        phases_ms[1].push(ms(phase));
-        let phase = Instant::now();
-        // Every delivery report, served on this thread (the default context counts
-        // nothing, so wait for the queue to drain: in_flight_count is what the flush
-        // inside commit_transaction would wait for).
-        let _ = sent;
-        let drain_deadline = Instant::now() + Duration::from_secs(60);
-        while producer.in_flight_count() > 0 {
-            producer.serve(drain_deadline.saturating_duration_since(Instant::now()));
-            if Instant::now() > drain_deadline {
-                bail!("ceiling deliveries did not drain in 60 s");
+        let phases = crate::shape::transaction(&producer, &consumer, &list, || {
+            for message in &batch {
+                for _ in 0..setup.fan_out.max(1) {
+                    let record = BaseRecord::to(&output)
+                        .key(message.key().unwrap_or_default())
+                        .payload(message.payload().unwrap_or_default())
+                        .partition(message.partition());
+                    crate::shape::send(&producer, record)?;
+                }
             }
+            Ok(())
+        })?;
+        for (phase, took) in phases_ms.iter_mut().zip(phases) {
+            phase.push(took);
         }
-        phases_ms[2].push(ms(phase));
-        let phase = Instant::now();
-        producer.commit_transaction(Duration::from_secs(15))?;
-        phases_ms[3].push(ms(phase));
         last_commit = Instant::now();
         commit_ms.push(started.elapsed().as_secs_f64() * 1000.0);
         records_per_txn.push(batch.len() as f64);

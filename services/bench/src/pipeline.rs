@@ -28,9 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::producer::{
-    BaseProducer, BaseRecord, DefaultProducerContext, Producer, ThreadedProducer,
-};
+use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::{json, Value};
@@ -180,7 +178,6 @@ fn reducer_leg(
     let payload = vec![b'x'; setup.payload_bytes];
     let state = vec![b's'; setup.payload_bytes * 2];
     let mut done: HashMap<Vec<u8>, usize> = HashMap::new();
-    let ms = |since: Instant| since.elapsed().as_secs_f64() * 1000.0;
     let mut last_commit = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         // The reducer's batch: block for the first input, then take what is there.
@@ -201,8 +198,8 @@ fn reducer_leg(
         turn += 1;
         let begun = Instant::now();
         let gap = (begun - last_commit).as_secs_f64() * 1000.0;
-        producer.begin_transaction()?;
         let mut offsets: HashMap<(String, i32), i64> = HashMap::new();
+        let mut outputs = Vec::new();
         for message in &batch {
             let run = message.key().unwrap_or_default().to_vec();
             let partition = message.partition();
@@ -227,51 +224,33 @@ fn reducer_leg(
             while records.len() < setup.fan_out {
                 records.push((&names.events, event("x", &payload)));
             }
-            for (topic, value) in &records {
-                let mut record = BaseRecord::to(topic)
-                    .key(&run)
-                    .payload(value)
-                    .partition(partition);
-                loop {
-                    match producer.send(record) {
-                        Ok(()) => break,
-                        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                            producer.serve(Duration::from_millis(5));
-                            record = back;
-                        }
-                        Err((e, _)) => bail!("pipeline produce failed: {e}"),
-                    }
-                }
-            }
+            outputs.extend(
+                records
+                    .into_iter()
+                    .map(|(topic, value)| (topic, run.clone(), value, partition)),
+            );
             offsets.insert(
                 (message.topic().to_owned(), partition),
                 message.offset() + 1,
             );
         }
-        let produced = ms(begun);
-        let phase = Instant::now();
         let mut list = TopicPartitionList::new();
         for ((topic, partition), next) in offsets {
             list.add_partition_offset(&topic, partition, Offset::Offset(next))?;
         }
-        let metadata = consumer
-            .group_metadata()
-            .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
-        producer.send_offsets_to_transaction(&list, &metadata, Duration::from_secs(10))?;
-        let sent_offsets = ms(phase);
-        let phase = Instant::now();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while producer.in_flight_count() > 0 {
-            producer.serve(deadline.saturating_duration_since(Instant::now()));
-            if Instant::now() > deadline {
-                bail!("the pipeline's deliveries did not drain in 60 s");
-            }
-        }
-        let delivered = ms(phase);
-        let phase = Instant::now();
-        producer.commit_transaction(Duration::from_secs(15))?;
+        let [produced, sent_offsets, delivered, committed] =
+            crate::shape::transaction(producer, &consumer, &list, || {
+                for (topic, run, value, partition) in &outputs {
+                    let record = BaseRecord::to(topic)
+                        .key(run)
+                        .payload(value)
+                        .partition(*partition);
+                    crate::shape::send(producer, record)?;
+                }
+                Ok(())
+            })?;
         last_commit = Instant::now();
-        let timings = [produced, sent_offsets, delivered, ms(phase), gap];
+        let timings = [produced, sent_offsets, delivered, committed, gap];
         phases.lock().expect("phases").push(timings);
     }
     Ok(())

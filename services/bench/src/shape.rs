@@ -14,7 +14,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::ToBytes;
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{json, Value};
@@ -43,6 +45,63 @@ pub(crate) fn taking_turns(kafka: &KafkaConfig, id: &str) -> anyhow::Result<[Txn
         Ok(producer)
     };
     Ok([init(id.to_owned())?, init(format!("{id}#2"))?])
+}
+
+/// Hands `record` to `producer`, serving delivery reports while its queue is full.
+pub(crate) fn send<K, P>(
+    producer: &TxnProducer,
+    mut record: BaseRecord<'_, K, P>,
+) -> anyhow::Result<()>
+where
+    K: ToBytes + ?Sized,
+    P: ToBytes + ?Sized,
+{
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                producer.serve(Duration::from_millis(5));
+                record = back;
+            }
+            Err((e, _)) => return Err(e.into()),
+        }
+    }
+}
+
+/// One transaction as the reducer runs it: begin, `produce` hands the records over, the
+/// consumed `offsets` go in with `consumer`'s group metadata, every delivery report is
+/// served on this thread (as the reducer's are: the flush inside `commit_transaction`
+/// would wait for the same), commit. Returns the phases, ms: begin and produce, send
+/// offsets, await deliveries, commit.
+pub(crate) fn transaction<C: ConsumerContext>(
+    producer: &TxnProducer,
+    consumer: &BaseConsumer<C>,
+    offsets: &TopicPartitionList,
+    produce: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<[f64; 4]> {
+    let ms = |since: Instant| since.elapsed().as_secs_f64() * 1000.0;
+    let phase = Instant::now();
+    producer.begin_transaction()?;
+    produce()?;
+    let produced = ms(phase);
+    let phase = Instant::now();
+    let metadata = consumer
+        .group_metadata()
+        .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
+    producer.send_offsets_to_transaction(offsets, &metadata, Duration::from_secs(10))?;
+    let sent_offsets = ms(phase);
+    let phase = Instant::now();
+    let deadline = phase + Duration::from_secs(60);
+    while producer.in_flight_count() > 0 {
+        if Instant::now() > deadline {
+            bail!("a transaction's deliveries did not come in 60 s");
+        }
+        producer.serve(deadline.saturating_duration_since(Instant::now()));
+    }
+    let delivered = ms(phase);
+    let phase = Instant::now();
+    producer.commit_transaction(Duration::from_secs(15))?;
+    Ok([produced, sent_offsets, delivered, ms(phase)])
 }
 
 /// Measures every shape; `prefix` names the topics and the group.
@@ -89,33 +148,19 @@ pub fn run(kafka: &KafkaConfig, prefix: &str, runtime: &Handle) -> anyhow::Resul
                 i += 1;
                 let producer = &producers[j % taking_turns];
                 let started = Instant::now();
-                producer.begin_transaction()?;
-                for p in 0..partitions {
-                    let partition = ((i + p) % TOPIC_PARTITIONS as usize) as i32;
-                    let record = BaseRecord::to(&output)
-                        .key("k")
-                        .payload(&value)
-                        .partition(partition);
-                    producer.send(record).map_err(|(e, _)| e)?;
-                }
                 let mut offsets = TopicPartitionList::new();
                 offsets.add_partition_offset(&input, 0, Offset::Offset(0))?;
-                let metadata = consumer
-                    .group_metadata()
-                    .ok_or_else(|| anyhow::anyhow!("no consumer group metadata"))?;
-                producer.send_offsets_to_transaction(
-                    &offsets,
-                    &metadata,
-                    Duration::from_secs(10),
-                )?;
-                let deadline = Instant::now() + Duration::from_secs(30);
-                while producer.in_flight_count() > 0 {
-                    if Instant::now() > deadline {
-                        bail!("a transaction's deliveries did not come in 30 s");
+                transaction(producer, &consumer, &offsets, || {
+                    for p in 0..partitions {
+                        let partition = ((i + p) % TOPIC_PARTITIONS as usize) as i32;
+                        let record = BaseRecord::to(&output)
+                            .key("k")
+                            .payload(&value)
+                            .partition(partition);
+                        send(producer, record)?;
                     }
-                    producer.serve(Duration::from_millis(100));
-                }
-                producer.commit_transaction(Duration::from_secs(10))?;
+                    Ok(())
+                })?;
                 // The first two blocks warm up; a block's first transaction follows the
                 // other way's.
                 if block >= 2 && j > 0 {
