@@ -42,6 +42,48 @@ pub fn sha256_hex_of(prefix: &str, value: &Value) -> String {
     hex(&hasher.finalize())
 }
 
+/// [`sha256_hex_of`] the `serde_json::Value` that `value` makes, written from `value`
+/// without building that `Value` (see `canonical`): the same digest.
+pub fn sha256_hex_of_serialized<T: serde::Serialize + ?Sized>(prefix: &str, value: &T) -> String {
+    match canonical::to_vec(value) {
+        Ok(text) => {
+            let mut hasher = Sha256::new();
+            hasher.update(prefix.as_bytes());
+            hasher.update([0x1f]);
+            hasher.update(&text);
+            hasher.update([0x1f]);
+            hex(&hasher.finalize())
+        }
+        // What the writer does not model goes through `Value`, the definition (a value
+        // whose `Serialize` fails is hashed as null, as nothing else can be).
+        Err(Unmodelled) => {
+            sha256_hex_of(prefix, &serde_json::to_value(value).unwrap_or(Value::Null))
+        }
+    }
+}
+
+mod canonical;
+
+/// A serializer that walks a value's `Serialize` structure in serde_json's place (the
+/// canonical writer here, `limits`' measuring walk) met something it does not model: the
+/// caller goes through serde_json instead, whose answer is the definition.
+#[derive(Debug)]
+pub(crate) struct Unmodelled;
+
+impl std::fmt::Display for Unmodelled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("not modelled by this walk; serde_json decides")
+    }
+}
+
+impl std::error::Error for Unmodelled {}
+
+impl serde::ser::Error for Unmodelled {
+    fn custom<T: std::fmt::Display>(_: T) -> Self {
+        Unmodelled
+    }
+}
+
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -166,6 +208,91 @@ pub fn render(template: &Value, lookup: &dyn Fn(&Reference<'_>) -> Option<Value>
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The text through `Value`: the definition the canonical writer is held to.
+    fn through_value<T: serde::Serialize>(value: &T) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::to_value(value).expect("a value")).expect("text")
+    }
+
+    proptest::proptest! {
+        /// Every kind of scalar, escape and nesting. (A `Value`'s own objects come
+        /// sorted: entries written in the order they came are caught by the derive test
+        /// below and by the fold's property test, both seen red that way.)
+        #[test]
+        fn the_canonical_writer_writes_what_value_writes(value in crate::arbitrary::json_value()) {
+            let written = canonical::to_vec(&value).expect("a Value is modelled");
+            proptest::prop_assert_eq!(&written, &through_value(&value));
+            proptest::prop_assert_eq!(
+                sha256_hex_of_serialized("p", &value),
+                sha256_hex_of("p", &value)
+            );
+        }
+    }
+
+    #[test]
+    fn the_canonical_writer_agrees_on_what_serde_derives_and_leaves_the_rest_to_value() {
+        #[derive(serde::Serialize)]
+        enum Kind {
+            Unit,
+            New(u8),
+            Tuple(i32, String),
+            Struct { z: Option<f64>, a: Vec<u8>, m: char },
+        }
+        #[derive(serde::Serialize)]
+        struct Doc {
+            zeta: Vec<Kind>,
+            alpha: std::collections::BTreeMap<String, (bool, ())>,
+            numbered: std::collections::BTreeMap<i32, u8>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            skipped: Option<u8>,
+            nan: f64,
+            negative: i64,
+            named: Named,
+        }
+        #[derive(serde::Serialize)]
+        struct Named(&'static str);
+        let doc = Doc {
+            zeta: vec![
+                Kind::Unit,
+                Kind::New(7),
+                Kind::Tuple(-3, "a\"b\u{1}".into()),
+                Kind::Struct {
+                    z: Some(1.5),
+                    a: vec![0, 255],
+                    m: '\n',
+                },
+            ],
+            alpha: [("b".to_owned(), (true, ())), ("a".to_owned(), (false, ()))]
+                .into_iter()
+                .collect(),
+            numbered: [(-1, 1), (9, 2), (10, 3)].into_iter().collect(),
+            skipped: None,
+            nan: f64::NAN,
+            negative: i64::MIN,
+            named: Named("x"),
+        };
+        assert_eq!(
+            canonical::to_vec(&doc).expect("modelled"),
+            through_value(&doc)
+        );
+        // What the writer leaves to `Value`: the same digest all the same.
+        #[derive(serde::Serialize)]
+        struct Unusual {
+            narrow: f32,
+            wide: (u128, i128),
+            keyed: std::collections::BTreeMap<u32, bool>,
+        }
+        let unusual = Unusual {
+            narrow: 0.1,
+            wide: (u64::MAX as u128 + 1, -1),
+            keyed: [(4, true)].into_iter().collect(),
+        };
+        assert!(canonical::to_vec(&unusual).is_err());
+        assert_eq!(
+            sha256_hex_of_serialized("p", &unusual),
+            sha256_hex_of("p", &serde_json::to_value(&unusual).unwrap_or(Value::Null))
+        );
+    }
 
     #[test]
     fn hashes_are_lower_hex_and_streaming_equals_the_text() {
