@@ -78,35 +78,18 @@ impl Event {
     /// The hash chaining this event to the previous one: SHA-256 over the previous hash and
     /// the canonical JSON of everything else in the event.
     pub fn compute_hash(&self) -> String {
-        json::sha256_hex_of_serialized(self.prev_hash.as_deref().unwrap_or(""), &self.hashed())
+        let content = serde_json::json!({
+            "tenant": self.tenant,
+            "run_id": self.run_id,
+            "seq": self.seq,
+            "state_version": self.state_version,
+            "at": self.at,
+            "command_id": self.command_id,
+            "operation_id": self.operation_id,
+            "body": self.body,
+        });
+        json::sha256_hex_of(self.prev_hash.as_deref().unwrap_or(""), &content)
     }
-
-    /// What the hash covers: every field but the two hashes.
-    fn hashed(&self) -> Hashed<'_> {
-        Hashed {
-            tenant: &self.tenant,
-            run_id: &self.run_id,
-            seq: self.seq,
-            state_version: self.state_version,
-            at: self.at,
-            command_id: &self.command_id,
-            operation_id: &self.operation_id,
-            body: &self.body,
-        }
-    }
-}
-
-/// The fields an event's hash covers, as the canonical object they make (keys sorted).
-#[derive(Serialize)]
-struct Hashed<'e> {
-    tenant: &'e str,
-    run_id: &'e str,
-    seq: i64,
-    state_version: i64,
-    at: i64,
-    command_id: &'e Option<String>,
-    operation_id: &'e Option<String>,
-    body: &'e EventBody,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -15,7 +15,23 @@ use serde::ser::{self, Serialize};
 
 use super::Measure;
 
-use crate::json::Unmodelled;
+/// The walk met something it does not model; measure with serde_json instead.
+#[derive(Debug)]
+pub(super) struct Unmodelled;
+
+impl std::fmt::Display for Unmodelled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("not modelled by the measuring walk")
+    }
+}
+
+impl std::error::Error for Unmodelled {}
+
+impl ser::Error for Unmodelled {
+    fn custom<T: std::fmt::Display>(_: T) -> Self {
+        Unmodelled
+    }
+}
 
 /// Measures `value` as serde_json's compact writer would write it.
 pub(super) fn walk<T: Serialize + ?Sized>(value: &T) -> Result<Measure, Unmodelled> {
@@ -198,11 +214,31 @@ impl<'a> ser::Serializer for &'a mut Walker {
     fn serialize_none(self) -> Result<(), Unmodelled> {
         self.serialize_unit()
     }
+    fn serialize_some<T: Serialize + ?Sized>(self, value: &T) -> Result<(), Unmodelled> {
+        value.serialize(self)
+    }
     fn serialize_unit(self) -> Result<(), Unmodelled> {
         self.bytes += 4;
         Ok(())
     }
-    serialize_as_serde_json_does!(Unmodelled);
+    fn serialize_unit_struct(self, _: &'static str) -> Result<(), Unmodelled> {
+        self.serialize_unit()
+    }
+    fn serialize_unit_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+    ) -> Result<(), Unmodelled> {
+        self.serialize_str(variant)
+    }
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        value: &T,
+    ) -> Result<(), Unmodelled> {
+        value.serialize(self)
+    }
     fn serialize_newtype_variant<T: Serialize + ?Sized>(
         self,
         _: &'static str,
@@ -449,5 +485,80 @@ impl ser::Serializer for KeyWalker {
         Ok(string_len(variant))
     }
 
-    refuse_unmodelled_keys!(usize, Unmodelled, Unmodelled);
+    // Everything below: serde_json either refuses it as a key or writes it by a rule this
+    // walk does not model (bools and floats as quoted text); let serde_json decide.
+    fn serialize_bool(self, _: bool) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_f32(self, _: f32) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_f64(self, _: f64) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_bytes(self, _: &[u8]) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_none(self) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_some<T: Serialize + ?Sized>(self, _: &T) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_unit(self) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_unit_struct(self, _: &'static str) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_newtype_variant<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: &T,
+    ) -> Result<usize, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_seq(self, _: Option<usize>) -> Result<Self::SerializeSeq, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_tuple(self, _: usize) -> Result<Self::SerializeTuple, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_tuple_struct(
+        self,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleStruct, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_tuple_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleVariant, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_map(self, _: Option<usize>) -> Result<Self::SerializeMap, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_struct(
+        self,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeStruct, Unmodelled> {
+        Err(Unmodelled)
+    }
+    fn serialize_struct_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeStructVariant, Unmodelled> {
+        Err(Unmodelled)
+    }
 }
