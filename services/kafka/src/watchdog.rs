@@ -146,21 +146,22 @@ impl Watchdog {
     /// a state reported now and then (a consumer outside its group, from librdkafka's
     /// statistics, on whichever thread reports them), on a watchdog of its own.
     pub fn hold(&self, what: &'static str, timeout: Duration, on: bool) {
-        let held = self
-            .armed(Slot::Held)
-            .is_some_and(|armed| armed.what == what);
+        // Looked at and changed under one lock: reports come from more than one thread.
+        let Ok(mut slots) = self.inner.armed.lock() else {
+            return;
+        };
+        let held = slots
+            .iter()
+            .any(|(slot, armed)| *slot == Slot::Held && armed.what == what);
         if on && !held {
-            let since = Instant::now();
-            self.arm(
-                Slot::Held,
-                Some(Armed {
-                    what,
-                    timeout,
-                    since,
-                }),
-            );
+            let armed = Armed {
+                what,
+                timeout,
+                since: Instant::now(),
+            };
+            set(&mut slots, Slot::Held, Some(armed));
         } else if !on && held {
-            self.arm(Slot::Held, None);
+            set(&mut slots, Slot::Held, None);
         }
     }
 
@@ -186,16 +187,11 @@ impl Watchdog {
         let Ok(mut slots) = self.inner.armed.lock() else {
             return None;
         };
-        let held = slots
-            .iter()
-            .position(|(s, _)| *s == slot)
-            .map(|at| slots.swap_remove(at).1);
-        if let Some(armed) = armed {
-            slots.push((slot, armed));
-        }
-        held
+        set(&mut slots, slot, armed)
     }
 
+    /// What `slot` holds (the tests look).
+    #[cfg(test)]
     fn armed(&self, slot: Slot) -> Option<Armed> {
         let slots = self.inner.armed.lock().ok()?;
         slots
@@ -203,6 +199,18 @@ impl Watchdog {
             .find(|(s, _)| *s == slot)
             .map(|(_, armed)| *armed)
     }
+}
+
+/// Sets (or with `None` clears) `slot` among `slots`; returns what it held.
+fn set(slots: &mut Vec<(Slot, Armed)>, slot: Slot, armed: Option<Armed>) -> Option<Armed> {
+    let held = slots
+        .iter()
+        .position(|(s, _)| *s == slot)
+        .map(|at| slots.swap_remove(at).1);
+    if let Some(armed) = armed {
+        slots.push((slot, armed));
+    }
+    held
 }
 
 impl Inner {
