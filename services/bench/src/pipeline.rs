@@ -224,10 +224,12 @@ fn reducer_leg(
             while records.len() < setup.fan_out {
                 records.push((&names.events, event("x", &payload)));
             }
+            // Keyed by the input's key, borrowed from the batch: no copy per record.
+            let key = message.key().unwrap_or_default();
             outputs.extend(
                 records
                     .into_iter()
-                    .map(|(topic, value)| (topic, run.clone(), value, partition)),
+                    .map(|(topic, value)| (topic, key, value, partition)),
             );
             offsets.insert(
                 (message.topic().to_owned(), partition),
@@ -240,9 +242,9 @@ fn reducer_leg(
         }
         let [produced, sent_offsets, delivered, committed] =
             crate::shape::transaction(producer, &consumer, &list, || {
-                for (topic, run, value, partition) in &outputs {
+                for (topic, key, value, partition) in &outputs {
                     let record = BaseRecord::to(topic)
-                        .key(run)
+                        .key(*key)
                         .payload(value)
                         .partition(*partition);
                     crate::shape::send(producer, record)?;
