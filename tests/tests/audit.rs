@@ -120,7 +120,7 @@ async fn forged_history_and_state_are_caught_by_audit_replay_verify() {
     // 3. A forged state record: the run shown with another output.
     let mut state = stack.states().await["run-state"].clone();
     if let Some(step) = state.steps.values_mut().next() {
-        step.output = Some(serde_json::json!({"refund": 1_000_000}));
+        std::sync::Arc::make_mut(step).output = Some(serde_json::json!({"refund": 1_000_000}));
     }
     let record: w::RunState = sortie_model::state_to_wire(&state);
     let value = stack

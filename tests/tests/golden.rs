@@ -179,7 +179,7 @@ impl Story {
         let s = self.state.as_ref().expect("run").steps[step].clone();
         self.at += 1_000;
         self.feed(Input::StepReport(StepReport {
-            operation_id: s.operation_id,
+            operation_id: s.operation_id.clone(),
             attempt: s.attempt,
             tenant: "acme".into(),
             run_id: "run_golden".into(),

@@ -370,14 +370,14 @@ async fn a_signed_fork_cannot_carry_a_forged_source_state() {
 
     // The forged state: the gated refund as a pure step in flight, no approval anywhere.
     let mut forged = head.clone();
-    let mut refund = forged.steps["prepare#1"].clone();
+    let mut refund = sortie_core::state::Step::clone(&forged.steps["prepare#1"]);
     refund.step_id = "refund#1".into();
     refund.node = "refund".into();
     refund.side_effect = sortie_core::SideEffect::Pure;
     refund.status = sortie_core::state::StepStatus::InFlight;
     refund.args = json!({"amount": 10000});
     refund.output = None;
-    forged.steps.insert("refund#1".into(), refund);
+    forged.steps.insert("refund#1".into(), refund.into());
     forged.interrupts.clear();
     let forged = json!({"state": forged});
 

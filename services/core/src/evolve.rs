@@ -1,6 +1,8 @@
 //! Folding one event into a run's state. Pure and total: an event that does not fit the
 //! state (which the fold never emits) changes nothing but the bookkeeping.
 
+use std::sync::Arc;
+
 use crate::{
     effect::TimerKey,
     event::{Event, EventBody},
@@ -147,20 +149,23 @@ fn apply_body(state: &mut RunState, event: &Event) {
             if *attempt == 1 && matches!(role, crate::event::StepRole::Requested { .. }) {
                 state.spend.tool_calls += 1;
             }
-            let step = state.steps.entry(step_id.clone()).or_insert_with(|| Step {
-                step_id: step_id.clone(),
-                node: node.clone(),
-                operation_id: operation_id.clone(),
-                attempt: *attempt,
-                tool: tool.clone(),
-                queue: queue.clone(),
-                side_effect: *side_effect,
-                args: args.clone(),
-                role: role.clone(),
-                status: StepStatus::InFlight,
-                output: None,
-                error: None,
+            let step = state.steps.entry(step_id.clone()).or_insert_with(|| {
+                Arc::new(Step {
+                    step_id: step_id.clone(),
+                    node: node.clone(),
+                    operation_id: operation_id.clone(),
+                    attempt: *attempt,
+                    tool: tool.clone(),
+                    queue: queue.clone(),
+                    side_effect: *side_effect,
+                    args: args.clone(),
+                    role: role.clone(),
+                    status: StepStatus::InFlight,
+                    output: None,
+                    error: None,
+                })
             });
+            let step = Arc::make_mut(step);
             step.attempt = *attempt;
             step.status = StepStatus::InFlight;
             state.timers.remove(
@@ -183,7 +188,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
             }
         }
         EventBody::StepStarted { step_id, .. } => {
-            if let Some(step) = state.steps.get_mut(step_id) {
+            if let Some(step) = state.steps.get_mut(step_id).map(Arc::make_mut) {
                 step.status = StepStatus::Started;
             }
         }
@@ -214,7 +219,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
             ..
         } => {
             clear_step_timeouts(state, step_id);
-            if let Some(step) = state.steps.get_mut(step_id) {
+            if let Some(step) = state.steps.get_mut(step_id).map(Arc::make_mut) {
                 step.error = Some(format!("{code}: {message}"));
                 step.status = if retry_at.is_some() {
                     StepStatus::WaitingRetry
@@ -240,7 +245,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
             ..
         } => {
             clear_step_timeouts(state, step_id);
-            if let Some(step) = state.steps.get_mut(step_id) {
+            if let Some(step) = state.steps.get_mut(step_id).map(Arc::make_mut) {
                 step.error = Some(format!("outcome unknown: {message}"));
                 if *needs_operator {
                     step.status = StepStatus::NeedsOperator;
@@ -261,7 +266,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
                     step_id,
                     output.clone().unwrap_or(serde_json::Value::Null),
                 );
-            } else if let Some(step) = state.steps.get_mut(step_id) {
+            } else if let Some(step) = state.steps.get_mut(step_id).map(Arc::make_mut) {
                 step.status = StepStatus::Failed;
                 step.error = Some(error.clone().unwrap_or_else(|| "failed (operator)".into()));
             }
@@ -438,7 +443,7 @@ fn apply_body(state: &mut RunState, event: &Event) {
 
 fn succeed(state: &mut RunState, step_id: &str, output: serde_json::Value) {
     clear_step_timeouts(state, step_id);
-    if let Some(step) = state.steps.get_mut(step_id) {
+    if let Some(step) = state.steps.get_mut(step_id).map(Arc::make_mut) {
         step.status = StepStatus::Succeeded;
         step.output = Some(output);
         step.error = None;
@@ -463,7 +468,7 @@ fn close_open_work(state: &mut RunState, interrupt_status: InterruptStatus) {
     }
     for step in state.steps.values_mut() {
         if step.status == StepStatus::WaitingRetry {
-            step.status = StepStatus::Abandoned;
+            Arc::make_mut(step).status = StepStatus::Abandoned;
         }
     }
     state.timers.retain(|key, _| key.starts_with("timeout/"));

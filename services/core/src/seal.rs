@@ -17,6 +17,8 @@
 //! The payload lists here and in [`crate::RunState::forget`] / [`crate::Event::forget`]
 //! name the same fields: a payload is what a forgotten run drops.
 
+use std::sync::Arc;
+
 use serde::Deserialize as _;
 use serde_json::Value;
 
@@ -234,6 +236,7 @@ impl RunState {
         each(&mut self.output, f);
         // `forked_from` in a state is only the source's {run_id, version}.
         for step in self.steps.values_mut() {
+            let step = Arc::make_mut(step);
             f(&mut step.args);
             each(&mut step.output, f);
             each_text(&mut step.error, f);

@@ -1,6 +1,7 @@
 //! A run's state: everything the fold knows about one run, built only from its events.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -24,7 +25,10 @@ pub struct RunState {
     pub labels: BTreeMap<String, String>,
     pub input: Value,
     pub deadline_at: Option<i64>,
-    pub steps: BTreeMap<String, Step>,
+    /// Each step behind an [`Arc`]: the fold copies the state it folds, and a step it does
+    /// not touch is shared between the copies instead of copied (its payloads too);
+    /// `Arc::make_mut` copies the one it changes.
+    pub steps: BTreeMap<String, Arc<Step>>,
     /// Step ids of succeeded steps in the order they succeeded (compensations run in reverse).
     pub completed: Vec<String>,
     pub interrupts: BTreeMap<String, Interrupt>,
@@ -256,6 +260,7 @@ impl RunState {
         self.input = Value::Null;
         self.output = None;
         for step in self.steps.values_mut() {
+            let step = Arc::make_mut(step);
             step.args = Value::Null;
             step.output = None;
             step.error = None;
@@ -275,7 +280,10 @@ impl RunState {
     }
 
     pub fn step_by_operation(&self, operation_id: &str) -> Option<&Step> {
-        self.steps.values().find(|s| s.operation_id == operation_id)
+        self.steps
+            .values()
+            .find(|s| s.operation_id == operation_id)
+            .map(|s| &**s)
     }
 
     pub fn timer_due(&self, key: &TimerKey) -> Option<i64> {

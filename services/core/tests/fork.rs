@@ -354,13 +354,13 @@ fn classes_and_gates_come_from_the_graph_not_the_carried_state() {
     let graphs = pay_graphs();
     let (versions, _) = pay_source(&graphs);
     let mut forged = versions.values().last().unwrap().clone();
-    let mut wire = forged.steps["transfer#1"].clone();
+    let mut wire = sortie_core::state::Step::clone(&forged.steps["transfer#1"]);
     wire.step_id = "wire#1".into();
     wire.node = "wire".into();
     wire.tool = "http".into();
     wire.side_effect = sortie_core::SideEffect::Pure;
     wire.args = json!({"amount": 1_000_000});
-    forged.steps.insert("wire#1".into(), wire);
+    forged.steps.insert("wire#1".into(), wire.into());
     let applied = fork_pay(&graphs, &forged, "pay-forged", 30);
     assert!(
         dispatched(&applied).is_empty(),

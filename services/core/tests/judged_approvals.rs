@@ -151,7 +151,7 @@ impl Run {
         self.at += 10;
         let s = self.state().steps[step].clone();
         self.feed(Input::StepReport(StepReport {
-            operation_id: s.operation_id,
+            operation_id: s.operation_id.clone(),
             attempt: s.attempt,
             tenant: "acme".into(),
             run_id: "run_1".into(),
@@ -165,7 +165,7 @@ impl Run {
         self.at += 10;
         let s = self.state().steps[step].clone();
         self.feed(Input::StepReport(StepReport {
-            operation_id: s.operation_id,
+            operation_id: s.operation_id.clone(),
             attempt: s.attempt,
             tenant: "acme".into(),
             run_id: "run_1".into(),

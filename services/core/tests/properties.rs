@@ -217,11 +217,11 @@ impl Sim {
         let step = self.run().steps[step_id].clone();
         self.now += 1;
         self.feed(Input::StepReport(StepReport {
-            operation_id: step.operation_id,
+            operation_id: step.operation_id.clone(),
             attempt,
             tenant: "t".into(),
             run_id: "r".into(),
-            step_id: step.step_id,
+            step_id: step.step_id.clone(),
             outcome,
             at: self.now,
         }));

@@ -228,7 +228,9 @@ pub fn replay(
             for (id, step) in &mut f.steps {
                 if let Some(written) = t.steps.get(id) {
                     if step.error.is_some() && written.error.is_some() {
-                        step.error.clone_from(&written.error);
+                        std::sync::Arc::make_mut(step)
+                            .error
+                            .clone_from(&written.error);
                     }
                 }
             }

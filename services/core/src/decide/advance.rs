@@ -826,7 +826,7 @@ fn next_compensation<'r>(run: &'r RunState, graph: &Graph) -> Option<(&'r Step, 
         if compensation.is_some_and(|c| c.status == StepStatus::Succeeded) {
             continue;
         }
-        return Some((step, compensation));
+        return Some((step, compensation.map(|c| &**c)));
     }
     None
 }

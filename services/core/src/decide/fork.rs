@@ -147,12 +147,12 @@ pub(crate) fn plan(source: &RunState, graph: &Graph) -> Plan {
                 again(&node.id, &step.step_id, &step.role, args);
             }
             Some(node) if repeatable(node.side_effect) => {
-                let mut step = step.clone();
+                let mut step = Step::clone(step);
                 step.side_effect = node.side_effect;
                 redispatch.push(step);
             }
             _ => {
-                let mut waiting = step.clone();
+                let mut waiting = Step::clone(step);
                 if let Some(node) = node {
                     waiting.side_effect = node.side_effect;
                 }
