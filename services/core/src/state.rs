@@ -8,6 +8,9 @@ use serde_json::Value;
 
 use crate::{effect::TimerKey, event::StepRole, graph::SideEffect, status::RunStatus};
 
+mod written;
+pub use written::WrittenSteps;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunState {
     pub tenant: String,
@@ -27,7 +30,9 @@ pub struct RunState {
     pub deadline_at: Option<i64>,
     /// Each step behind an [`Arc`]: the fold copies the state it folds, and a step it does
     /// not touch is shared between the copies instead of copied (its payloads too);
-    /// `Arc::make_mut` copies the one it changes.
+    /// `Arc::make_mut` copies the one it changes. Written as derived, or by
+    /// [`RunState::to_json_reusing`] with the JSON of unchanged steps copied.
+    #[serde(serialize_with = "written::serialize")]
     pub steps: BTreeMap<String, Arc<Step>>,
     /// Step ids of succeeded steps in the order they succeeded (compensations run in reverse).
     pub completed: Vec<String>,

@@ -68,6 +68,9 @@ pub(crate) struct Engine {
     /// what Kafka has committed (filled after a commit), bounded by [`HOT_RUNS`], emptied
     /// on every rebalance.
     pub hot: HashMap<String, RunState>,
+    /// The JSON of recently written runs' steps, so a run's next state does not write
+    /// its unchanged steps again (see `txn::Written`); emptied on every rebalance.
+    pub written: crate::txn::Written,
     /// The batch whose transaction is open, its records sent, while the open `batch`
     /// folds (see `driver`): at most one.
     pub sending: Option<crate::txn::Sending>,

@@ -193,6 +193,7 @@ impl Engine {
         self.tasks.joined = false;
         // Another member may change these runs before they come back.
         self.hot.clear();
+        self.written.clear();
         self.replays.clear();
         self.refused.clear();
         self.rewind.clear();

@@ -15,7 +15,7 @@
 //! caller seeks back and carries on with the same clients; a fatal one (fenced by a newer
 //! incarnation, an abort that fails) rebuilds them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use std::sync::Mutex;
@@ -25,6 +25,8 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
+use sortie_core::state::WrittenSteps;
+use sortie_core::RunState;
 use sortie_kafka::produce::PolledProducer;
 
 use crate::batch::{Output, PendingBatch, Source};
@@ -33,6 +35,50 @@ use crate::driver::Error;
 use crate::engine::Engine;
 use crate::fault::{self, FaultPoint};
 use crate::metrics as meter;
+
+/// Most bytes of step JSON [`Written`] holds; past it, it starts over.
+const WRITTEN_BYTES: usize = 32 * 1024 * 1024;
+
+/// The JSON of the steps of recently written runs' states, per run
+/// ([`sortie_core::state::WrittenSteps`]): a run's next state copies its unchanged steps
+/// from it. Bounded by [`WRITTEN_BYTES`]; a finished run's is dropped.
+#[derive(Debug, Default)]
+pub(crate) struct Written {
+    runs: HashMap<String, WrittenSteps>,
+    bytes: usize,
+}
+
+impl Written {
+    /// `run_id`'s `state` as `serde_json::to_string` writes it.
+    fn state_json(&mut self, run_id: &str, state: &RunState) -> serde_json::Result<String> {
+        let mut steps = self.take(run_id).unwrap_or_default();
+        let json = state.to_json_reusing(&mut steps)?;
+        if !state.status.is_terminal() {
+            if self.bytes + steps.bytes() > WRITTEN_BYTES {
+                // Crude but bounded, as `Engine::hot`: start over rather than track recency.
+                self.clear();
+            }
+            self.bytes += steps.bytes();
+            self.runs.insert(run_id.to_owned(), steps);
+        }
+        Ok(json)
+    }
+
+    fn take(&mut self, run_id: &str) -> Option<WrittenSteps> {
+        let steps = self.runs.remove(run_id)?;
+        self.bytes -= steps.bytes();
+        Some(steps)
+    }
+
+    fn forget(&mut self, run_id: &str) {
+        self.take(run_id);
+    }
+
+    pub fn clear(&mut self) {
+        self.runs.clear();
+        self.bytes = 0;
+    }
+}
 
 /// The reducer's transactional producer, polled by the loop itself: with a background
 /// polling thread (`FutureProducer`), `commit_transaction`'s own flush raced that thread
@@ -247,7 +293,9 @@ impl Engine {
             return Err(failure);
         }
         let started = Instant::now();
-        let result = self.send_open(consumer, started);
+        let mut written = std::mem::take(&mut self.written);
+        let result = self.send_open(consumer, started, &mut written);
+        self.written = written;
         let batch = std::mem::take(&mut self.batch);
         match result {
             Ok(mut sending) => {
@@ -287,6 +335,7 @@ impl Engine {
         &self,
         consumer: &BaseConsumer<C>,
         started: Instant,
+        written: &mut Written,
     ) -> Result<Sending, Failure> {
         // Nothing sealed with a key of this batch's may be produced before the key is.
         self.persist_new_keys().map_err(Failure::aborted)?;
@@ -299,8 +348,16 @@ impl Engine {
         for run_id in run_ids {
             let state = &batch.after[run_id];
             let sealed = batch.seals.get(run_id).map(|seal| state.sealed(seal));
+            let json = match &sealed {
+                // Sealed anew for this write: no step of it was written before.
+                Some(sealed) => {
+                    written.forget(run_id);
+                    serde_json::to_string(sealed)
+                }
+                None => written.state_json(run_id, state),
+            };
             let state = sealed.as_ref().unwrap_or(state);
-            let json = serde_json::to_string(state).map_err(|e| {
+            let json = json.map_err(|e| {
                 Failure::aborted(Error::Setup(format!("run state of {run_id}: {e}")))
             })?;
             let record = convert::state_to_wire_json(state, json);
@@ -553,5 +610,60 @@ impl Engine {
                 Failure::Fatal(Error::Kafka(abort))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use sortie_core::RunStatus;
+
+    use super::*;
+
+    fn state(steps: &[&str]) -> RunState {
+        let mut state: RunState = serde_json::from_value(serde_json::json!({
+            "tenant": "t", "run_id": "r", "graph_id": "g", "graph_version": 1,
+            "status": "RUNNING", "version": 1, "last_event_seq": 1, "last_hash": null,
+            "created_at": 0, "updated_at": 0, "started_by": "x", "labels": {},
+            "input": null, "deadline_at": null, "steps": {}, "completed": [],
+            "interrupts": {}, "timers": {}, "commands": {}, "ending": null, "output": null
+        }))
+        .expect("state");
+        for id in steps {
+            let step = serde_json::from_value(serde_json::json!({
+                "step_id": id, "node": "n", "operation_id": format!("op-{id}"), "attempt": 1,
+                "tool": "echo", "queue": "default", "side_effect": "pure",
+                "args": {"text": "é\"\n"}, "role": "Node", "status": "in_flight",
+                "output": null, "error": null
+            }))
+            .expect("step");
+            state.steps.insert((*id).to_owned(), step);
+        }
+        state
+    }
+
+    #[test]
+    fn states_are_written_as_serde_json_writes_them_and_finished_runs_are_not_kept() {
+        let mut written = Written::default();
+        let mut run = state(&["a#1", "b#1"]);
+        let first = written.state_json("r", &run).expect("json");
+        assert_eq!(first, serde_json::to_string(&run).expect("json"));
+        let held = written.bytes;
+        assert!(held > 0);
+
+        // A later state: one step changed (copied, as the fold does), one added.
+        let step = Arc::make_mut(run.steps.get_mut("a#1").expect("step"));
+        step.status = sortie_core::state::StepStatus::Succeeded;
+        step.output = Some(serde_json::json!({"text": "done"}));
+        run.steps.insert("c#1".into(), run.steps["b#1"].clone());
+        let second = written.state_json("r", &run).expect("json");
+        assert_eq!(second, serde_json::to_string(&run).expect("json"));
+        assert!(written.bytes > held);
+
+        run.status = RunStatus::Succeeded;
+        let last = written.state_json("r", &run).expect("json");
+        assert_eq!(last, serde_json::to_string(&run).expect("json"));
+        assert_eq!((written.runs.len(), written.bytes), (0, 0));
     }
 }
