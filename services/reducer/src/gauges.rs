@@ -409,10 +409,12 @@ impl RunGauges {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn state(status: RunStatus, open: &[&str], at: i64) -> RunState {
+    /// A run of no steps, `status`, with `open` interrupts, last updated `at` (the txn
+    /// tests build on it too).
+    pub(crate) fn state(status: RunStatus, open: &[&str], at: i64) -> RunState {
         let mut state: RunState = serde_json::from_value(serde_json::json!({
             "tenant": "t", "run_id": "r", "graph_id": "g", "graph_version": 1,
             "status": status, "version": 1, "last_event_seq": 1, "last_hash": null,

@@ -70,10 +70,6 @@ impl Written {
         Some(steps)
     }
 
-    fn forget(&mut self, run_id: &str) {
-        self.take(run_id);
-    }
-
     pub fn clear(&mut self) {
         self.runs.clear();
         self.bytes = 0;
@@ -351,7 +347,7 @@ impl Engine {
             let json = match &sealed {
                 // Sealed anew for this write: no step of it was written before.
                 Some(sealed) => {
-                    written.forget(run_id);
+                    written.take(run_id);
                     serde_json::to_string(sealed)
                 }
                 None => written.state_json(run_id, state),
@@ -622,14 +618,7 @@ mod tests {
     use super::*;
 
     fn state(steps: &[&str]) -> RunState {
-        let mut state: RunState = serde_json::from_value(serde_json::json!({
-            "tenant": "t", "run_id": "r", "graph_id": "g", "graph_version": 1,
-            "status": "RUNNING", "version": 1, "last_event_seq": 1, "last_hash": null,
-            "created_at": 0, "updated_at": 0, "started_by": "x", "labels": {},
-            "input": null, "deadline_at": null, "steps": {}, "completed": [],
-            "interrupts": {}, "timers": {}, "commands": {}, "ending": null, "output": null
-        }))
-        .expect("state");
+        let mut state = crate::gauges::tests::state(RunStatus::Running, &[], 0);
         for id in steps {
             let step = serde_json::from_value(serde_json::json!({
                 "step_id": id, "node": "n", "operation_id": format!("op-{id}"), "attempt": 1,
