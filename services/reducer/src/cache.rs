@@ -97,7 +97,14 @@ impl Engine {
             .counts
             .committed(batch.inputs + batch.fired.len(), committed.took);
         // Committed states, changed or read: the next batch starts from them.
-        for (run_id, state) in batch.after.into_iter().chain(batch.unchanged) {
+        let PendingBatch {
+            before,
+            mut after,
+            mut unchanged,
+            seals,
+            ..
+        } = batch;
+        for (run_id, state) in after.drain().chain(unchanged.drain()) {
             if state.status.is_terminal() {
                 self.hot.remove(&run_id);
                 continue;
@@ -108,6 +115,7 @@ impl Engine {
             }
             self.hot.insert(run_id, state);
         }
+        self.spare.keep_maps(before, after, unchanged, seals);
         Ok(())
     }
 }

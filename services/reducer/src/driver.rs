@@ -404,6 +404,7 @@ impl Reducer {
             partitions,
             tasks: Tasks::default(),
             batch: PendingBatch::default(),
+            spare: Default::default(),
             gauges: RunGauges::default(),
             health,
             watchdog,

@@ -57,6 +57,8 @@ pub(crate) struct Engine {
     pub partitions: u32,
     pub tasks: Tasks,
     pub batch: PendingBatch,
+    /// Containers of committed batches, for the next open one (see [`crate::batch::Spare`]).
+    pub spare: crate::batch::Spare,
     pub gauges: RunGauges,
     pub health: Health,
     /// The signed command ids of the replay window, per owned partition (see `replay`).

@@ -292,14 +292,13 @@ impl Engine {
         let mut written = std::mem::take(&mut self.written);
         let result = self.send_open(consumer, started, &mut written);
         self.written = written;
-        let batch = std::mem::take(&mut self.batch);
+        let batch = std::mem::replace(&mut self.batch, PendingBatch::reusing(&mut self.spare));
         match result {
             Ok(mut sending) => {
                 // The producer holds copies of the records now.
-                sending.batch = PendingBatch {
-                    outputs: Vec::new(),
-                    ..batch
-                };
+                let mut batch = batch;
+                self.spare.keep_outputs(std::mem::take(&mut batch.outputs));
+                sending.batch = batch;
                 self.sending = Some(sending);
                 Ok(())
             }
