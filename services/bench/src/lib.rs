@@ -867,17 +867,23 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
 /// CPU microseconds per unit of work, from the processes' cores over each phase: per step
 /// of the full load, per input of the fair ceiling, and what two (`procfs::cpus`) cores
 /// allow per step at a ratio of 0.5 to that ceiling. The ratio's bound on this machine:
-/// a step cannot take more CPU than that, summed over every process.
+/// a step cannot take more CPU than that, summed over every process. Beside them, each
+/// process's minor page faults per step of the full load: unlike CPU time, a count the
+/// machine's speed does not move.
 fn cpu_us(load: &Value, steps_per_s: f64, ceiling: &ceiling::Ceiling) -> Value {
-    let per = |processes: &Value, rate: f64| -> Value {
+    let per = |processes: &Value, rate: f64, figure: &str, scale: f64| -> Value {
         let mut out = serde_json::Map::new();
         let mut all = 0.0;
         if let Some(map) = processes.as_object() {
             for (name, figures) in map {
-                if let Some(cores) = figures.get("cpu_cores").and_then(Value::as_f64) {
-                    let us = if rate > 0.0 { cores / rate * 1e6 } else { 0.0 };
-                    all += us;
-                    out.insert(name.clone(), json!(round(us)));
+                if let Some(value) = figures.get(figure).and_then(Value::as_f64) {
+                    let per = if rate > 0.0 {
+                        value / rate * scale
+                    } else {
+                        0.0
+                    };
+                    all += per;
+                    out.insert(name.clone(), json!(round(per)));
                 }
             }
         }
@@ -886,8 +892,12 @@ fn cpu_us(load: &Value, steps_per_s: f64, ceiling: &ceiling::Ceiling) -> Value {
     };
     let ceiling_per_s = ceiling.records_per_s();
     json!({
-        "sortie_per_step": per(&load["processes"], steps_per_s),
-        "ceiling_per_input": ceiling.processes.as_ref().map(|p| per(p, ceiling_per_s)),
+        "sortie_per_step": per(&load["processes"], steps_per_s, "cpu_cores", 1e6),
+        "sortie_page_faults_per_step": per(&load["processes"], steps_per_s, "page_faults_per_s", 1.0),
+        "ceiling_per_input": ceiling
+            .processes
+            .as_ref()
+            .map(|p| per(p, ceiling_per_s, "cpu_cores", 1e6)),
         "allowed_per_step_at_ratio_0_5": if ceiling_per_s > 0.0 {
             json!(round(procfs::cpus() as f64 / (0.5 * ceiling_per_s) * 1e6))
         } else {

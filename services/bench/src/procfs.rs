@@ -18,6 +18,18 @@ fn stat_ticks(stat: &str) -> Option<(&str, u64)> {
     Some((stat.get(open + 1..close)?, utime + stime))
 }
 
+/// Minor page faults a process has taken so far: field 10 (`minflt`) of its
+/// `/proc/<pid>/stat`. Every first touch of a page the kernel hands out is one, zeroed.
+pub fn minor_faults(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let close = stat.rfind(')')?;
+    stat.get(close + 2..)?
+        .split_whitespace()
+        .nth(7)?
+        .parse()
+        .ok()
+}
+
 fn seconds(ticks: u64) -> f64 {
     ticks as f64 / rustix::param::clock_ticks_per_second() as f64
 }
@@ -94,7 +106,8 @@ pub fn load_average() -> f64 {
 pub struct CpuWindow {
     started: Instant,
     machine: Option<(u64, u64)>,
-    processes: Vec<(String, u32, Option<f64>)>,
+    /// (name, pid, CPU seconds, minor page faults) at the start.
+    processes: Vec<(String, u32, Option<f64>, Option<u64>)>,
 }
 
 impl CpuWindow {
@@ -105,19 +118,26 @@ impl CpuWindow {
             machine: machine_jiffies(),
             processes: processes
                 .iter()
-                .map(|(name, pid)| (name.clone(), *pid, cpu_seconds(*pid)))
+                .map(|(name, pid)| (name.clone(), *pid, cpu_seconds(*pid), minor_faults(*pid)))
                 .collect(),
         }
     }
 
-    /// `{"<name>": {"cpu_cores", "rss_mib", "rss_peak_mib"}, ..., "machine_busy"}`: cores are
-    /// CPU seconds per wall second over the window (2.0 = both cores of a 2-core machine).
+    /// `{"<name>": {"cpu_cores", "page_faults_per_s", "rss_mib", "rss_peak_mib"}, ...,
+    /// "machine_busy"}`: cores are CPU seconds per wall second over the window (2.0 = both
+    /// cores of a 2-core machine); page faults are minor ones, per wall second.
     pub fn finish(&self) -> Value {
         let wall = self.started.elapsed().as_secs_f64().max(1e-9);
         let mut out = serde_json::Map::new();
-        for (name, pid, before) in &self.processes {
+        for (name, pid, before, faults_before) in &self.processes {
             let cores = match (before, cpu_seconds(*pid)) {
                 (Some(before), Some(after)) => Some(round((after - before) / wall)),
+                _ => None,
+            };
+            let faults = match (faults_before, minor_faults(*pid)) {
+                (Some(before), Some(after)) => {
+                    Some(round(after.saturating_sub(*before) as f64 / wall))
+                }
                 _ => None,
             };
             let (rss, peak) = rss_mib(*pid).unzip();
@@ -125,6 +145,7 @@ impl CpuWindow {
                 name.clone(),
                 json!({
                     "cpu_cores": cores,
+                    "page_faults_per_s": faults,
                     "rss_mib": rss.map(round),
                     "rss_peak_mib": peak.map(round),
                 }),
@@ -174,5 +195,22 @@ mod tests {
         assert!(jit > 0.1, "the compiler thread's time: {jit}");
         assert!(jit < all - 0.05, "only the compiler thread: {jit} of {all}");
         assert_eq!(jit_cpu_seconds(u32::MAX), None);
+    }
+
+    /// Seen red reading the field before (`nth(6)`, the terminal's process group: it
+    /// does not grow).
+    #[test]
+    fn minor_faults_grow_as_a_process_touches_new_pages() {
+        let pid = std::process::id();
+        let before = minor_faults(pid).expect("own process");
+        // 64 MiB of fresh pages, each touched once.
+        let mut pages = vec![0u8; 64 << 20];
+        for page in pages.chunks_mut(4096) {
+            page[0] = 1;
+        }
+        std::hint::black_box(&pages);
+        let after = minor_faults(pid).expect("own process");
+        assert!(after >= before + 8_000, "{before} -> {after}");
+        assert_eq!(minor_faults(u32::MAX), None);
     }
 }
