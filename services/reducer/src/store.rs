@@ -665,22 +665,30 @@ impl Store {
         Ok(())
     }
 
-    /// The entries under `prefix` with the writes held behind laid over sled's, in key
-    /// order (for the index prefixes: a held run state is never scanned, see `runs`).
+    /// The entries under `prefix` (and below `end`, if given) with the writes held behind
+    /// laid over sled's, in key order (for the index prefixes: a held run state is never
+    /// scanned, see `runs`). The held ones in range are copied out of their lock first.
     fn scan_over(
         &self,
         db: &sled::Db,
         prefix: &[u8],
+        end: Option<&[u8]>,
     ) -> impl Iterator<Item = Result<(Vec<u8>, Vec<u8>)>> {
+        let below = |key: &[u8]| key.starts_with(prefix) && end.is_none_or(|end| key < end);
         let held: Vec<(Vec<u8>, Write)> = self
             .pending()
             .writes
             .range(prefix.to_vec()..)
-            .take_while(|(key, _)| key.starts_with(prefix))
+            .take_while(|(key, _)| below(key))
             .map(|(k, w)| (k.clone(), w.clone()))
             .collect();
+        debug_assert!(end.is_none_or(|end| end.starts_with(prefix)));
+        let sled = match end {
+            Some(end) => db.range(prefix.to_vec()..end.to_vec()),
+            None => db.scan_prefix(prefix),
+        };
         Overlay {
-            sled: db.scan_prefix(prefix).peekable(),
+            sled: sled.peekable(),
             held: held.into_iter().peekable(),
         }
     }
@@ -811,7 +819,7 @@ impl Store {
         let prefix = interrupt_partition_prefix(partition);
         let mut open = Vec::new();
         let db = self.db()?;
-        for entry in self.scan_over(&db, &prefix) {
+        for entry in self.scan_over(&db, &prefix, None) {
             let (key, value) = entry?;
             let (_, run_id, interrupt_id, at) =
                 decode_interrupt(&key, &value).ok_or_else(|| {
@@ -834,7 +842,12 @@ impl Store {
             return Ok(due);
         }
         let db = self.db()?;
-        for entry in self.scan_over(&db, TIMER_PREFIX) {
+        // Keys sort by due time: only those due by `now` are read, of sled's and of the
+        // writes held behind (which hold every timer the last half second armed).
+        let not_due = now
+            .checked_add(1)
+            .map(|after| [TIMER_PREFIX, &encode_due(after)].concat());
+        for entry in self.scan_over(&db, TIMER_PREFIX, not_due.as_deref()) {
             let (key, _) = entry?;
             let timer = decode_timer_key(&key).ok_or_else(|| corrupt_timer(&key))?;
             if timer.due_at > now {
@@ -1467,6 +1480,48 @@ mod tests {
         assert!(store.due_timers(100, &parts(&[5]), 100).unwrap().is_empty());
         assert!(store.due_timers(100, &all, 0).unwrap().is_empty());
         assert_eq!(store.due_timers(i64::MAX, &all, 100).unwrap().len(), 7);
+    }
+
+    /// Seen red with the scan bounded one due time too early (`now` instead of `now + 1`):
+    /// the timers due exactly now, held and stored, are not found.
+    #[test]
+    fn due_timers_read_held_and_stored_timers_due_by_now_and_no_later() {
+        let store = Store::temporary().unwrap();
+        let mut stored = Batch::new();
+        stored
+            .arm_timer(0, "a", "t", 10)
+            .arm_timer(0, "b", "t", 30)
+            .set_changelog_offset(0, 1);
+        store.apply(stored).unwrap();
+        let mut through = Batch::new();
+        through.set_changelog_offset(0, 2);
+        store.apply_behind(through).unwrap();
+        let mut held = Batch::new();
+        held.arm_timer(0, "c", "t", 20)
+            .arm_timer(0, "d", "t", 10)
+            .disarm_timer(0, "b", "t", 30)
+            .arm_timer(0, "e", "t", i64::MAX)
+            .set_changelog_offset(0, 3);
+        store.apply_behind(held).unwrap();
+        assert!(!store.pending().writes.is_empty(), "held behind");
+
+        let all = parts(&[0]);
+        assert!(store.due_timers(9, &all, 10).unwrap().is_empty());
+        assert_eq!(
+            store.due_timers(10, &all, 10).unwrap(),
+            vec![timer(0, "a", "t", 10), timer(0, "d", "t", 10)]
+        );
+        assert_eq!(
+            store.due_timers(29, &all, 10).unwrap(),
+            vec![
+                timer(0, "a", "t", 10),
+                timer(0, "d", "t", 10),
+                timer(0, "c", "t", 20)
+            ]
+        );
+        // The disarmed one (held) stays gone; the last due time is reached.
+        assert_eq!(store.due_timers(i64::MAX - 1, &all, 10).unwrap().len(), 3);
+        assert_eq!(store.due_timers(i64::MAX, &all, 10).unwrap().len(), 4);
     }
 
     #[test]
