@@ -116,10 +116,10 @@ pub(crate) struct PendingBatch {
 
 /// The emptied containers of earlier batches, kept for the next ones. Under load a batch
 /// folds hundreds of runs: grown from nothing every batch, its maps and record list
-/// rehashed and reallocated up to their size each time, and the allocator gave each
-/// growth fresh pages from the kernel, zeroed (page faults were 13 % of the reducer's
-/// samples under the bench's full load; see the performance log, 2026-12-06). Kept,
-/// they keep their capacity — at most a batch's worth of entries each.
+/// rehashed and reallocated up to their size each time, often on fresh pages the kernel
+/// had to zero (`Engine::finish_apply` went from 14–16 % of the reducer's samples under
+/// the bench's full load to 10 %; the performance log, 2026-12-06 morning). Kept, they
+/// keep their capacity — at most a batch's worth of entries each.
 #[derive(Debug, Default)]
 pub(crate) struct Spare {
     outputs: Vec<Output>,
