@@ -868,8 +868,8 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
 /// of the full load, per input of the fair ceiling, and what two (`procfs::cpus`) cores
 /// allow per step at a ratio of 0.5 to that ceiling. The ratio's bound on this machine:
 /// a step cannot take more CPU than that, summed over every process. Beside them, each
-/// process's minor page faults per step of the full load: unlike CPU time, a count the
-/// machine's speed does not move.
+/// process's minor page faults per step of the full load: whether a change touches fewer
+/// new pages, which CPU time on a noisy machine cannot say.
 fn cpu_us(load: &Value, steps_per_s: f64, ceiling: &ceiling::Ceiling) -> Value {
     let per = |processes: &Value, rate: f64, figure: &str, scale: f64| -> Value {
         let mut out = serde_json::Map::new();
@@ -877,13 +877,13 @@ fn cpu_us(load: &Value, steps_per_s: f64, ceiling: &ceiling::Ceiling) -> Value {
         if let Some(map) = processes.as_object() {
             for (name, figures) in map {
                 if let Some(value) = figures.get(figure).and_then(Value::as_f64) {
-                    let per = if rate > 0.0 {
+                    let each = if rate > 0.0 {
                         value / rate * scale
                     } else {
                         0.0
                     };
-                    all += per;
-                    out.insert(name.clone(), json!(round(per)));
+                    all += each;
+                    out.insert(name.clone(), json!(round(each)));
                 }
             }
         }

@@ -6,38 +6,45 @@ use serde_json::{json, Value};
 
 use crate::stats::round;
 
-/// A `/proc/<pid>[/task/<tid>]/stat` line: the command (thread) name and the CPU ticks
-/// (user + system) used so far.
-fn stat_ticks(stat: &str) -> Option<(&str, u64)> {
+/// A `/proc/<pid>[/task/<tid>]/stat` line, read: the command (thread) name, the CPU ticks
+/// (user + system) used so far, and the minor page faults taken so far (every first
+/// touch of a page the kernel hands out is one, zeroed).
+struct Stat<'a> {
+    name: &'a str,
+    ticks: u64,
+    minor_faults: u64,
+}
+
+fn parse_stat(stat: &str) -> Option<Stat<'_>> {
     // The name is in parentheses and may hold spaces: count fields after it.
     let (open, close) = (stat.find('(')?, stat.rfind(')')?);
     let fields: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
-    // Fields 14 (utime) and 15 (stime) of proc(5); `fields` starts at field 3.
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some((stat.get(open + 1..close)?, utime + stime))
+    // Fields 10 (minflt), 14 (utime) and 15 (stime) of proc(5); `fields` starts at
+    // field 3.
+    let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
+    Some(Stat {
+        name: stat.get(open + 1..close)?,
+        ticks: field(14)? + field(15)?,
+        minor_faults: field(10)?,
+    })
 }
 
-/// Minor page faults a process has taken so far: field 10 (`minflt`) of its
-/// `/proc/<pid>/stat`. Every first touch of a page the kernel hands out is one, zeroed.
-pub fn minor_faults(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let close = stat.rfind(')')?;
-    stat.get(close + 2..)?
-        .split_whitespace()
-        .nth(7)?
-        .parse()
-        .ok()
+fn read_stat(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()
 }
 
 fn seconds(ticks: u64) -> f64 {
     ticks as f64 / rustix::param::clock_ticks_per_second() as f64
 }
 
-/// CPU seconds (user + system) a process has used so far.
-pub fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat_ticks(&stat).map(|(_, ticks)| seconds(ticks))
+/// The CPU seconds (user + system) a process has used and the minor page faults it has
+/// taken so far, from one read of its `stat`.
+fn usage(pid: u32) -> (Option<f64>, Option<u64>) {
+    read_stat(pid)
+        .as_deref()
+        .and_then(parse_stat)
+        .map(|stat| (seconds(stat.ticks), stat.minor_faults))
+        .unzip()
 }
 
 /// CPU seconds the JIT compiler threads of the JVM `pid` (`C1 CompilerThre…`,
@@ -48,10 +55,10 @@ pub fn jit_cpu_seconds(pid: u32) -> Option<f64> {
         let Ok(stat) = std::fs::read_to_string(task.ok()?.path().join("stat")) else {
             continue; // the thread ended meanwhile
         };
-        match stat_ticks(&stat) {
-            Some((name, used))
-                if name.starts_with("C1 CompilerThre") || name.starts_with("C2 CompilerThre") =>
-            {
+        match parse_stat(&stat) {
+            Some(Stat {
+                name, ticks: used, ..
+            }) if name.starts_with("C1 CompilerThre") || name.starts_with("C2 CompilerThre") => {
                 ticks += used
             }
             _ => {}
@@ -118,7 +125,10 @@ impl CpuWindow {
             machine: machine_jiffies(),
             processes: processes
                 .iter()
-                .map(|(name, pid)| (name.clone(), *pid, cpu_seconds(*pid), minor_faults(*pid)))
+                .map(|(name, pid)| {
+                    let (cpu, faults) = usage(*pid);
+                    (name.clone(), *pid, cpu, faults)
+                })
                 .collect(),
         }
     }
@@ -130,11 +140,12 @@ impl CpuWindow {
         let wall = self.started.elapsed().as_secs_f64().max(1e-9);
         let mut out = serde_json::Map::new();
         for (name, pid, before, faults_before) in &self.processes {
-            let cores = match (before, cpu_seconds(*pid)) {
+            let (cpu, faults) = usage(*pid);
+            let cores = match (before, cpu) {
                 (Some(before), Some(after)) => Some(round((after - before) / wall)),
                 _ => None,
             };
-            let faults = match (faults_before, minor_faults(*pid)) {
+            let faults = match (faults_before, faults) {
                 (Some(before), Some(after)) => {
                     Some(round(after.saturating_sub(*before) as f64 / wall))
                 }
@@ -183,7 +194,7 @@ mod tests {
         let deadline = Instant::now() + std::time::Duration::from_secs(20);
         let (jit, all) = loop {
             let jit = jit_cpu_seconds(std::process::id()).expect("own threads");
-            let all = cpu_seconds(std::process::id()).expect("own process");
+            let all = usage(std::process::id()).0.expect("own process");
             if jit > 0.1 || Instant::now() > deadline {
                 break (jit, all);
             }
@@ -197,20 +208,20 @@ mod tests {
         assert_eq!(jit_cpu_seconds(u32::MAX), None);
     }
 
-    /// Seen red reading the field before (`nth(6)`, the terminal's process group: it
-    /// does not grow).
+    /// Seen red reading the field before minflt (9 of proc(5), `flags`: it does not
+    /// grow).
     #[test]
     fn minor_faults_grow_as_a_process_touches_new_pages() {
         let pid = std::process::id();
-        let before = minor_faults(pid).expect("own process");
+        let before = usage(pid).1.expect("own process");
         // 64 MiB of fresh pages, each touched once.
         let mut pages = vec![0u8; 64 << 20];
         for page in pages.chunks_mut(4096) {
             page[0] = 1;
         }
         std::hint::black_box(&pages);
-        let after = minor_faults(pid).expect("own process");
+        let after = usage(pid).1.expect("own process");
         assert!(after >= before + 8_000, "{before} -> {after}");
-        assert_eq!(minor_faults(u32::MAX), None);
+        assert_eq!(usage(u32::MAX), (None, None));
     }
 }

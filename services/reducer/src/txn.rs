@@ -292,11 +292,10 @@ impl Engine {
         let mut written = std::mem::take(&mut self.written);
         let result = self.send_open(consumer, started, &mut written);
         self.written = written;
-        let batch = std::mem::replace(&mut self.batch, PendingBatch::reusing(&mut self.spare));
+        let mut batch = std::mem::replace(&mut self.batch, PendingBatch::reusing(&mut self.spare));
         match result {
             Ok(mut sending) => {
                 // The producer holds copies of the records now.
-                let mut batch = batch;
                 self.spare.keep_outputs(std::mem::take(&mut batch.outputs));
                 sending.batch = batch;
                 self.sending = Some(sending);
