@@ -1,6 +1,8 @@
 //! What writing a run's state costs per input, as the reducer writes it after every input
 //! that changed the run: `serde_json::to_string` against `RunState::to_json_reusing`
-//! (unchanged steps' JSON copied from the previous write).
+//! (unchanged steps' JSON copied from the previous write); and what measuring it costs,
+//! as the fold measures every state it writes: `limits::measure` against
+//! `limits::measure_state` (unchanged steps' measures remembered).
 //!
 //! ```sh
 //! cargo run --release -p sortie-core --example state_write
@@ -8,13 +10,15 @@
 //!
 //! Each input of the simulated run settles the newest step (its output set) and adds the
 //! next (dispatched), as a sequential run's step results do; arguments and outputs are
-//! `--payload` bytes of text (256 as in `sortie bench`). Prints µs per write for runs of
-//! 5, 20, 50 and 200 steps (the mean over the whole run, every input written once).
+//! `--payload` bytes of text (256 as in `sortie bench`). Prints µs per write and per
+//! measure for runs of 5, 20, 50 and 200 steps (the mean over the whole run, every input
+//! written and measured once).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::json;
+use sortie_core::limits::{self, MeasuredSteps};
 use sortie_core::state::{Step, StepStatus, WrittenSteps};
 use sortie_core::RunState;
 
@@ -39,8 +43,9 @@ fn step(i: usize, payload: usize) -> Step {
     .expect("step")
 }
 
-/// Mean µs per write over a run of `steps` steps, writing with `write`.
-fn run(steps: usize, payload: usize, mut write: impl FnMut(&RunState) -> String) -> f64 {
+/// Mean µs per write over a run of `steps` steps, writing with `write` (what it returns:
+/// the bytes written, or measured).
+fn run(steps: usize, payload: usize, mut write: impl FnMut(&RunState) -> usize) -> f64 {
     let rounds = (20_000 / steps).max(20);
     let mut writes = 0u64;
     let mut bytes = 0usize;
@@ -58,7 +63,7 @@ fn run(steps: usize, payload: usize, mut write: impl FnMut(&RunState) -> String)
             run.steps
                 .insert(format!("s{i}#1"), Arc::new(step(i, payload)));
             run.version += 1;
-            bytes += write(&run).len();
+            bytes += write(&run);
             writes += 1;
         }
     }
@@ -71,13 +76,21 @@ fn main() {
         .skip_while(|a| a != "--payload")
         .nth(1)
         .map_or(256, |p| p.parse().expect("--payload <bytes>"));
-    println!("steps  to_string µs  reusing µs  (payload {payload} bytes)");
+    println!("µs per input (payload {payload} bytes)");
+    println!("steps  to_string  to_json_reusing  measure  measure_state");
     for steps in [5, 20, 50, 200] {
-        let plain = run(steps, payload, |s| serde_json::to_string(s).expect("json"));
+        let plain = run(steps, payload, |s| {
+            serde_json::to_string(s).expect("json").len()
+        });
         let mut written = WrittenSteps::default();
         let reusing = run(steps, payload, |s| {
-            s.to_json_reusing(&mut written).expect("json")
+            s.to_json_reusing(&mut written).expect("json").len()
         });
-        println!("{steps:>5}  {plain:>12.2}  {reusing:>10.2}");
+        let measure = run(steps, payload, |s| limits::measure(s).bytes);
+        let mut measured = MeasuredSteps::default();
+        let remembered = run(steps, payload, |s| {
+            limits::measure_state(s, &mut measured).bytes
+        });
+        println!("{steps:>5}  {plain:>9.2}  {reusing:>15.2}  {measure:>7.2}  {remembered:>13.2}");
     }
 }

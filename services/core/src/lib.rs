@@ -30,7 +30,7 @@ pub mod shadow;
 pub mod state;
 pub mod status;
 
-pub use decide::{apply, apply_sealed, refuse, Applied};
+pub use decide::{apply, apply_measured, apply_sealed, refuse, Applied};
 pub use effect::{Effect, Intent, TimerKey};
 pub use event::{Event, EventBody};
 pub use evolve::evolve;

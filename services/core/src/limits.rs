@@ -258,6 +258,9 @@ pub struct Measure {
 }
 
 mod measure;
+mod measured;
+
+pub use measured::{measure_state, MeasuredSteps};
 
 /// [`Measure`]s `value`'s JSON as serde_json writes it, without building it: by walking
 /// its structure (`measure::walk`), or — for what that walk does not model — by writing

@@ -9,6 +9,7 @@ use serde_json::Value;
 use crate::{effect::TimerKey, event::StepRole, graph::SideEffect, status::RunStatus};
 
 mod written;
+pub(crate) use written::eliding_steps;
 pub use written::WrittenSteps;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -410,6 +410,7 @@ impl Reducer {
             watchdog,
             hot: Default::default(),
             written: Default::default(),
+            measured: Default::default(),
             replays: crate::replay::Replays::new(config.keyring.as_ref().map(|_| {
                 crate::replay::Window {
                     before_ms: config.command_window.as_millis() as i64,

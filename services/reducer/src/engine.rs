@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::txn::TxnProducer;
 use rdkafka::consumer::BaseConsumer;
-use sortie_core::{apply_sealed, Effect, Input, RunState, Seal as _};
+use sortie_core::{apply_measured, Effect, Input, RunState, Seal as _};
 use sortie_wire::{partition_for, Codec, Record, TraceContext};
 use tokio::runtime::Handle;
 
@@ -73,6 +73,11 @@ pub(crate) struct Engine {
     /// The JSON of recently written runs' steps, so a run's next state does not write
     /// its unchanged steps again (see `txn::Written`); emptied on every rebalance.
     pub written: crate::txn::Written,
+    /// The measures of recently folded, unfinished runs' steps, so the fold does not walk
+    /// a run's unchanged steps again to measure its next state (see
+    /// `sortie_core::limits::measure_state`): at most [`HOT_RUNS`] runs; emptied on every
+    /// rebalance.
+    pub measured: HashMap<String, sortie_core::limits::MeasuredSteps>,
     /// The batch whose transaction is open, its records sent, while the open `batch`
     /// folds (see `driver`): at most one.
     pub sending: Option<crate::txn::Sending>,
@@ -411,7 +416,26 @@ impl Engine {
                         }
                     }
                 }
-                let applied = apply_sealed(state.as_ref(), input, self.graphs.graphs(), &seal);
+                let mut measured = self.measured.remove(&run_id).unwrap_or_default();
+                let applied = apply_measured(
+                    state.as_ref(),
+                    input,
+                    self.graphs.graphs(),
+                    &seal,
+                    &mut measured,
+                );
+                let finished = applied
+                    .state
+                    .as_ref()
+                    .or(state.as_ref())
+                    .is_none_or(|s| s.status.is_terminal());
+                if !finished {
+                    if self.measured.len() >= HOT_RUNS {
+                        // Crude but bounded, as `hot`: start over rather than track recency.
+                        self.measured.clear();
+                    }
+                    self.measured.insert(run_id.clone(), measured);
+                }
                 if self.fault_once(crate::fault::FaultPoint::FailMidFold) {
                     // The run's state is out of the batch and the fold has answered: the
                     // worst moment for an error to meet (`driver::Engine::recover`).

@@ -194,6 +194,7 @@ impl Engine {
         // Another member may change these runs before they come back.
         self.hot.clear();
         self.written.clear();
+        self.measured.clear();
         self.replays.clear();
         self.refused.clear();
         self.rewind.clear();

@@ -22,7 +22,7 @@ use crate::{
     graph::{Graph, Graphs, Node},
     ids,
     input::{Command, CommandBody, Input, StepOutcome, StepReport},
-    limits,
+    limits::{self, MeasuredSteps},
     seal::{Plain, Seal},
     state::{Answer, RunState},
     status::RunStatus,
@@ -65,16 +65,30 @@ pub fn apply_sealed(
     graphs: &Graphs,
     seal: &dyn Seal,
 ) -> Applied {
+    apply_measured(state, input, graphs, seal, &mut MeasuredSteps::default())
+}
+
+/// [`apply_sealed`], measuring the state it writes with what `measured` remembers of the
+/// run's steps (see [`limits::measure_state`]): the same answer, without walking every
+/// unchanged step of a long run again per input. `measured` belongs to this run; it is
+/// left holding the measures of the state the fold wrote.
+pub fn apply_measured(
+    state: Option<&RunState>,
+    input: &Input,
+    graphs: &Graphs,
+    seal: &dyn Seal,
+    measured: &mut MeasuredSteps,
+) -> Applied {
     let applied = apply_unchecked(state, input, graphs, seal);
-    match breach(&applied) {
+    match breach(&applied, measured) {
         None => applied,
-        Some(reason) => over_limit(state, input, graphs, seal, reason),
+        Some(reason) => over_limit(state, input, graphs, seal, reason, measured),
     }
 }
 
 /// Why `applied` would write more than a run may, if it would: a record past its size
 /// limit, or a document nested deeper than every reader reads back.
-fn breach(applied: &Applied) -> Option<String> {
+fn breach(applied: &Applied, measured: &mut MeasuredSteps) -> Option<String> {
     let too_deep = |what: String, depth: usize| {
         (depth > limits::MAX_STORED_DEPTH).then(|| {
             format!(
@@ -122,7 +136,7 @@ fn breach(applied: &Applied) -> Option<String> {
                 let measured = applied
                     .state
                     .as_ref()
-                    .map(limits::measure)
+                    .map(|state| limits::measure_state(state, measured))
                     .unwrap_or_default();
                 if measured.bytes > limits::MAX_STATE_BYTES {
                     return Some(format!(
@@ -148,6 +162,7 @@ fn over_limit(
     graphs: &Graphs,
     seal: &dyn Seal,
     reason: String,
+    measured: &mut MeasuredSteps,
 ) -> Applied {
     if let Input::StepReport(report) = input {
         if matches!(report.outcome, StepOutcome::Succeeded { .. }) {
@@ -162,7 +177,7 @@ fn over_limit(
                 ..report.clone()
             });
             let applied = apply_unchecked(state, &failed, graphs, seal);
-            if breach(&applied).is_none() {
+            if breach(&applied, measured).is_none() {
                 return applied;
             }
         }

@@ -19,7 +19,7 @@
 //! it empty and writes the steps as derived. The reused JSON goes out as a
 //! [`RawValue`], which serde_json writes verbatim.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -48,6 +48,23 @@ impl WrittenSteps {
 
 thread_local! {
     static REUSING: RefCell<Option<WrittenSteps>> = const { RefCell::new(None) };
+    /// Set by [`eliding_steps`]: a state's `steps` are written as an empty map.
+    static ELIDING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with every run state's `steps` serialized as an empty map: how
+/// `limits::measure_state` measures a state apart from its steps, which it adds from what
+/// it remembers of them. Reset however `f` ends.
+pub(crate) fn eliding_steps<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ELIDING.with(|e| e.set(false));
+        }
+    }
+    ELIDING.with(|e| e.set(true));
+    let _reset = Reset;
+    f()
 }
 
 /// Empties [`REUSING`] however the write ends (a panic in a `Serialize` included), so no
@@ -86,6 +103,9 @@ pub(super) fn serialize<S: Serializer>(
 ) -> Result<S::Ok, S::Error> {
     // Taken out: whatever this write calls meets an empty thread-local.
     let Some(mut written) = REUSING.with(|r| r.borrow_mut().take()) else {
+        if ELIDING.with(Cell::get) {
+            return serializer.serialize_map(Some(0))?.end();
+        }
         return steps.serialize(serializer);
     };
     let mut map = serializer.serialize_map(Some(steps.len()))?;
