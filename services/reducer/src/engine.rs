@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use crate::txn::TxnProducer;
 use rdkafka::consumer::BaseConsumer;
+use sortie_core::limits::MeasuredSteps;
 use sortie_core::{apply_measured, Effect, Input, RunState, Seal as _};
 use sortie_wire::{partition_for, Codec, Record, TraceContext};
 use tokio::runtime::Handle;
@@ -74,10 +75,9 @@ pub(crate) struct Engine {
     /// its unchanged steps again (see `txn::Written`); emptied on every rebalance.
     pub written: crate::txn::Written,
     /// The measures of recently folded, unfinished runs' steps, so the fold does not walk
-    /// a run's unchanged steps again to measure its next state (see
-    /// `sortie_core::limits::measure_state`): at most [`HOT_RUNS`] runs; emptied on every
+    /// a run's unchanged steps again to measure its next state; emptied on every
     /// rebalance.
-    pub measured: HashMap<String, sortie_core::limits::MeasuredSteps>,
+    pub measured: Measured,
     /// The batch whose transaction is open, its records sent, while the open `batch`
     /// folds (see `driver`): at most one.
     pub sending: Option<crate::txn::Sending>,
@@ -100,6 +100,43 @@ pub(crate) struct Engine {
     /// Transactions aborted in a row, and the last reason: the loop backs off, and past
     /// a few the reducer says it is not ready.
     pub aborts: (u32, String),
+}
+
+/// Most steps' JSON bytes (as measured) [`Measured`] holds; past it, it starts over.
+const MEASURED_BYTES: usize = 32 * 1024 * 1024;
+
+/// The measures of recently folded runs' steps, per run
+/// ([`sortie_core::limits::MeasuredSteps`]): the fold measures a run's next state with
+/// them (`sortie_core::limits::measure_state`). At most [`HOT_RUNS`] runs and
+/// [`MEASURED_BYTES`]: the steps it holds stay in memory while it does.
+#[derive(Debug, Default)]
+pub(crate) struct Measured {
+    runs: HashMap<String, MeasuredSteps>,
+    bytes: usize,
+}
+
+impl Measured {
+    /// `run_id`'s measures, taken out (empty if none are held).
+    pub fn take(&mut self, run_id: &str) -> MeasuredSteps {
+        let steps = self.runs.remove(run_id).unwrap_or_default();
+        self.bytes -= steps.bytes();
+        steps
+    }
+
+    /// Holds `run_id`'s measures for its next input.
+    pub fn keep(&mut self, run_id: &str, steps: MeasuredSteps) {
+        if self.runs.len() >= HOT_RUNS || self.bytes + steps.bytes() > MEASURED_BYTES {
+            // Crude but bounded, as `hot`: start over rather than track recency.
+            self.clear();
+        }
+        self.bytes += steps.bytes();
+        self.runs.insert(run_id.to_owned(), steps);
+    }
+
+    pub fn clear(&mut self) {
+        self.runs.clear();
+        self.bytes = 0;
+    }
 }
 
 /// An input whose records Kafka refused for what they are (see `txn::Refusal`).
@@ -416,7 +453,7 @@ impl Engine {
                         }
                     }
                 }
-                let mut measured = self.measured.remove(&run_id).unwrap_or_default();
+                let mut measured = self.measured.take(&run_id);
                 let applied = apply_measured(
                     state.as_ref(),
                     input,
@@ -430,11 +467,7 @@ impl Engine {
                     .or(state.as_ref())
                     .is_none_or(|s| s.status.is_terminal());
                 if !finished {
-                    if self.measured.len() >= HOT_RUNS {
-                        // Crude but bounded, as `hot`: start over rather than track recency.
-                        self.measured.clear();
-                    }
-                    self.measured.insert(run_id.clone(), measured);
+                    self.measured.keep(&run_id, measured);
                 }
                 if self.fault_once(crate::fault::FaultPoint::FailMidFold) {
                     // The run's state is out of the batch and the fold has answered: the
@@ -561,5 +594,52 @@ impl Engine {
         }
         self.batch.outputs.extend(outputs);
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sortie_core::limits::measure_state;
+    use sortie_core::state::Step;
+    use std::sync::Arc;
+
+    /// A run's measures holding one step of `payload` bytes of arguments.
+    fn measures(payload: usize) -> MeasuredSteps {
+        let mut state = crate::gauges::tests::state(sortie_core::RunStatus::Running, &[], 0);
+        let step: Step = serde_json::from_value(serde_json::json!({
+            "step_id": "s#1", "node": "s", "operation_id": "op", "attempt": 1,
+            "tool": "echo", "queue": "default", "side_effect": "pure",
+            "args": "x".repeat(payload), "role": "Node", "status": "in_flight",
+            "output": null, "error": null
+        }))
+        .expect("step");
+        state.steps.insert("s#1".into(), Arc::new(step));
+        let mut measured = MeasuredSteps::default();
+        measure_state(&state, &mut measured);
+        measured
+    }
+
+    /// Seen red with `take` leaving the bytes counted: the holder then started over long
+    /// before it held its bound.
+    #[test]
+    fn held_measures_count_their_steps_bytes_and_start_over_past_the_bound() {
+        let mut held = Measured::default();
+        let big = MEASURED_BYTES / 4;
+        for round in 0..8 {
+            let run = format!("run-{}", round % 3);
+            let steps = held.take(&run);
+            assert!(round < 3 || !steps.is_empty(), "round {round}: kept");
+            held.keep(&run, measures(big));
+        }
+        assert_eq!(held.runs.len(), 3);
+        assert_eq!(
+            held.bytes,
+            held.runs.values().map(|m| m.bytes()).sum::<usize>()
+        );
+        // A fourth run past the bound: started over, holding that run alone.
+        held.keep("run-3", measures(big));
+        assert_eq!(held.runs.len(), 1);
+        assert!(held.bytes > big && held.bytes < MEASURED_BYTES / 3);
     }
 }

@@ -29,6 +29,8 @@ use crate::state::{RunState, Step};
 #[derive(Debug, Default)]
 pub struct MeasuredSteps {
     steps: HashMap<String, (Arc<Step>, Measure)>,
+    /// The steps' JSON bytes, as measured: about what the steps held here take.
+    bytes: usize,
 }
 
 impl MeasuredSteps {
@@ -39,6 +41,11 @@ impl MeasuredSteps {
 
     pub fn is_empty(&self) -> bool {
         self.steps.is_empty()
+    }
+
+    /// The JSON bytes of the steps held, as measured: what a holder of many runs' bounds.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -52,6 +59,7 @@ pub fn measure_state(state: &RunState, measured: &mut MeasuredSteps) -> Measure 
     };
     let mut bytes = rest.bytes + state.steps.len().saturating_sub(1);
     let mut depth = rest.depth;
+    let mut steps_bytes = 0;
     for (id, step) in &state.steps {
         let step_measure = match measured.steps.get(id) {
             Some((was, known)) if Arc::ptr_eq(was, step) => *known,
@@ -66,12 +74,14 @@ pub fn measure_state(state: &RunState, measured: &mut MeasuredSteps) -> Measure 
             return step_measure;
         }
         bytes += string_len(id) + 1 + step_measure.bytes;
+        steps_bytes += step_measure.bytes;
         depth = depth.max(STEPS_DEPTH + step_measure.depth);
     }
     if measured.steps.len() > state.steps.len() {
         // Steps the state no longer has (a step dropped, or another run's measures).
         measured.steps.retain(|id, _| state.steps.contains_key(id));
     }
+    measured.bytes = steps_bytes;
     Measure { bytes, depth }
 }
 
@@ -173,6 +183,8 @@ mod tests {
                 prop_assert_eq!(measure_state(&run, &mut measured), measure(&run));
                 prop_assert_eq!(measure(&run), measure_written(&run));
                 prop_assert_eq!(measured.len(), run.steps.len());
+                let steps_bytes: usize = run.steps.values().map(|s| measure(&**s).bytes).sum();
+                prop_assert_eq!(measured.bytes(), steps_bytes);
             }
         }
     }

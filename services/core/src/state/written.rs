@@ -16,8 +16,9 @@
 //! [`serialize`], which finds the previous write's JSON in a thread-local that only
 //! [`RunState::to_json_reusing`] fills, for the duration of its own `serde_json` call —
 //! every other serializer (the fold's measuring walk, `serde_json::to_value`, ...) finds
-//! it empty and writes the steps as derived. The reused JSON goes out as a
-//! [`RawValue`], which serde_json writes verbatim.
+//! it empty and writes the steps as derived — or as an empty map while [`eliding_steps`]
+//! runs (`limits::measure_state` adds the steps' measures itself). The reused JSON goes
+//! out as a [`RawValue`], which serde_json writes verbatim.
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
