@@ -109,35 +109,7 @@ const MEASURED_BYTES: usize = 32 * 1024 * 1024;
 /// ([`sortie_core::limits::MeasuredSteps`]): the fold measures a run's next state with
 /// them (`sortie_core::limits::measure_state`). At most [`HOT_RUNS`] runs and
 /// [`MEASURED_BYTES`]: the steps it holds stay in memory while it does.
-#[derive(Debug, Default)]
-pub(crate) struct Measured {
-    runs: HashMap<String, MeasuredSteps>,
-    bytes: usize,
-}
-
-impl Measured {
-    /// `run_id`'s measures, taken out (empty if none are held).
-    pub fn take(&mut self, run_id: &str) -> MeasuredSteps {
-        let steps = self.runs.remove(run_id).unwrap_or_default();
-        self.bytes -= steps.bytes();
-        steps
-    }
-
-    /// Holds `run_id`'s measures for its next input.
-    pub fn keep(&mut self, run_id: &str, steps: MeasuredSteps) {
-        if self.runs.len() >= HOT_RUNS || self.bytes + steps.bytes() > MEASURED_BYTES {
-            // Crude but bounded, as `hot`: start over rather than track recency.
-            self.clear();
-        }
-        self.bytes += steps.bytes();
-        self.runs.insert(run_id.to_owned(), steps);
-    }
-
-    pub fn clear(&mut self) {
-        self.runs.clear();
-        self.bytes = 0;
-    }
-}
+pub(crate) type Measured = crate::per_run::PerRun<MeasuredSteps, HOT_RUNS, MEASURED_BYTES>;
 
 /// An input whose records Kafka refused for what they are (see `txn::Refusal`).
 #[derive(Debug, Clone, Default)]
@@ -632,14 +604,11 @@ mod tests {
             assert!(round < 3 || !steps.is_empty(), "round {round}: kept");
             held.keep(&run, measures(big));
         }
-        assert_eq!(held.runs.len(), 3);
-        assert_eq!(
-            held.bytes,
-            held.runs.values().map(|m| m.bytes()).sum::<usize>()
-        );
+        assert_eq!(held.len(), 3);
+        assert_eq!(held.bytes(), held.counted());
         // A fourth run past the bound: started over, holding that run alone.
         held.keep("run-3", measures(big));
-        assert_eq!(held.runs.len(), 1);
-        assert!(held.bytes > big && held.bytes < MEASURED_BYTES / 3);
+        assert_eq!(held.len(), 1);
+        assert!(held.bytes() > big && held.bytes() < MEASURED_BYTES / 3);
     }
 }

@@ -25,6 +25,7 @@ mod input;
 mod keys;
 pub mod metrics;
 pub mod pack;
+mod per_run;
 mod replay;
 pub mod restore;
 mod sealing;

@@ -1236,9 +1236,6 @@ mod tests {
         assert!(store.size_on_disk().unwrap() > 0);
     }
 
-    /// Checked red: with `get_run` reading sled only, the held state is not seen; with
-    /// the overlay ignoring held removals, the disarmed timer still fires; with every
-    /// batch held, the one after a direct write is not in sled.
     /// Seen red counting every write held, superseded ones too: a run written again and
     /// again within the window sent the held writes to sled long before their time.
     #[test]
@@ -1260,6 +1257,9 @@ mod tests {
         assert_eq!(pending.bytes, held);
     }
 
+    /// Checked red: with `get_run` reading sled only, the held state is not seen; with
+    /// the overlay ignoring held removals, the disarmed timer still fires; with every
+    /// batch held, the one after a direct write is not in sled.
     #[test]
     fn batches_held_behind_are_read_at_once_and_reach_sled_merged() {
         let store = Store::temporary().unwrap();

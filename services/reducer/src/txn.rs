@@ -15,7 +15,7 @@
 //! caller seeks back and carries on with the same clients; a fatal one (fenced by a newer
 //! incarnation, an abort that fails) rebuilds them.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use std::sync::Mutex;
@@ -35,6 +35,7 @@ use crate::driver::Error;
 use crate::engine::Engine;
 use crate::fault::{self, FaultPoint};
 use crate::metrics as meter;
+use crate::per_run::PerRun;
 
 /// Most bytes of step JSON [`Written`] holds; past it, it starts over.
 const WRITTEN_BYTES: usize = 32 * 1024 * 1024;
@@ -42,37 +43,17 @@ const WRITTEN_BYTES: usize = 32 * 1024 * 1024;
 /// The JSON of the steps of recently written runs' states, per run
 /// ([`sortie_core::state::WrittenSteps`]): a run's next state copies its unchanged steps
 /// from it. Bounded by [`WRITTEN_BYTES`]; a finished run's is dropped.
-#[derive(Debug, Default)]
-pub(crate) struct Written {
-    runs: HashMap<String, WrittenSteps>,
-    bytes: usize,
-}
+pub(crate) type Written = PerRun<WrittenSteps, { usize::MAX }, WRITTEN_BYTES>;
 
 impl Written {
     /// `run_id`'s `state` as `serde_json::to_string` writes it.
     fn state_json(&mut self, run_id: &str, state: &RunState) -> serde_json::Result<String> {
-        let mut steps = self.take(run_id).unwrap_or_default();
+        let mut steps = self.take(run_id);
         let json = state.to_json_reusing(&mut steps)?;
         if !state.status.is_terminal() {
-            if self.bytes + steps.bytes() > WRITTEN_BYTES {
-                // Crude but bounded, as `Engine::hot`: start over rather than track recency.
-                self.clear();
-            }
-            self.bytes += steps.bytes();
-            self.runs.insert(run_id.to_owned(), steps);
+            self.keep(run_id, steps);
         }
         Ok(json)
-    }
-
-    fn take(&mut self, run_id: &str) -> Option<WrittenSteps> {
-        let steps = self.runs.remove(run_id)?;
-        self.bytes -= steps.bytes();
-        Some(steps)
-    }
-
-    pub fn clear(&mut self) {
-        self.runs.clear();
-        self.bytes = 0;
     }
 }
 
@@ -636,7 +617,7 @@ mod tests {
         let mut run = state(&["a#1", "b#1"]);
         let first = written.state_json("r", &run).expect("json");
         assert_eq!(first, serde_json::to_string(&run).expect("json"));
-        let held = written.bytes;
+        let held = written.bytes();
         assert!(held > 0);
 
         // A later state: one step changed (copied, as the fold does), one added.
@@ -646,11 +627,11 @@ mod tests {
         run.steps.insert("c#1".into(), run.steps["b#1"].clone());
         let second = written.state_json("r", &run).expect("json");
         assert_eq!(second, serde_json::to_string(&run).expect("json"));
-        assert!(written.bytes > held);
+        assert!(written.bytes() > held);
 
         run.status = RunStatus::Succeeded;
         let last = written.state_json("r", &run).expect("json");
         assert_eq!(last, serde_json::to_string(&run).expect("json"));
-        assert_eq!((written.runs.len(), written.bytes), (0, 0));
+        assert_eq!((written.len(), written.bytes()), (0, 0));
     }
 }
