@@ -529,7 +529,13 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             &mut all,
             broker_pid,
         )?;
-        // Where a step's time goes when nothing queues, read back from the topics.
+        // Where a step's time goes when nothing queues, read back from the topics and
+        // placed in the reducer's transactions (with one reducer: with more, whose
+        // transaction carried a record is not known from one reducer's log).
+        let spans = match options.reducers {
+            1 => light.spans.as_slice(),
+            _ => &[],
+        };
         light.json["hops_ms"] = hops::measure(
             &bench.kafka,
             &bench.codec,
@@ -537,6 +543,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             &topics,
             &stack::queues(options.queues),
             "light-",
+            spans,
         )
         .unwrap_or_else(|e| json!({ "error": e.to_string() }));
         (warmup, light)
@@ -909,6 +916,9 @@ fn cpu_us(load: &Value, steps_per_s: f64, ceiling: &ceiling::Ceiling) -> Value {
 /// What one load phase measured.
 struct Phase {
     json: Value,
+    /// The primary reducer's transactions of the phase: (began, committed), µs since the
+    /// epoch.
+    spans: Vec<(i64, i64)>,
     /// CPU the broker's JIT compiler threads used during the phase, in cores (`None`:
     /// not our broker, or not a JVM we can see).
     broker_jit_cores: Option<f64>,
@@ -996,6 +1006,7 @@ fn phase(
             "processes": processes,
             "broker_jit_cores": broker_jit_cores,
         }),
+        spans: stack::commit_spans(lines.get(log_before..).unwrap_or_default()),
         broker_jit_cores,
     })
 }

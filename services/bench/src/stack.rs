@@ -456,6 +456,20 @@ pub fn commits(lines: &[String]) -> Vec<(u64, u64, u64, u64)> {
         .collect()
 }
 
+/// When each transaction of the reducer's "Batch committed." lines began and when its
+/// commit was answered, µs since the epoch, in commit order (lines from before the
+/// reducer logged them are skipped).
+pub fn commit_spans(lines: &[String]) -> Vec<(i64, i64)> {
+    lines
+        .iter()
+        .filter(|l| l.contains("Batch committed."))
+        .filter_map(|line| {
+            let get = |key| field(line, key).and_then(|v| v.parse::<i64>().ok());
+            Some((get("began_us")?, get("committed_us")?))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -475,6 +489,12 @@ mod tests {
         assert_eq!(restores(&restore), (1, 120, 40));
         let phased = format!("{line} phases_ms=[1, 2, 3, 4, 5]");
         assert_eq!(commit_phases(&[phased]), vec![[1.0, 2.0, 3.0, 4.0, 5.0]]);
+        assert_eq!(commit_spans(&[line.to_owned()]), vec![]);
+        let spanned = format!("{line} began_us=1796545338175307 committed_us=1796545338183791");
+        assert_eq!(
+            commit_spans(&[spanned]),
+            vec![(1796545338175307, 1796545338183791)]
+        );
     }
 
     #[test]

@@ -91,6 +91,8 @@ impl Engine {
             commit_ms = committed.took.as_millis() as u64,
             blocked_ms = committed.blocked.as_millis() as u64,
             phases_ms = ?committed.phases,
+            began_us = committed.span_us.0,
+            committed_us = committed.span_us.1,
             "Batch committed."
         );
         batch

@@ -174,6 +174,10 @@ pub(crate) struct Committed {
     /// Where the transaction's time went, ms: encode states, begin + produce, send
     /// offsets, await deliveries, commit.
     pub phases: [u64; 5],
+    /// When the transaction began and when its commit was answered, µs since the epoch
+    /// (the wall clock its records' timestamps are taken from): how the bench places
+    /// each record in the transaction that carried it.
+    pub span_us: (i64, i64),
 }
 
 /// How often a retriable transactional call is tried before the batch is aborted.
@@ -227,6 +231,8 @@ pub(crate) struct Sending {
     reported: usize,
     changelog: BTreeMap<i32, u64>,
     started: Instant,
+    /// `started` on the wall clock, µs since the epoch.
+    began_us: i64,
     /// When the deliveries started being awaited (after the offsets were sent).
     pub sent: Instant,
     /// How long the loop has been held by this transaction so far.
@@ -270,12 +276,14 @@ impl Engine {
             return Err(failure);
         }
         let started = Instant::now();
+        let began_us = sortie_kafka::clock::now_us();
         let mut written = std::mem::take(&mut self.written);
         let result = self.send_open(consumer, started, &mut written);
         self.written = written;
         let mut batch = std::mem::replace(&mut self.batch, PendingBatch::reusing(&mut self.spare));
         match result {
             Ok(mut sending) => {
+                sending.began_us = began_us;
                 // The producer holds copies of the records now.
                 self.spare.keep_outputs(std::mem::take(&mut batch.outputs));
                 sending.batch = batch;
@@ -426,6 +434,7 @@ impl Engine {
             reported: 0,
             changelog: BTreeMap::new(),
             started,
+            began_us: 0,
             sent: Instant::now(),
             blocked: started.elapsed(),
             phases,
@@ -502,6 +511,7 @@ impl Engine {
         })
         .map_err(|e| self.abort_after(e))?;
         sending.phases[4] = ms(phase);
+        let committed_us = sortie_kafka::clock::now_us();
         sending.blocked += held.elapsed();
         fault(FaultPoint::AfterCommit);
         let committed = Committed {
@@ -511,6 +521,7 @@ impl Engine {
             blocked: sending.blocked,
             records: sending.records,
             phases: sending.phases,
+            span_us: (sending.began_us, committed_us),
         };
         Ok((sending.batch, committed))
     }
