@@ -103,6 +103,8 @@ pub(crate) struct PendingBatch {
     pub fired: Vec<DueTimer>,
     pub ignored: usize,
     pub dead_letters: usize,
+    /// Intents this batch dispatched (see `convoy`).
+    pub dispatched: usize,
     /// Some run was read from the batch in flight's after-states: this batch cannot
     /// outlive an abort of that one.
     pub on_in_flight: bool,

@@ -98,6 +98,7 @@ impl Engine {
         batch
             .counts
             .committed(batch.inputs + batch.fired.len(), committed.took);
+        self.convoy.committed(batch.dispatched);
         // Committed states, changed or read: the next batch starts from them.
         let PendingBatch {
             before,

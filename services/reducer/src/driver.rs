@@ -425,6 +425,7 @@ impl Reducer {
             rewind: Default::default(),
             positions: Default::default(),
             aborts: (0, String::new()),
+            convoy: Default::default(),
         }));
         let _ = wiring.set(engine.clone());
         consumer.subscribe(&[&topics.commands(), &topics.step_results()])?;
@@ -454,13 +455,19 @@ impl Reducer {
             // flight has deliveries to serve.
             let wait = {
                 let engine = self.engine()?;
-                poll_wait(
+                let wait = poll_wait(
                     engine.sending.is_some(),
                     (!engine.batch.is_empty())
                         .then(|| engine.batch.opened.unwrap_or_else(Instant::now)),
                     self.batch_linger,
                     self.commit_interval,
-                )
+                );
+                // A small batch held for the last commit's results waits for them here
+                // (a result arriving ends the poll).
+                match engine.sending.is_none() && !engine.batch.is_empty() {
+                    true => wait.max(engine.convoy.hold(engine.batch.inputs).unwrap_or_default()),
+                    false => wait,
+                }
             };
             // Only once it holds partitions: a member that left after joining. (The fault
             // is checked first: the loop's every pass goes through here.)
@@ -546,6 +553,7 @@ impl Reducer {
                     && lingered
                     && engine.sending.is_none()
                     && engine.batch.inputs < (self.max_batch / 4).max(2)
+                    && engine.convoy.hold(engine.batch.inputs).is_none()
                 {
                     // Small (light load): commit as soon as nothing waits, and at once:
                     // there is nothing to fold meanwhile, and in an A/B the overlap cost

@@ -100,6 +100,9 @@ pub(crate) struct Engine {
     /// Transactions aborted in a row, and the last reason: the loop backs off, and past
     /// a few the reducer says it is not ready.
     pub aborts: (u32, String),
+    /// What the last commit dispatched and what came back since: whether a small batch
+    /// waits for the rest (see `convoy`).
+    pub convoy: crate::convoy::Convoy,
 }
 
 /// Most steps' JSON bytes (as measured) [`Measured`] holds; past it, it starts over.
@@ -524,6 +527,7 @@ impl Engine {
                     });
                 }
                 Effect::Dispatch(intent) => {
+                    self.batch.dispatched += 1;
                     let topic = self.config.topics.intents(&intent.queue);
                     let value = match seal.active() {
                         true => {

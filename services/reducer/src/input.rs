@@ -129,6 +129,7 @@ impl Engine {
             offset: message.offset(),
         };
         self.batch.consumed(&at.topic, at.partition, at.offset);
+        self.convoy.arrived();
         self.source = Some(at);
         let handled = self.handle_consumed(message);
         self.source = None;

@@ -10,6 +10,7 @@
 pub mod audit;
 mod batch;
 mod cache;
+mod convoy;
 /// The wire ↔ domain mapping now lives in `sortie-model`; re-exported so the reducer
 /// (and its callers) keep their paths.
 pub use sortie_model as convert;
