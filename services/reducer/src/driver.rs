@@ -455,19 +455,14 @@ impl Reducer {
             // flight has deliveries to serve.
             let wait = {
                 let engine = self.engine()?;
-                let wait = poll_wait(
+                poll_wait(
                     engine.sending.is_some(),
                     (!engine.batch.is_empty())
                         .then(|| engine.batch.opened.unwrap_or_else(Instant::now)),
                     self.batch_linger,
+                    engine.convoy.hold(engine.batch.inputs).unwrap_or_default(),
                     self.commit_interval,
-                );
-                // A small batch held for the last commit's results waits for them here
-                // (a result arriving ends the poll).
-                match engine.sending.is_none() && !engine.batch.is_empty() {
-                    true => wait.max(engine.convoy.hold(engine.batch.inputs).unwrap_or_default()),
-                    false => wait,
-                }
+                )
             };
             // Only once it holds partitions: a member that left after joining. (The fault
             // is checked first: the loop's every pass goes through here.)
@@ -654,20 +649,23 @@ fn seek_back<C: ConsumerContext>(
 }
 
 /// How long a pass of the loop waits for input: not at all with a transaction in flight
-/// (its deliveries are served) or with an open batch past its linger (it commits when no
-/// input is waiting: adaptive batching); an open batch still lingering (`opened` then,
-/// `linger` long) waits what its linger has left, no longer; with nothing open, up to the
-/// commit interval (at most 100 ms, so housekeeping runs).
+/// (its deliveries are served) or with an open batch past its linger and its hold (it
+/// commits when no input is waiting: adaptive batching); an open batch still lingering
+/// (`opened` then, `linger` long) or held for the last commit's results (`held` left, see
+/// `convoy`) waits what is left of the longer, no longer — an input arriving ends the
+/// wait; with nothing open, up to the commit interval (at most 100 ms, so housekeeping
+/// runs).
 fn poll_wait(
     in_flight: bool,
     opened: Option<Instant>,
     linger: Duration,
+    held: Duration,
     commit_interval: Duration,
 ) -> Duration {
     match opened {
         _ if in_flight => Duration::ZERO,
         None => commit_interval.min(Duration::from_millis(100)),
-        Some(at) => linger.saturating_sub(at.elapsed()),
+        Some(at) => linger.saturating_sub(at.elapsed()).max(held),
     }
 }
 
@@ -881,23 +879,45 @@ mod tests {
         let linger = Duration::from_millis(3);
         let interval = Duration::from_millis(100);
         let now = Instant::now();
-        let wait = poll_wait(false, Some(now), linger, interval);
+        let wait = poll_wait(false, Some(now), linger, Duration::ZERO, interval);
         assert!(wait <= linger && wait > Duration::ZERO, "{wait:?}");
+        // A batch held for the last commit's results waits what the hold has left, past
+        // its linger; with a transaction in flight or nothing open, the hold is moot.
+        let held = Duration::from_millis(5);
         let long_ago = now - Duration::from_millis(50);
         assert_eq!(
-            poll_wait(false, Some(long_ago), linger, interval),
+            poll_wait(false, Some(long_ago), linger, held, interval),
+            held
+        );
+        assert_eq!(poll_wait(false, Some(now), linger, held, interval), held);
+        assert_eq!(
+            poll_wait(true, Some(now), linger, held, interval),
+            Duration::ZERO
+        );
+        assert_eq!(poll_wait(false, None, linger, held, interval), interval);
+        assert_eq!(
+            poll_wait(false, Some(long_ago), linger, Duration::ZERO, interval),
             Duration::ZERO
         );
         assert_eq!(
-            poll_wait(false, Some(now), Duration::ZERO, interval),
+            poll_wait(false, Some(now), Duration::ZERO, Duration::ZERO, interval),
             Duration::ZERO
         );
-        assert_eq!(poll_wait(true, Some(now), linger, interval), Duration::ZERO);
-        assert_eq!(poll_wait(true, None, linger, interval), Duration::ZERO);
-        assert_eq!(poll_wait(false, None, linger, interval), interval);
+        assert_eq!(
+            poll_wait(true, Some(now), linger, Duration::ZERO, interval),
+            Duration::ZERO
+        );
+        assert_eq!(
+            poll_wait(true, None, linger, Duration::ZERO, interval),
+            Duration::ZERO
+        );
+        assert_eq!(
+            poll_wait(false, None, linger, Duration::ZERO, interval),
+            interval
+        );
         let slow = Duration::from_secs(1);
         assert_eq!(
-            poll_wait(false, None, linger, slow),
+            poll_wait(false, None, linger, Duration::ZERO, slow),
             Duration::from_millis(100)
         );
     }

@@ -278,12 +278,11 @@ impl Engine {
         let started = Instant::now();
         let began_us = sortie_kafka::clock::now_us();
         let mut written = std::mem::take(&mut self.written);
-        let result = self.send_open(consumer, started, &mut written);
+        let result = self.send_open(consumer, started, began_us, &mut written);
         self.written = written;
         let mut batch = std::mem::replace(&mut self.batch, PendingBatch::reusing(&mut self.spare));
         match result {
             Ok(mut sending) => {
-                sending.began_us = began_us;
                 // The producer holds copies of the records now.
                 self.spare.keep_outputs(std::mem::take(&mut batch.outputs));
                 sending.batch = batch;
@@ -318,6 +317,7 @@ impl Engine {
         &self,
         consumer: &BaseConsumer<C>,
         started: Instant,
+        began_us: i64,
         written: &mut Written,
     ) -> Result<Sending, Failure> {
         // Nothing sealed with a key of this batch's may be produced before the key is.
@@ -434,7 +434,7 @@ impl Engine {
             reported: 0,
             changelog: BTreeMap::new(),
             started,
-            began_us: 0,
+            began_us,
             sent: Instant::now(),
             blocked: started.elapsed(),
             phases,
