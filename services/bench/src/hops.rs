@@ -52,6 +52,12 @@ struct Stamps {
     folded: Option<i64>,
 }
 
+/// A record timestamp's millisecond in µs (saturating: a timestamp is whatever the record
+/// says).
+fn us(ms: i64) -> i64 {
+    ms.saturating_mul(1000)
+}
+
 /// The reducer's transactions, one open at a time: (began, committed), µs since the
 /// epoch, in the order they began.
 struct Transactions(Vec<(i64, i64)>);
@@ -71,9 +77,9 @@ impl Transactions {
     fn carrying(&self, at_ms: i64) -> Option<usize> {
         let i = self
             .0
-            .partition_point(|&(began, _)| began <= at_ms * 1000 + 999)
+            .partition_point(|&(began, _)| began <= us(at_ms).saturating_add(999))
             .checked_sub(1)?;
-        (self.0[i].1 >= at_ms * 1000).then_some(i)
+        (self.0[i].1 >= us(at_ms)).then_some(i)
     }
 
     /// The commit of the transaction that produced a record stamped `at_ms`, µs.
@@ -87,7 +93,7 @@ impl Transactions {
     /// after the result.
     fn behind(&self, result_ms: i64, folded_ms: i64) -> Option<i64> {
         let folding = self.carrying(folded_ms)?;
-        let from = result_ms * 1000;
+        let from = us(result_ms);
         Some(
             self.0[..folding]
                 .iter()
@@ -208,11 +214,11 @@ pub fn measure(
         };
         complete += 1;
         for (hop, ms) in [
-            ("intent_to_handler", started - intent),
-            ("handler", finished - started),
-            ("result_produced", result - finished),
-            ("result_to_folded", folded - result),
-            ("step", folded - intent),
+            ("intent_to_handler", started.saturating_sub(intent)),
+            ("handler", finished.saturating_sub(started)),
+            ("result_produced", result.saturating_sub(finished)),
+            ("result_to_folded", folded.saturating_sub(result)),
+            ("step", folded.saturating_sub(intent)),
         ] {
             hops.entry(hop).or_default().push(ms as f64);
         }
@@ -222,15 +228,18 @@ pub fn measure(
         ) {
             let behind = behind as f64 / 1000.0;
             for (hop, ms) in [
-                ("intent_to_commit", (commit - intent * 1000) as f64 / 1000.0),
+                (
+                    "intent_to_commit",
+                    commit.saturating_sub(us(intent)) as f64 / 1000.0,
+                ),
                 (
                     "commit_to_handler",
-                    (started * 1000 - commit) as f64 / 1000.0,
+                    us(started).saturating_sub(commit) as f64 / 1000.0,
                 ),
                 ("result_behind_transaction", behind),
                 (
                     "result_fetched_folded",
-                    ((folded - result) as f64 - behind).max(0.0),
+                    (folded.saturating_sub(result) as f64 - behind).max(0.0),
                 ),
             ] {
                 hops.entry(hop).or_default().push(ms);
@@ -295,5 +304,18 @@ mod tests {
         assert_eq!(t.behind(110_004, 110_200), Some(2_300 + 3_300));
         // Folded outside every logged transaction: not known.
         assert_eq!(t.behind(110_004, 110_100), None);
+    }
+
+    /// A step result's timestamps are whatever its record says: the extremes place
+    /// nothing and panic nowhere (overflow checks are on in the tests' build). Checked
+    /// red with the ms → µs product unsaturated: it overflows.
+    #[test]
+    fn forged_timestamps_are_placed_nowhere() {
+        let t = three();
+        for at in [i64::MAX, i64::MIN, -1] {
+            assert_eq!(t.carrying(at), None, "{at}");
+            assert!(t.behind(at, 110_006).is_some(), "{at}");
+            assert_eq!(t.behind(110_002, at), None, "{at}");
+        }
     }
 }
