@@ -105,6 +105,8 @@ pub(crate) struct PendingBatch {
     pub dead_letters: usize,
     /// Intents this batch dispatched (see `convoy`).
     pub dispatched: usize,
+    /// While at most `convoy::LIGHT`: their operation ids.
+    pub dispatched_light: Vec<Box<[u8]>>,
     /// Some run was read from the batch in flight's after-states: this batch cannot
     /// outlive an abort of that one.
     pub on_in_flight: bool,

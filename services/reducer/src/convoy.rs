@@ -1,28 +1,27 @@
 //! Holding a small batch for the results a transaction just sent out for.
 //!
 //! Under a light load a closed loop of runs splits into cohorts: the results of one
-//! transaction's intents come back over a few milliseconds, a few of them (a slower
+//! transaction's intents come back over a few milliseconds, some of them (a slower
 //! executor pass, a later fetch) arrive while another transaction is in flight, and as
-//! soon as it commits they go out alone — a transaction of two inputs that begins a
-//! millisecond before the other eighteen results arrive, which then wait the whole of it.
-//! Once split the loop stays split, and every step waits for two transactions instead of
-//! one (the performance log, 2026-12-06 midday: batches of 2, 18, 2, 18, ... at one
-//! partition).
+//! soon as it commits they go out without the rest. Once split the loop stays split,
+//! and every step waits for two transactions instead of one: the other cohort's, then
+//! its own (the performance log, 2026-12-06 midday: batches of 2, 18, 2, 18, ... at one
+//! partition; two even cohorts of ten at three and twelve).
 //!
-//! So after a commit that dispatched intents, an open batch with fewer than half as many
-//! inputs as that commit still has results to come waits for them — at most
-//! [`MAX_HOLD`] from the commit, about what an executor's round trip takes on this
-//! broker. The results then join it and the cohorts merge. A batch at least half as
-//! large as what is still expected goes at once, as before: merging two even cohorts
-//! doubles the partitions one transaction writes, which at 3 and 12 partitions measured
-//! no faster. So does every batch under load (the driver holds only small batches, and
-//! only after a commit of at most [`LIGHT`] intents), and a lone run (one intent out,
-//! nothing else waiting) never waits. Slow tools cost at
-//! most [`MAX_HOLD`] on an input that arrives just after a commit.
+//! So after a commit that dispatched at most [`LIGHT`] intents, an open batch waits
+//! while any of those intents' results are still out, at most [`MAX_HOLD`] from the
+//! commit (about an executor's round trip on this broker); the results join it and the
+//! loop moves as one cohort: a transaction a step, with more records and, over many
+//! partitions, more partitions in it, instead of two (the performance log, 2026-12-06
+//! evening). A result counts as back by its key, the operation id its intent was
+//! dispatched with, so the inputs already waiting do not end the wait. Nothing waits
+//! under load (the driver holds only small batches, and only after a light commit), a
+//! lone run never waits (its own result is the only one out), and a slow tool costs at
+//! most [`MAX_HOLD`] to an input that arrives just after the commit that dispatched it.
 
 use std::time::{Duration, Instant};
 
-/// Longest a small batch waits, counted from the commit whose results it waits for.
+/// Longest a batch waits, counted from the commit whose results it waits for.
 pub(crate) const MAX_HOLD: Duration = Duration::from_millis(6);
 
 /// Most intents a commit may have dispatched for a batch to wait for their results: a
@@ -32,37 +31,38 @@ pub(crate) const LIGHT: usize = 64;
 
 #[derive(Debug, Default)]
 pub(crate) struct Convoy {
-    /// Intents the last committed transaction dispatched.
-    dispatched: usize,
+    /// Of a light commit, the intents whose results have not come back, by operation id
+    /// (the result's key).
+    out: Vec<Box<[u8]>>,
     /// When its commit was answered.
     committed_at: Option<Instant>,
-    /// Inputs taken since then.
-    arrived: usize,
 }
 
 impl Convoy {
-    /// A transaction that dispatched `dispatched` intents committed.
-    pub fn committed(&mut self, dispatched: usize) {
-        *self = Convoy {
-            dispatched,
-            committed_at: Some(Instant::now()),
-            arrived: 0,
-        };
-    }
-
-    /// An input was taken into the open batch.
-    pub fn arrived(&mut self) {
-        self.arrived += 1;
-    }
-
-    /// How much longer an open batch of `inputs` should wait for the last commit's
-    /// results, if at all.
-    pub fn hold(&self, inputs: usize) -> Option<Duration> {
-        if self.dispatched > LIGHT {
-            return None;
+    /// A transaction that dispatched `dispatched` intents committed; `light` are their
+    /// operation ids when there were at most [`LIGHT`] (taken, `light` left empty).
+    pub fn committed(&mut self, dispatched: usize, light: &mut Vec<Box<[u8]>>) {
+        self.committed_at = Some(Instant::now());
+        self.out.clear();
+        if dispatched <= LIGHT {
+            self.out.append(light);
         }
-        let expected = self.dispatched.saturating_sub(self.arrived);
-        if inputs.saturating_mul(2) >= expected {
+        light.clear();
+    }
+
+    /// An input keyed `key` was taken into the open batch: if it is the result of one of
+    /// the last commit's intents, that one is back.
+    pub fn arrived(&mut self, key: Option<&[u8]>) {
+        let Some(key) = key else { return };
+        if let Some(at) = self.out.iter().position(|op| **op == *key) {
+            self.out.swap_remove(at);
+        }
+    }
+
+    /// How much longer an open batch should wait for the last commit's results, if at
+    /// all: while a light commit's results are still out, at most [`MAX_HOLD`] from it.
+    pub fn hold(&self) -> Option<Duration> {
+        if self.out.is_empty() {
             return None;
         }
         MAX_HOLD
@@ -75,64 +75,75 @@ impl Convoy {
 mod tests {
     use super::*;
 
-    /// This and the next checked red with the rule at "fewer inputs than results out"
-    /// (no half): both fail.
-    #[test]
-    fn a_small_batch_waits_for_the_larger_cohort_then_goes_with_it() {
-        let mut convoy = Convoy::default();
-        assert_eq!(convoy.hold(2), None, "nothing was dispatched yet");
-        convoy.committed(18);
-        // Two inputs carried over from before the commit: eighteen results still to come.
-        let left = convoy.hold(2).expect("held");
-        assert!(left <= MAX_HOLD && left > Duration::ZERO, "{left:?}");
-        for _ in 0..4 {
-            convoy.arrived();
-        }
-        assert!(
-            convoy.hold(6).is_some(),
-            "six waiting, fourteen still to come"
-        );
-        convoy.arrived();
-        assert_eq!(
-            convoy.hold(7),
-            None,
-            "half as many waiting as still to come"
-        );
+    /// A commit's intents as a batch records them: operation ids `op-0`, `op-1`, ...
+    fn intents(count: usize) -> Vec<Box<[u8]>> {
+        (0..count)
+            .map(|i| format!("op-{i}").into_bytes().into_boxed_slice())
+            .collect()
     }
 
+    fn back(convoy: &mut Convoy, from: usize, to: usize) {
+        for i in from..to {
+            convoy.arrived(Some(format!("op-{i}").as_bytes()));
+        }
+    }
+
+    /// Checked red with the hold ended at half the results back (the rule before two
+    /// even cohorts were merged).
     #[test]
-    fn an_even_split_is_not_held() {
-        // Two cohorts of ten (the usual split over many partitions): merging them would
-        // make one transaction write twice the partitions, and measured no faster.
+    fn a_batch_waits_until_the_last_commits_results_are_back() {
         let mut convoy = Convoy::default();
-        convoy.committed(10);
-        assert_eq!(convoy.hold(10), None);
-        assert_eq!(convoy.hold(5), None);
-        assert!(convoy.hold(4).is_some());
+        assert_eq!(convoy.hold(), None, "nothing was dispatched yet");
+        convoy.committed(18, &mut intents(18));
+        let left = convoy.hold().expect("held");
+        assert!(left <= MAX_HOLD && left > Duration::ZERO, "{left:?}");
+        back(&mut convoy, 0, 9);
+        assert!(convoy.hold().is_some(), "half of them still out");
+        back(&mut convoy, 9, 17);
+        assert!(convoy.hold().is_some(), "one still out");
+        back(&mut convoy, 17, 18);
+        assert_eq!(convoy.hold(), None, "all back: it goes");
+    }
+
+    /// Checked red with `arrived` counting every input (as before results were told
+    /// apart by their keys): the other cohort's own inputs ended the hold.
+    #[test]
+    fn only_the_commits_own_results_count_as_back() {
+        let mut convoy = Convoy::default();
+        convoy.committed(10, &mut intents(10));
+        for i in 0..10 {
+            convoy.arrived(Some(format!("other-{i}").as_bytes()));
+        }
+        convoy.arrived(None);
+        back(&mut convoy, 0, 9);
+        back(&mut convoy, 0, 9);
+        assert!(convoy.hold().is_some(), "a result counts once");
     }
 
     /// Checked red with the bound of [`LIGHT`] dropped.
     #[test]
     fn a_lone_run_and_a_batch_under_load_never_wait() {
         let mut convoy = Convoy::default();
-        convoy.committed(1);
-        assert_eq!(convoy.hold(1), None);
-        convoy.committed(500);
-        assert_eq!(convoy.hold(500), None);
-        // Under load, even a small batch goes: the commit before sent out too many.
-        assert_eq!(convoy.hold(2), None);
-        convoy.committed(LIGHT);
-        assert!(convoy.hold(2).is_some());
-        convoy.committed(0);
-        assert_eq!(convoy.hold(1), None);
+        convoy.committed(1, &mut intents(1));
+        back(&mut convoy, 0, 1);
+        assert_eq!(convoy.hold(), None, "its own result is back");
+        // Under load nothing waits: the commit before sent out too many.
+        convoy.committed(500, &mut intents(LIGHT));
+        assert_eq!(convoy.hold(), None);
+        let mut light = intents(LIGHT);
+        convoy.committed(LIGHT, &mut light);
+        assert!(light.is_empty(), "taken, not copied");
+        assert!(convoy.hold().is_some());
+        convoy.committed(0, &mut Vec::new());
+        assert_eq!(convoy.hold(), None);
     }
 
     /// Checked red with the bound dropped (a hold of `MAX_HOLD` whenever one is due).
     #[test]
     fn the_hold_ends_with_its_bound() {
         let mut convoy = Convoy::default();
-        convoy.committed(18);
+        convoy.committed(18, &mut intents(18));
         convoy.committed_at = Some(Instant::now() - MAX_HOLD);
-        assert_eq!(convoy.hold(2), None);
+        assert_eq!(convoy.hold(), None);
     }
 }

@@ -460,7 +460,7 @@ impl Reducer {
                     (!engine.batch.is_empty())
                         .then(|| engine.batch.opened.unwrap_or_else(Instant::now)),
                     self.batch_linger,
-                    engine.convoy.hold(engine.batch.inputs).unwrap_or_default(),
+                    engine.convoy.hold().unwrap_or_default(),
                     self.commit_interval,
                 )
             };
@@ -548,7 +548,7 @@ impl Reducer {
                     && lingered
                     && engine.sending.is_none()
                     && engine.batch.inputs < (self.max_batch / 4).max(2)
-                    && engine.convoy.hold(engine.batch.inputs).is_none()
+                    && engine.convoy.hold().is_none()
                 {
                     // Small (light load): commit as soon as nothing waits, and at once:
                     // there is nothing to fold meanwhile, and in an A/B the overlap cost

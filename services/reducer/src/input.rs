@@ -129,7 +129,7 @@ impl Engine {
             offset: message.offset(),
         };
         self.batch.consumed(&at.topic, at.partition, at.offset);
-        self.convoy.arrived();
+        self.convoy.arrived(message.key());
         self.source = Some(at);
         let handled = self.handle_consumed(message);
         self.source = None;
