@@ -19,6 +19,8 @@ const NUMBERS: &[&str] = &[
     "/sortie/records_per_txn/mean",
     "/sortie_light_load/step_round_trip_ms/p50",
     "/sortie_light_load/steps_per_s",
+    "/sortie_light_one_step/run_duration_ms/p50",
+    "/sortie_light_one_step/step_round_trip_ms/p50",
     "/sortie/processes/reducer/cpu_cores",
     "/sortie/processes/reducer/rss_mib",
     "/ceiling/records_per_s",
@@ -99,6 +101,18 @@ fn bench_quick_runs_and_prints_its_figures_as_json() {
         .map(|key| report["sortie"][key].as_u64().unwrap_or(0))
         .sum::<u64>();
     assert_eq!(accounted, 20, "every run of --quick is accounted for");
+    // The one-step runs are timed against their own pattern: with the load's (seen
+    // red), every one is left unfinished.
+    let one_step = &report["sortie_light_one_step"];
+    assert_eq!(
+        (
+            one_step["runs_succeeded"].as_u64(),
+            one_step["steps"].as_u64()
+        ),
+        (Some(5), Some(5)),
+        "five one-step runs of --quick, each timed: {one_step:#}"
+    );
+    assert_eq!(one_step["runs_deviant"].as_u64(), Some(0), "{one_step:#}");
 }
 
 /// `sortie bench --quick --roll`: two reducers and two executors restarted in turn under

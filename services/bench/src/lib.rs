@@ -194,12 +194,14 @@ impl Bench {
         args
     }
 
-    /// Creates the bench topics and publishes the echo graph; returns the topic names.
+    /// Creates the bench topics and publishes the echo graphs (the load's, and the
+    /// one-step graph of `light_one_step`); returns the topic names.
     fn prepare(&self) -> anyhow::Result<Topics> {
         let options = &self.options;
         let topics = Topics::new(self.prefix.clone());
         let queues = stack::queues(options.queues);
-        let graph = stack::graph(options.steps, &queues)?;
+        let graph = stack::graph(stack::GRAPH, options.steps, &queues)?;
+        let one_step = stack::graph(stack::ONE_STEP_GRAPH, 1, &queues)?;
         self.runtime.block_on(async {
             stack::apply_topology(
                 &self.kafka,
@@ -209,7 +211,8 @@ impl Bench {
                 &queues,
             )
             .await?;
-            stack::publish_graph(&self.kafka, &self.codec, &topics, &graph).await
+            stack::publish_graph(&self.kafka, &self.codec, &topics, &graph).await?;
+            stack::publish_graph(&self.kafka, &self.codec, &topics, &one_step).await
         })?;
         Ok(topics)
     }
@@ -311,6 +314,7 @@ impl Bench {
     fn encode_commands(
         &self,
         topics: &Topics,
+        graph_id: &str,
         ids: &[String],
     ) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
         ids.iter()
@@ -319,6 +323,7 @@ impl Bench {
                     &self.codec,
                     topics,
                     run_id,
+                    graph_id,
                     self.options.payload_bytes,
                 ))?;
                 Ok((run_id.clone(), bytes))
@@ -469,24 +474,31 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         .map(|i| bench.executor(&bench.dir, &format!("executor-{i}"), &bench.prefix, i))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut driver = bench.driver(&topics)?;
-    let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
-    eprintln!("sortie bench: calibration run");
-    let pattern = {
+    eprintln!("sortie bench: calibration runs");
+    let [one_step_pattern, pattern] = {
         let mut all: Vec<&mut Service> = vec![&mut reducer];
         all.extend(executors.iter_mut());
-        driver.calibrate(
-            &calibration[0].0,
-            &calibration[0].1,
-            Duration::from_secs(180),
-            &mut all,
-        )?
+        let mut learn = |graph_id: &str, run_id: &str| -> anyhow::Result<load::Pattern> {
+            let calibration = bench.encode_commands(&topics, graph_id, &[run_id.to_owned()])?;
+            driver.calibrate(
+                &calibration[0].0,
+                &calibration[0].1,
+                Duration::from_secs(180),
+                &mut all,
+            )
+        };
+        // The load's last: the driver keeps the pattern it learnt last.
+        [
+            learn(stack::ONE_STEP_GRAPH, "calibration-one-step")?,
+            learn(stack::GRAPH, "calibration")?,
+        ]
     };
 
     // A warm-up load, then the light load (the round trip when nothing queues), before
     // the ceilings. A broker just started spends most of a core in its JIT compiler for
     // a minute or more (C2, seen with `top -H` during the light load): without the
     // warm-up the light load measured that.
-    let (warmup, light) = {
+    let (warmup, light, light_one_step) = {
         let mut all: Vec<&mut Service> = vec![&mut reducer];
         all.extend(extra_reducers.iter_mut());
         all.extend(executors.iter_mut());
@@ -498,6 +510,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
                     &mut driver,
                     &topics,
                     "warmup",
+                    (stack::GRAPH, options.steps),
                     runs,
                     options.concurrency,
                     &mut all,
@@ -511,6 +524,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
                     &mut driver,
                     &topics,
                     "warmup-light",
+                    (stack::GRAPH, options.steps),
                     options.light_runs,
                     options.light_concurrency,
                     &mut all,
@@ -524,6 +538,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             &mut driver,
             &topics,
             "light",
+            (stack::GRAPH, options.steps),
             options.light_runs,
             options.light_concurrency,
             &mut all,
@@ -546,7 +561,22 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
             spans,
         )
         .unwrap_or_else(|e| json!({ "error": e.to_string() }));
-        (warmup, light)
+        // The same light load with one-step runs: what a run costs besides its steps
+        // (its start and its end), beside Restate's harness's `light1`.
+        let load_pattern = driver.pattern.replace(one_step_pattern);
+        let light_one_step = phase(
+            bench,
+            &mut driver,
+            &topics,
+            "light-one-step",
+            (stack::ONE_STEP_GRAPH, 1),
+            options.light_runs,
+            options.light_concurrency,
+            &mut all,
+            broker_pid,
+        );
+        driver.pattern = load_pattern;
+        (warmup, light, light_one_step?)
     };
 
     // The ceilings, each fed as many records as Sortie will consume: a StartRun and one
@@ -645,6 +675,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         &mut driver,
         &topics,
         "run",
+        (stack::GRAPH, options.steps),
         options.runs,
         options.concurrency,
         &mut all,
@@ -836,6 +867,7 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
         "events_per_run": pattern.events,
         "sortie": load.json,
         "sortie_light_load": light.json,
+        "sortie_light_one_step": light_one_step.json,
         "warmup": warmup.map(|(w, light)| json!({
             "runs": w.json["runs"],
             "steps_per_s": w.json["steps_per_s"],
@@ -932,14 +964,14 @@ fn phase(
     driver: &mut Driver,
     topics: &Topics,
     name: &str,
+    (graph_id, steps): (&str, usize),
     runs: usize,
     concurrency: usize,
     services: &mut [&mut Service],
     broker_pid: Option<u32>,
 ) -> anyhow::Result<Phase> {
-    let steps = bench.options.steps;
     let ids: Vec<String> = (0..runs).map(|i| format!("{name}-{i:07}")).collect();
-    let commands = bench.encode_commands(topics, &ids)?;
+    let commands = bench.encode_commands(topics, graph_id, &ids)?;
     let mut watched: Vec<(String, u32)> =
         services.iter().map(|s| (s.name.clone(), s.pid())).collect();
     if let Some(pid) = broker_pid {
@@ -1031,7 +1063,7 @@ fn restart(
     if cold {
         std::fs::remove_dir_all(data)?;
     }
-    let probe = bench.encode_commands(topics, &[format!("probe-{name}")])?;
+    let probe = bench.encode_commands(topics, stack::GRAPH, &[format!("probe-{name}")])?;
     driver.send(&probe[0].0, &probe[0].1)?;
     driver.flush()?;
     eprintln!("sortie bench: {name} restart");

@@ -178,6 +178,7 @@ impl Driver {
         codec: &Codec,
         topics: &Topics,
         run_id: &str,
+        graph_id: &str,
         payload_bytes: usize,
     ) -> anyhow::Result<Vec<u8>> {
         let input = serde_json::json!({ "payload": crate::payload_text(payload_bytes, run_id) })
@@ -193,7 +194,7 @@ impl Driver {
             },
             issued_at: crate::now_ms(),
             body: w::CommandBody::StartRun(w::StartRun {
-                graph_id: "bench".into(),
+                graph_id: graph_id.into(),
                 graph_version: Some(1),
                 input,
                 labels: Default::default(),

@@ -64,7 +64,8 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
         });
     }
     let mut driver = bench.driver(&topics)?;
-    let calibration = bench.encode_commands(&topics, &["calibration".to_owned()])?;
+    let calibration =
+        bench.encode_commands(&topics, crate::stack::GRAPH, &["calibration".to_owned()])?;
     eprintln!("sortie bench: roll: calibration run");
     {
         let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
@@ -83,7 +84,7 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
         let ids: Vec<String> = (0..options.light_runs)
             .map(|i| format!("{name}-{i:07}"))
             .collect();
-        let commands = bench.encode_commands(&topics, &ids)?;
+        let commands = bench.encode_commands(&topics, crate::stack::GRAPH, &ids)?;
         eprintln!("sortie bench: roll: {name} light load");
         let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
         driver.run(
@@ -100,7 +101,7 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
     let roll_ids: Vec<String> = (0..options.light_runs * 6)
         .map(|i| format!("roll-{i:07}"))
         .collect();
-    let roll_commands = bench.encode_commands(&topics, &roll_ids)?;
+    let roll_commands = bench.encode_commands(&topics, crate::stack::GRAPH, &roll_ids)?;
     eprintln!("sortie bench: roll: light load while every instance restarts in turn");
     let load_started = Instant::now();
     let (during, restarts, load_ended) = std::thread::scope(|scope| {

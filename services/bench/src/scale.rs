@@ -207,7 +207,7 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
     let prefix = format!("{}s{runs}.", bench.prefix);
     let topics = Topics::new(prefix.clone());
     let queues = stack::queues(options.queues);
-    let graph = stack::graph(options.scale_steps, &queues)?;
+    let graph = stack::graph(stack::GRAPH, options.scale_steps, &queues)?;
     bench.runtime.block_on(async {
         stack::apply_topology(
             &bench.kafka,
@@ -235,6 +235,7 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
             &bench.codec,
             &topics,
             &run_id,
+            stack::GRAPH,
             options.payload_bytes,
         ))?;
         Ok((run_id, bytes))
@@ -279,6 +280,7 @@ pub fn one(bench: &Bench, runs: usize) -> anyhow::Result<Value> {
             &bench.codec,
             &topics,
             &run_id,
+            stack::GRAPH,
             options.payload_bytes,
         ))?;
         commands.push((run_id, bytes));
@@ -397,7 +399,7 @@ mod tests {
     /// shape, and nothing of the template's payload or operation ids left.
     #[test]
     fn synthetic_runs_have_their_own_payloads_and_operation_ids() {
-        let graph = stack::graph(2, &stack::queues(1)).expect("graph");
+        let graph = stack::graph(stack::GRAPH, 2, &stack::queues(1)).expect("graph");
         let template = finished_run(&graph, 64).expect("template");
         let distinct = Distinct::of(&template, 64);
         assert_eq!(distinct.operation_ids.len(), 2);

@@ -210,11 +210,18 @@ pub async fn wait_for_leaders(kafka: &KafkaConfig, names: Vec<String>) -> anyhow
     .await?
 }
 
-/// The bench graph: a chain of `steps` pure `echo` nodes spread over the queues, each
+/// The bench graph's id.
+pub const GRAPH: &str = "bench";
+
+/// The id of the one-step graph of the `light_one_step` phase (a run's fixed cost: its
+/// start, one step and its end, as Restate's harness measures with `light1`).
+pub const ONE_STEP_GRAPH: &str = "bench-one-step";
+
+/// A bench graph `id`: a chain of `steps` pure `echo` nodes spread over the queues, each
 /// carrying the run's payload in its args (so its result carries it back).
-pub fn graph(steps: usize, queues: &[String]) -> anyhow::Result<Graph> {
+pub fn graph(id: &str, steps: usize, queues: &[String]) -> anyhow::Result<Graph> {
     let mut yaml = format!(
-        "id: bench\nversion: 1\ndescription: sortie bench, {steps} echo steps\nmax_steps: {}\nnodes:\n",
+        "id: {id}\nversion: 1\ndescription: sortie bench, {steps} echo steps\nmax_steps: {}\nnodes:\n",
         steps + 1
     );
     for i in 0..steps {
@@ -499,9 +506,12 @@ mod tests {
 
     #[test]
     fn the_bench_graph_parses() {
-        let graph = graph(5, &queues(2)).expect("graph");
-        assert_eq!(graph.nodes.len(), 5);
-        assert_eq!(graph.nodes[3].queue, "bench1");
-        assert_eq!(graph.edges.len(), 4);
+        let five = graph(GRAPH, 5, &queues(2)).expect("graph");
+        assert_eq!(five.nodes.len(), 5);
+        assert_eq!(five.nodes[3].queue, "bench1");
+        assert_eq!(five.edges.len(), 4);
+        let one = graph(ONE_STEP_GRAPH, 1, &queues(2)).expect("graph");
+        assert_eq!((one.id.as_str(), one.nodes.len()), (ONE_STEP_GRAPH, 1));
+        assert!(one.edges.is_empty());
     }
 }
