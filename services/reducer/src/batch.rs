@@ -104,9 +104,7 @@ pub(crate) struct PendingBatch {
     pub ignored: usize,
     pub dead_letters: usize,
     /// Intents this batch dispatched (see `convoy`).
-    pub dispatched: usize,
-    /// While at most `convoy::LIGHT`: their operation ids.
-    pub dispatched_light: Vec<Box<[u8]>>,
+    pub dispatched: crate::convoy::Dispatched,
     /// Some run was read from the batch in flight's after-states: this batch cannot
     /// outlive an abort of that one.
     pub on_in_flight: bool,

@@ -18,11 +18,7 @@ use crate::txn::Committed;
 
 impl Engine {
     /// Writes a committed batch to sled and publishes its metrics; the batch is consumed.
-    pub fn write_cache(
-        &mut self,
-        mut batch: PendingBatch,
-        committed: Committed,
-    ) -> Result<(), Error> {
+    pub fn write_cache(&mut self, batch: PendingBatch, committed: Committed) -> Result<(), Error> {
         // Committed: the command ids it took are taken (see `replay`).
         for r in &batch.remembered {
             self.replays
@@ -102,8 +98,7 @@ impl Engine {
         batch
             .counts
             .committed(batch.inputs + batch.fired.len(), committed.took);
-        self.convoy
-            .committed(batch.dispatched, &mut batch.dispatched_light);
+        self.convoy.committed(batch.dispatched);
         // Committed states, changed or read: the next batch starts from them.
         let PendingBatch {
             before,

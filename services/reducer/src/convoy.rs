@@ -29,6 +29,24 @@ pub(crate) const MAX_HOLD: Duration = Duration::from_millis(6);
 /// steps a second in four alternated pairs (the performance log, 2026-12-06 afternoon).
 pub(crate) const LIGHT: usize = 64;
 
+/// What a batch dispatched, as the convoy needs it: how many intents and, while at most
+/// [`LIGHT`], their operation ids.
+#[derive(Debug, Default)]
+pub(crate) struct Dispatched {
+    count: usize,
+    light: Vec<Box<[u8]>>,
+}
+
+impl Dispatched {
+    /// The batch dispatched the intent `operation_id`.
+    pub fn push(&mut self, operation_id: &str) {
+        self.count += 1;
+        if self.count <= LIGHT {
+            self.light.push(operation_id.as_bytes().into());
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Convoy {
     /// Of a light commit, the intents whose results have not come back, by operation id
@@ -39,15 +57,14 @@ pub(crate) struct Convoy {
 }
 
 impl Convoy {
-    /// A transaction that dispatched `dispatched` intents committed; `light` are their
-    /// operation ids when there were at most [`LIGHT`] (taken, `light` left empty).
-    pub fn committed(&mut self, dispatched: usize, light: &mut Vec<Box<[u8]>>) {
+    /// A transaction that dispatched `dispatched` committed: if it was light, its
+    /// intents' results are now out.
+    pub fn committed(&mut self, dispatched: Dispatched) {
         self.committed_at = Some(Instant::now());
-        self.out.clear();
-        if dispatched <= LIGHT {
-            self.out.append(light);
-        }
-        light.clear();
+        self.out = match dispatched.count <= LIGHT {
+            true => dispatched.light,
+            false => Vec::new(),
+        };
     }
 
     /// An input keyed `key` was taken into the open batch: if it is the result of one of
@@ -76,10 +93,12 @@ mod tests {
     use super::*;
 
     /// A commit's intents as a batch records them: operation ids `op-0`, `op-1`, ...
-    fn intents(count: usize) -> Vec<Box<[u8]>> {
-        (0..count)
-            .map(|i| format!("op-{i}").into_bytes().into_boxed_slice())
-            .collect()
+    fn intents(count: usize) -> Dispatched {
+        let mut dispatched = Dispatched::default();
+        for i in 0..count {
+            dispatched.push(&format!("op-{i}"));
+        }
+        dispatched
     }
 
     fn back(convoy: &mut Convoy, from: usize, to: usize) {
@@ -94,7 +113,7 @@ mod tests {
     fn a_batch_waits_until_the_last_commits_results_are_back() {
         let mut convoy = Convoy::default();
         assert_eq!(convoy.hold(), None, "nothing was dispatched yet");
-        convoy.committed(18, &mut intents(18));
+        convoy.committed(intents(18));
         let left = convoy.hold().expect("held");
         assert!(left <= MAX_HOLD && left > Duration::ZERO, "{left:?}");
         back(&mut convoy, 0, 9);
@@ -110,7 +129,7 @@ mod tests {
     #[test]
     fn only_the_commits_own_results_count_as_back() {
         let mut convoy = Convoy::default();
-        convoy.committed(10, &mut intents(10));
+        convoy.committed(intents(10));
         for i in 0..10 {
             convoy.arrived(Some(format!("other-{i}").as_bytes()));
         }
@@ -124,17 +143,15 @@ mod tests {
     #[test]
     fn a_lone_run_and_a_batch_under_load_never_wait() {
         let mut convoy = Convoy::default();
-        convoy.committed(1, &mut intents(1));
+        convoy.committed(intents(1));
         back(&mut convoy, 0, 1);
         assert_eq!(convoy.hold(), None, "its own result is back");
         // Under load nothing waits: the commit before sent out too many.
-        convoy.committed(500, &mut intents(LIGHT));
+        convoy.committed(intents(500));
         assert_eq!(convoy.hold(), None);
-        let mut light = intents(LIGHT);
-        convoy.committed(LIGHT, &mut light);
-        assert!(light.is_empty(), "taken, not copied");
+        convoy.committed(intents(LIGHT));
         assert!(convoy.hold().is_some());
-        convoy.committed(0, &mut Vec::new());
+        convoy.committed(intents(0));
         assert_eq!(convoy.hold(), None);
     }
 
@@ -142,7 +159,7 @@ mod tests {
     #[test]
     fn the_hold_ends_with_its_bound() {
         let mut convoy = Convoy::default();
-        convoy.committed(18, &mut intents(18));
+        convoy.committed(intents(18));
         convoy.committed_at = Some(Instant::now() - MAX_HOLD);
         assert_eq!(convoy.hold(), None);
     }

@@ -527,11 +527,7 @@ impl Engine {
                     });
                 }
                 Effect::Dispatch(intent) => {
-                    self.batch.dispatched += 1;
-                    if self.batch.dispatched <= crate::convoy::LIGHT {
-                        let op = intent.operation_id.as_bytes().into();
-                        self.batch.dispatched_light.push(op);
-                    }
+                    self.batch.dispatched.push(&intent.operation_id);
                     let topic = self.config.topics.intents(&intent.queue);
                     let value = match seal.active() {
                         true => {
