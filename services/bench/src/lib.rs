@@ -194,6 +194,25 @@ impl Bench {
         args
     }
 
+    /// Drives one run of `graph_id` (`run_id`) through `services` and teaches `driver`
+    /// its events' pattern, which the driver then times every run by.
+    fn calibrate(
+        &self,
+        driver: &mut Driver,
+        topics: &Topics,
+        graph_id: &str,
+        run_id: &str,
+        services: &mut [&mut Service],
+    ) -> anyhow::Result<load::Pattern> {
+        let calibration = self.encode_commands(topics, graph_id, &[run_id.to_owned()])?;
+        driver.calibrate(
+            &calibration[0].0,
+            &calibration[0].1,
+            Duration::from_secs(180),
+            services,
+        )
+    }
+
     /// Creates the bench topics and publishes the echo graphs (the load's, and the
     /// one-step graph of `light_one_step`); returns the topic names.
     fn prepare(&self) -> anyhow::Result<Topics> {
@@ -478,14 +497,8 @@ fn measure(bench: &Bench, broker_pid: Option<u32>) -> anyhow::Result<Value> {
     let [one_step_pattern, pattern] = {
         let mut all: Vec<&mut Service> = vec![&mut reducer];
         all.extend(executors.iter_mut());
-        let mut learn = |graph_id: &str, run_id: &str| -> anyhow::Result<load::Pattern> {
-            let calibration = bench.encode_commands(&topics, graph_id, &[run_id.to_owned()])?;
-            driver.calibrate(
-                &calibration[0].0,
-                &calibration[0].1,
-                Duration::from_secs(180),
-                &mut all,
-            )
+        let mut learn = |graph_id: &str, run_id: &str| {
+            bench.calibrate(&mut driver, &topics, graph_id, run_id, &mut all)
         };
         // The load's last: the driver keeps the pattern it learnt last.
         [

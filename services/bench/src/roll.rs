@@ -64,15 +64,14 @@ pub(crate) fn measure(bench: &Bench) -> anyhow::Result<Value> {
         });
     }
     let mut driver = bench.driver(&topics)?;
-    let calibration =
-        bench.encode_commands(&topics, crate::stack::GRAPH, &["calibration".to_owned()])?;
     eprintln!("sortie bench: roll: calibration run");
     {
         let mut all: Vec<&mut Service> = instances.iter_mut().map(|i| &mut i.service).collect();
-        driver.calibrate(
-            &calibration[0].0,
-            &calibration[0].1,
-            Duration::from_secs(180),
+        bench.calibrate(
+            &mut driver,
+            &topics,
+            crate::stack::GRAPH,
+            "calibration",
             &mut all,
         )?;
     }
