@@ -8,10 +8,14 @@
 //!   own thread): per input it writes `fan_out` records — Sortie's records per input
 //!   from the calibration run — an intent (or, when the run is done, an end event), a
 //!   state, and events; then the consumed offsets with the group metadata, every
-//!   delivery awaited, commit. The fold is a step counter per run in a map.
+//!   delivery awaited, commit. The fold is a step counter per run in a map. Every
+//!   record carries the run's payload as Sortie's do (a run's own random text of
+//!   `payload_bytes`, the state twice that), so compression saves the pipeline no more
+//!   than it saves Sortie.
 //! - **Executor leg**: a `read_committed` member (cooperative-sticky) reading `intents`,
-//!   answering each with a result from an idempotent `acks=all` producer (the executor's
-//!   settings: 1 ms linger, lz4), committing its offsets every 100 ms.
+//!   answering each with its echo (the bench's steps are echoes) from an idempotent
+//!   `acks=all` producer (the executor's settings: 1 ms linger, lz4), committing its
+//!   offsets every 100 ms.
 //! - **Driver**: Sortie's closed loop (starts runs to keep `concurrency` in flight and
 //!   follows the events topic `read_committed`, 20 ms fetch wait); a step's round trip is
 //!   the same pair of record timestamps as Sortie's (the intent's transaction → the
@@ -175,8 +179,6 @@ fn reducer_leg(
         crate::shape::taking_turns(&kafka, &format!("{}pipeline-reducer", setup.prefix))?;
     let mut turn = 0usize;
     consumer.subscribe(&[&names.commands, &names.results])?;
-    let payload = vec![b'x'; setup.payload_bytes];
-    let state = vec![b's'; setup.payload_bytes * 2];
     let mut done: HashMap<Vec<u8>, usize> = HashMap::new();
     let mut last_commit = Instant::now();
     while !stop.load(Ordering::Relaxed) {
@@ -203,6 +205,16 @@ fn reducer_leg(
         for message in &batch {
             let run = message.key().unwrap_or_default().to_vec();
             let partition = message.partition();
+            // The run's payload, as Sortie's records carry it: a start's value, or a
+            // result's echo of its intent (`<step> <payload>`).
+            let value = message.payload().unwrap_or_default();
+            let payload = match message.topic() == names.commands {
+                true => value,
+                false => value
+                    .iter()
+                    .position(|b| *b == b' ')
+                    .map_or(value, |space| &value[space + 1..]),
+            };
             let step = if message.topic() == names.commands {
                 0
             } else {
@@ -211,18 +223,19 @@ fn reducer_leg(
             done.insert(run.clone(), step);
             let mut records: Vec<(&str, Vec<u8>)> = Vec::with_capacity(setup.fan_out);
             if step > 0 {
-                records.push((&names.events, event(&format!("s{}", step - 1), &payload)));
+                records.push((&names.events, event(&format!("s{}", step - 1), payload)));
             }
             if step < setup.steps {
-                records.push((&names.intents, step.to_string().into_bytes()));
-                records.push((&names.events, event(&format!("d{step}"), &payload)));
+                records.push((&names.intents, event(&step.to_string(), payload)));
+                records.push((&names.events, event(&format!("d{step}"), payload)));
             } else {
                 done.remove(&run);
-                records.push((&names.events, event("e", &payload)));
+                records.push((&names.events, event("e", payload)));
             }
-            records.push((&names.states, state.clone()));
+            // A state carries the run's input and its steps' outputs: twice the payload.
+            records.push((&names.states, [payload, payload].concat()));
             while records.len() < setup.fan_out {
-                records.push((&names.events, event("x", &payload)));
+                records.push((&names.events, event("x", payload)));
             }
             // Keyed by the input's key, borrowed from the batch: no copy per record.
             let key = message.key().unwrap_or_default();
@@ -276,15 +289,15 @@ fn executor_leg(kafka: &KafkaConfig, setup: &Setup, stop: &AtomicBool) -> anyhow
         .set("acks", "all")
         .create()?;
     consumer.subscribe(&[&names.intents])?;
-    let payload = vec![b'r'; setup.payload_bytes];
     let mut positions: HashMap<i32, i64> = HashMap::new();
     let mut committed = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         if let Some(message) = consumer.poll(Duration::from_millis(100)) {
             let message = message?;
+            // An echo, as the bench's steps are: the result carries the intent's payload.
             let mut result = BaseRecord::to(&names.results)
                 .key(message.key().unwrap_or_default())
-                .payload(&payload)
+                .payload(message.payload().unwrap_or_default())
                 .partition(message.partition());
             loop {
                 match producer.send(result) {
@@ -371,15 +384,19 @@ impl Driver {
 
     fn start(
         &mut self,
-        payload: &[u8],
+        payload_bytes: usize,
         tracks: &mut HashMap<Vec<u8>, Track>,
     ) -> anyhow::Result<()> {
-        let run = format!("pipeline-run-{}", self.next_run).into_bytes();
+        let id = format!("pipeline-run-{}", self.next_run);
+        // Sortie's bench payload: text drawn per run, which compression cannot shrink
+        // much (one byte repeated would make the pipeline's batches nearly free).
+        let payload = crate::payload_text(payload_bytes, &id);
+        let run = id.into_bytes();
         let partition = (self.next_run % self.partitions as usize) as i32;
         self.next_run += 1;
         let record = BaseRecord::to(&self.commands)
             .key(&run)
-            .payload(payload)
+            .payload(&payload)
             .partition(partition);
         self.producer
             .send(record)
@@ -400,7 +417,6 @@ impl Driver {
             "sortie bench: pipeline {}: {} runs x {} steps, {} in flight",
             load.name, load.runs, setup.steps, load.concurrency
         );
-        let payload = vec![b'p'; setup.payload_bytes];
         self.phases.lock().expect("phases").clear();
         let window = CpuWindow::start(&setup.watch);
         let started = Instant::now();
@@ -411,7 +427,7 @@ impl Driver {
         let mut runs_ms = Vec::new();
         while finished < load.runs {
             while issued < load.runs && tracks.len() < load.concurrency {
-                self.start(&payload, &mut tracks)?;
+                self.start(setup.payload_bytes, &mut tracks)?;
                 issued += 1;
             }
             if Instant::now() > deadline {
