@@ -207,18 +207,18 @@ fn reducer_leg(
             let partition = message.partition();
             // The run's payload, as Sortie's records carry it: a start's value, or a
             // result's echo of its intent (`<step> <payload>`).
+            let is_start = message.topic() == names.commands;
             let value = message.payload().unwrap_or_default();
-            let payload = match message.topic() == names.commands {
+            let payload = match is_start {
                 true => value,
                 false => value
                     .iter()
                     .position(|b| *b == b' ')
                     .map_or(value, |space| &value[space + 1..]),
             };
-            let step = if message.topic() == names.commands {
-                0
-            } else {
-                done.get(&run).copied().unwrap_or(0) + 1
+            let step = match is_start {
+                true => 0,
+                false => done.get(&run).copied().unwrap_or(0) + 1,
             };
             done.insert(run.clone(), step);
             let mut records: Vec<(&str, Vec<u8>)> = Vec::with_capacity(setup.fan_out);

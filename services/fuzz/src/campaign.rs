@@ -191,15 +191,7 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
                     (Some(gateway), 1) => start_canary_over_http(target, gateway, run).await,
                     _ => start_canary(target, &canary_producer, run).await,
                 };
-                match started {
-                    Ok(()) => {
-                        canary_started.insert(run.clone(), Instant::now());
-                    }
-                    Err(e) => report.problems.push(format!(
-                        "canary {run} not started, {:?} on: {e:#}",
-                        asked.elapsed()
-                    )),
-                }
+                note_start(run, asked, started, &mut canary_started, &mut report);
                 context.victims.push(run.clone());
             }
             rss.sample(target);
@@ -243,15 +235,8 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
     }
     for run in canary_runs.iter().skip(context.victims.len()) {
         let asked = Instant::now();
-        match start_canary(target, &canary_producer, run).await {
-            Ok(()) => {
-                canary_started.insert(run.clone(), Instant::now());
-            }
-            Err(e) => report.problems.push(format!(
-                "canary {run} not started, {:?} on: {e:#}",
-                asked.elapsed()
-            )),
-        }
+        let started = start_canary(target, &canary_producer, run).await;
+        note_start(run, asked, started, &mut canary_started, &mut report);
     }
     settle_deliveries(&mut deliveries, &mut expected, &mut report).await;
 
@@ -341,6 +326,26 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
     }
     report.seconds = started.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Records a canary's start: when it was delivered, or, when it failed, a finding that
+/// says how long it was tried.
+fn note_start(
+    run: &str,
+    asked: Instant,
+    started: anyhow::Result<()>,
+    canary_started: &mut HashMap<String, Instant>,
+    report: &mut Report,
+) {
+    match started {
+        Ok(()) => {
+            canary_started.insert(run.to_owned(), Instant::now());
+        }
+        Err(e) => report.problems.push(format!(
+            "canary {run} not started, {:?} on: {e:#}",
+            asked.elapsed()
+        )),
+    }
 }
 
 fn is_too_large(e: &rdkafka::error::KafkaError) -> bool {
