@@ -74,7 +74,9 @@ fn status_colour(status: RunStatus) -> &'static str {
     match status {
         RunStatus::Succeeded => GREEN,
         RunStatus::Failed | RunStatus::Cancelled => RED,
-        RunStatus::WaitingApproval | RunStatus::NeedsReconciliation => YELLOW,
+        RunStatus::WaitingApproval | RunStatus::NeedsReconciliation | RunStatus::WaitingSignal => {
+            YELLOW
+        }
         RunStatus::Running | RunStatus::Cancelling | RunStatus::Compensating => CYAN,
     }
 }
@@ -84,7 +86,7 @@ pub fn paint_status(style: Style, status: &str) -> String {
     let code = match status {
         "succeeded" => GREEN,
         "failed" | "cancelled" => RED,
-        "waiting_approval" | "needs_reconciliation" => YELLOW,
+        "waiting_approval" | "needs_reconciliation" | "waiting_signal" => YELLOW,
         _ => CYAN,
     };
     style.paint(code, status)
@@ -368,6 +370,67 @@ impl Timeline {
                 "forgotten",
                 DIM,
                 format!("payloads dropped ({reason})"),
+            ),
+            EventBody::SignalWaitOpened {
+                step_id,
+                node,
+                signal,
+                many,
+                wanted,
+                expires_at,
+            } => {
+                self.nodes.insert(step_id.clone(), node.clone());
+                let what = if *many {
+                    format!("{wanted} × signal {signal}")
+                } else {
+                    format!("signal {signal}")
+                };
+                (
+                    node.clone(),
+                    "waiting",
+                    YELLOW,
+                    format!(
+                        "for {what}{}",
+                        expires_at
+                            .map(|t| format!(", until {}", date_time(t)))
+                            .unwrap_or_default()
+                    ),
+                )
+            }
+            EventBody::SignalReceived {
+                step_id,
+                signal,
+                signal_id,
+                payload,
+                sent_by,
+            } => (
+                self.node_of(step_id),
+                "signal",
+                GREEN,
+                format!(
+                    "{signal} {signal_id} from {sent_by} {}",
+                    compact(payload, 60)
+                ),
+            ),
+            EventBody::SignalBuffered {
+                signal,
+                signal_id,
+                sent_by,
+                ..
+            } => (
+                "run".into(),
+                "kept",
+                DIM,
+                format!("{signal} {signal_id} from {sent_by}, before its wait opened"),
+            ),
+            EventBody::SignalWaitExpired {
+                step_id,
+                on_timeout,
+            } => (
+                self.node_of(step_id),
+                "expired",
+                RED,
+                format!("no signal before the deadline ({on_timeout})"),
             ),
         };
         let line = format!(

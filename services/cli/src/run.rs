@@ -45,6 +45,20 @@ enum Sub {
     Reject(Decision),
     /// Cancel a run: no new dispatches; in-flight outcomes are recorded; compensations run.
     Cancel { run_id: String },
+    /// Send a signal a node of the run waits for (`wait: {signal: NAME}`): taken by the
+    /// open wait, or kept until the wait opens.
+    Signal {
+        run_id: String,
+        /// The signal's name.
+        name: String,
+        /// The signal's payload (JSON), held to the wait's schema.
+        #[arg(long, default_value = "null")]
+        payload: String,
+        /// Your id of this event: a signal id is taken once per run, however often it is
+        /// sent (default: a new one each time).
+        #[arg(long)]
+        signal_id: Option<String>,
+    },
     /// Delete a finished run (`DELETE /v1/runs/{id}`, operator role): its data key is
     /// destroyed (crypto-shredding: its payloads no longer open anywhere), its state
     /// keeps only its shape, its step results are tombstoned. Cancel a running run first.
@@ -242,6 +256,27 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Sub::Cancel { run_id } => {
             client
                 .send(client.request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel")))
+                .await?
+        }
+        Sub::Signal {
+            run_id,
+            name,
+            payload,
+            signal_id,
+        } => {
+            let mut body = json!({"payload": parse_json("--payload", &payload)?});
+            if let Some(id) = signal_id {
+                body["signal_id"] = id.into();
+            }
+            client
+                .send(
+                    client
+                        .request(
+                            reqwest::Method::POST,
+                            &format!("/v1/runs/{run_id}/signals/{name}"),
+                        )
+                        .json(&body),
+                )
                 .await?
         }
         Sub::Forget { run_id, reason } => {

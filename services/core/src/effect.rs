@@ -68,6 +68,8 @@ pub enum TimerKey {
     RunDeadline,
     /// A finished run's retention ends: its payloads are forgotten.
     Retention,
+    /// A signal wait's deadline (`wait.timeout`).
+    SignalWait { step_id: String },
 }
 
 impl TimerKey {
@@ -82,6 +84,7 @@ impl TimerKey {
             } => format!("expiry/{interrupt_id}/{round}"),
             TimerKey::RunDeadline => "deadline".to_owned(),
             TimerKey::Retention => "retention".to_owned(),
+            TimerKey::SignalWait { step_id } => format!("wait/{step_id}/0"),
         }
     }
 
@@ -108,6 +111,7 @@ impl TimerKey {
                 interrupt_id: id,
                 round: n,
             },
+            "wait" if n == 0 => TimerKey::SignalWait { step_id: id },
             _ => return None,
         })
     }
@@ -134,6 +138,9 @@ mod tests {
             },
             TimerKey::RunDeadline,
             TimerKey::Retention,
+            TimerKey::SignalWait {
+                step_id: "laptop#1".into(),
+            },
         ] {
             assert_eq!(TimerKey::decode(&key.encode()), Some(key));
         }

@@ -66,6 +66,9 @@ impl Event {
                 *reason = None;
             }
             EventBody::CancelRequested { reason, .. } => *reason = None,
+            EventBody::SignalReceived { payload, .. }
+            | EventBody::SignalBuffered { payload, .. } => *payload = Value::Null,
+            EventBody::SignalWaitOpened { .. } | EventBody::SignalWaitExpired { .. } => {}
             EventBody::CommandAccepted { .. }
             | EventBody::CommandRejected { .. }
             | EventBody::StepStarted { .. }
@@ -253,6 +256,40 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         edited_args: Option<Value>,
     },
+    /// A node began to wait for an outside signal (`wait:`); its deadline is armed.
+    SignalWaitOpened {
+        step_id: String,
+        node: String,
+        signal: String,
+        /// Several signals (a list) rather than one.
+        many: bool,
+        /// How many signals end the wait.
+        wanted: u32,
+        expires_at: Option<i64>,
+    },
+    /// A wait took a signal (the command that carried it is the event's `command_id`).
+    /// The wait is done once it took `wanted` signals.
+    SignalReceived {
+        step_id: String,
+        signal: String,
+        signal_id: String,
+        payload: Value,
+        sent_by: String,
+    },
+    /// A signal arrived before its wait opened: it is kept in the run's state and taken
+    /// when the wait opens (its command is answered now: accepted).
+    SignalBuffered {
+        signal: String,
+        signal_id: String,
+        payload: Value,
+        sent_by: String,
+    },
+    /// A wait's deadline passed: `on_timeout` is `fail`, `continue` (the wait is done
+    /// with what arrived) or `goto` (the node's substitute runs).
+    SignalWaitExpired {
+        step_id: String,
+        on_timeout: String,
+    },
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -294,6 +331,10 @@ impl EventBody {
             EventBody::RunStatusChanged { .. } => "RunStatusChanged",
             EventBody::RunForgotten { .. } => "RunForgotten",
             EventBody::DecisionBuffered { .. } => "DecisionBuffered",
+            EventBody::SignalWaitOpened { .. } => "SignalWaitOpened",
+            EventBody::SignalReceived { .. } => "SignalReceived",
+            EventBody::SignalBuffered { .. } => "SignalBuffered",
+            EventBody::SignalWaitExpired { .. } => "SignalWaitExpired",
         }
     }
 }

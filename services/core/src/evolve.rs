@@ -6,7 +6,11 @@ use std::sync::Arc;
 use crate::{
     effect::TimerKey,
     event::{Event, EventBody},
-    state::{Answer, Ending, Interrupt, InterruptStatus, RunState, Step, StepStatus},
+    signal::Received,
+    state::{
+        Answer, EarlySignal, Ending, Interrupt, InterruptStatus, RunState, Step, StepStatus, Wait,
+        WaitStatus,
+    },
 };
 
 /// Applies `event` to `state`. `None` is a run that does not exist (yet).
@@ -55,6 +59,8 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 rules: *rules,
                 forked_from: None,
                 forgotten: None,
+                waits: Default::default(),
+                early_signals: Vec::new(),
             };
             if let Some(fork) = forked_from {
                 crate::decide::fork::carry(&mut state, fork);
@@ -432,12 +438,101 @@ fn apply_body(state: &mut RunState, event: &Event) {
             if status.is_terminal() {
                 state.output = output.clone();
                 state.timers.clear();
+                // Signals kept for waits that never opened are dropped with the run's
+                // open work (their commands were answered when they were kept).
+                state.early_signals.clear();
                 if let Some(due) = forget_at {
                     state.timers.insert(TimerKey::Retention.encode(), *due);
                 }
             }
         }
         EventBody::RunForgotten { reason } => state.forget(event.at, reason),
+        EventBody::SignalWaitOpened {
+            step_id,
+            node,
+            signal,
+            many,
+            wanted,
+            expires_at,
+        } => {
+            state.waits.insert(
+                step_id.clone(),
+                Wait {
+                    step_id: step_id.clone(),
+                    node: node.clone(),
+                    signal: signal.clone(),
+                    many: *many,
+                    wanted: *wanted,
+                    expires_at: *expires_at,
+                    status: WaitStatus::Open,
+                    received: Vec::new(),
+                    timed_out: false,
+                },
+            );
+            if let Some(due) = expires_at {
+                let key = TimerKey::SignalWait {
+                    step_id: step_id.clone(),
+                };
+                state.timers.insert(key.encode(), *due);
+            }
+        }
+        EventBody::SignalReceived {
+            step_id,
+            signal_id,
+            payload,
+            sent_by,
+            ..
+        } => {
+            let command_id = event.command_id.as_deref().unwrap_or_default();
+            state
+                .early_signals
+                .retain(|e| e.signal_id != *signal_id && e.command_id != command_id);
+            if let Some(wait) = state.waits.get_mut(step_id) {
+                wait.received.push(Received {
+                    signal_id: signal_id.clone(),
+                    payload: payload.clone(),
+                    sent_by: sent_by.clone(),
+                    at: event.at,
+                });
+                if wait.received.len() as u32 >= wait.wanted {
+                    wait.status = WaitStatus::Done;
+                    let key = TimerKey::SignalWait {
+                        step_id: step_id.clone(),
+                    };
+                    state.timers.remove(&key.encode());
+                }
+            }
+        }
+        EventBody::SignalBuffered {
+            signal,
+            signal_id,
+            payload,
+            sent_by,
+        } => state.early_signals.push(EarlySignal {
+            command_id: event.command_id.clone().unwrap_or_default(),
+            signal: signal.clone(),
+            signal_id: signal_id.clone(),
+            payload: payload.clone(),
+            sent_by: sent_by.clone(),
+            at: event.at,
+        }),
+        EventBody::SignalWaitExpired {
+            step_id,
+            on_timeout,
+        } => {
+            if let Some(wait) = state.waits.get_mut(step_id) {
+                wait.timed_out = true;
+                wait.status = if on_timeout == "continue" {
+                    WaitStatus::Done
+                } else {
+                    WaitStatus::Expired
+                };
+                let key = TimerKey::SignalWait {
+                    step_id: step_id.clone(),
+                };
+                state.timers.remove(&key.encode());
+            }
+        }
     }
 }
 
@@ -469,6 +564,11 @@ fn close_open_work(state: &mut RunState, interrupt_status: InterruptStatus) {
     for step in state.steps.values_mut() {
         if step.status == StepStatus::WaitingRetry {
             Arc::make_mut(step).status = StepStatus::Abandoned;
+        }
+    }
+    for wait in state.waits.values_mut() {
+        if wait.status == WaitStatus::Open {
+            wait.status = WaitStatus::Closed;
         }
     }
     state.timers.retain(|key, _| key.starts_with("timeout/"));

@@ -13,7 +13,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{duration::Millis, json, mcp};
+use crate::{
+    duration::Millis,
+    json, mcp,
+    signal::{self, OnWaitTimeout, SignalWait},
+};
 
 /// What retrying a node's call may mean for its receiver (SPEC §4.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -200,6 +204,11 @@ pub struct Node {
     /// absent: derived from the declared `args` (see [`Graph::tool_specs`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input_schema: Option<Value>,
+    /// A wait for an outside signal instead of a call ([`crate::signal`]): such a node's
+    /// `tool` is [`signal::WAIT_TOOL`] and its side effect `pure`, filled in when the
+    /// definition is parsed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<SignalWait>,
 }
 
 /// The model API an `llm` node speaks (`config.api`), which decides the shape of its
@@ -429,12 +438,20 @@ mod validate;
 impl Graph {
     /// Parses a graph from YAML or JSON (JSON is YAML) and validates it.
     pub fn parse(text: &str) -> Result<Graph, InvalidGraph> {
-        let mut graph: Graph = serde_yaml::from_str(text).map_err(|e| {
+        let invalid = |e: serde_yaml::Error| {
             InvalidGraph(vec![GraphError {
                 node: None,
                 problem: e.to_string(),
             }])
-        })?;
+        };
+        let mut document: serde_yaml::Value = serde_yaml::from_str(text).map_err(invalid)?;
+        let waits = fill_waiting_nodes(&mut document);
+        let mut graph: Graph = if waits {
+            serde_yaml::from_value(document).map_err(invalid)?
+        } else {
+            // Parsed from the text again, so errors keep their line and column.
+            serde_yaml::from_str(text).map_err(invalid)?
+        };
         graph.validate()?;
         graph.mcp_nodes = graph.derive_mcp_nodes();
         Ok(graph)
@@ -602,6 +619,13 @@ impl Graph {
         Value::Array(specs)
     }
 
+    /// The node that waits for signal `name`, if any (names are unique among waits).
+    pub fn waiting_for(&self, name: &str) -> Option<&Node> {
+        self.nodes
+            .iter()
+            .find(|n| n.wait.as_ref().is_some_and(|w| w.signal == name))
+    }
+
     pub fn key(&self) -> String {
         format!("{}@{}", self.id, self.version)
     }
@@ -633,6 +657,14 @@ impl Graph {
                 OnReject::Goto(target) => Some(target),
                 OnReject::Fail => None,
             }))
+            .chain(
+                self.nodes
+                    .iter()
+                    .filter_map(|n| match n.wait.as_ref().map(|w| &w.on_timeout) {
+                        Some(OnWaitTimeout::Goto(target)) => Some(target),
+                        _ => None,
+                    }),
+            )
             .map(String::as_str)
             .collect()
     }
@@ -695,6 +727,31 @@ impl Graph {
         }
         out
     }
+}
+
+/// Gives each node that waits for a signal (`wait:`) the tool and side effect it has on
+/// the wire ([`signal::WAIT_TOOL`], `pure`) where the author left them out. Whether there
+/// was any such node.
+fn fill_waiting_nodes(document: &mut serde_yaml::Value) -> bool {
+    let mut any = false;
+    let nodes = document
+        .get_mut("nodes")
+        .and_then(serde_yaml::Value::as_sequence_mut);
+    for node in nodes.into_iter().flatten() {
+        let Some(map) = node.as_mapping_mut() else {
+            continue;
+        };
+        if !map.contains_key("wait") {
+            continue;
+        }
+        any = true;
+        for (key, value) in [("tool", signal::WAIT_TOOL), ("side_effect", "pure")] {
+            if !map.contains_key(key) {
+                map.insert(key.into(), value.into());
+            }
+        }
+    }
+    any
 }
 
 /// Identifies a published graph version.

@@ -96,6 +96,15 @@ pub enum CommandBody {
     ForgetRun {
         reason: Option<String>,
     },
+    /// An outside event a node of the run waits for (`wait: {signal: <name>}`).
+    SignalRun {
+        /// The signal's name.
+        name: String,
+        /// The sender's id of this event: a signal id is taken once (a command without
+        /// one uses its command id).
+        signal_id: String,
+        payload: Value,
+    },
 }
 
 /// Where a forked run starts: the source run at one of its versions. The fold sees one
@@ -125,6 +134,7 @@ impl CommandBody {
             CommandBody::CancelRun { .. } => "CancelRun",
             CommandBody::ReconcileOperation { .. } => "ReconcileOperation",
             CommandBody::ForgetRun { .. } => "ForgetRun",
+            CommandBody::SignalRun { .. } => "SignalRun",
         }
     }
 }

@@ -27,6 +27,7 @@ pub mod limits;
 pub mod mcp;
 pub mod seal;
 pub mod shadow;
+pub mod signal;
 pub mod state;
 pub mod status;
 

@@ -251,6 +251,7 @@ pub fn tool_node(server: &McpServer, tool: &PinnedTool) -> Node {
         mcp: Vec::new(),
         description: tool.description.clone(),
         input_schema: Some(tool.input_schema.clone()),
+        wait: None,
     }
 }
 

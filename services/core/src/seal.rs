@@ -192,6 +192,9 @@ impl Event {
                 each(edited_args, f);
             }
             EventBody::RunStatusChanged { output, .. } => each(output, f),
+            EventBody::SignalReceived { payload, .. }
+            | EventBody::SignalBuffered { payload, .. } => f(payload),
+            EventBody::SignalWaitOpened { .. } | EventBody::SignalWaitExpired { .. } => {}
             EventBody::CommandAccepted { .. }
             | EventBody::CommandRejected { .. }
             | EventBody::StepStarted { .. }
@@ -255,6 +258,14 @@ impl RunState {
             each(&mut decision.edited_args, f);
             each_text(&mut decision.comment, f);
         }
+        for wait in self.waits.values_mut() {
+            for signal in &mut wait.received {
+                f(&mut signal.payload);
+            }
+        }
+        for early in &mut self.early_signals {
+            f(&mut early.payload);
+        }
     }
 
     /// This state as written to Kafka (and sled) under `seal`.
@@ -312,6 +323,7 @@ impl Input {
                 CommandBody::CancelRun { reason } => each_text(reason, f),
                 // Why a run was forgotten stays readable: it is the audit summary's.
                 CommandBody::ForgetRun { .. } => {}
+                CommandBody::SignalRun { payload, .. } => f(payload),
             },
             Input::StepReport(report) => {
                 if let StepOutcome::Succeeded { output } = &mut report.outcome {

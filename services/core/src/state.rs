@@ -70,6 +70,63 @@ pub struct RunState {
     /// this state is its audit summary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forgotten: Option<Forgotten>,
+    /// Waits for outside signals, by the step id of their node (absent in runs that
+    /// never waited).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub waits: BTreeMap<String, Wait>,
+    /// Signals that arrived before their wait opened, oldest first (bounded:
+    /// [`crate::signal::MAX_EARLY_SIGNALS`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub early_signals: Vec<EarlySignal>,
+}
+
+/// A node's wait for an outside signal.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Wait {
+    pub step_id: String,
+    pub node: String,
+    pub signal: String,
+    pub many: bool,
+    /// How many signals end it.
+    pub wanted: u32,
+    pub expires_at: Option<i64>,
+    pub status: WaitStatus,
+    /// The signals taken, in the order they were taken.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub received: Vec<crate::signal::Received>,
+    /// Ended by its deadline (`on_timeout: continue`, or the wait expired).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
+}
+
+impl Wait {
+    /// What the wait gives the nodes after it (see [`crate::signal::output`]).
+    pub fn output(&self) -> Value {
+        crate::signal::output(&self.signal, self.many, &self.received, self.timed_out)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitStatus {
+    Open,
+    /// Its signals arrived (or its deadline passed with `on_timeout: continue`).
+    Done,
+    /// Its deadline passed (`on_timeout: fail` or `goto`).
+    Expired,
+    /// Closed unanswered because the run began to wind down.
+    Closed,
+}
+
+/// A signal kept for a wait that is not open yet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EarlySignal {
+    pub command_id: String,
+    pub signal: String,
+    pub signal_id: String,
+    pub payload: Value,
+    pub sent_by: String,
+    pub at: i64,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -278,6 +335,12 @@ impl RunState {
             interrupt.edited_args = None;
         }
         self.buffered.clear();
+        for wait in self.waits.values_mut() {
+            for signal in &mut wait.received {
+                signal.payload = Value::Null;
+            }
+        }
+        self.early_signals.clear();
         self.timers.clear();
         self.forgotten = Some(Forgotten {
             at,
@@ -296,12 +359,26 @@ impl RunState {
         self.timers.get(&key.encode()).copied()
     }
 
+    /// Whether a signal with this id was taken by a wait or is kept for one.
+    pub fn has_signal(&self, signal_id: &str) -> bool {
+        self.waits
+            .values()
+            .flat_map(|w| &w.received)
+            .any(|r| r.signal_id == signal_id)
+            || self.early_signals.iter().any(|e| e.signal_id == signal_id)
+    }
+
+    pub fn open_waits(&self) -> impl Iterator<Item = &Wait> {
+        self.waits.values().filter(|w| w.status == WaitStatus::Open)
+    }
+
     /// The next free step id for `node`: `<node>#<n>`.
     pub fn next_step_id(&self, node: &str) -> String {
         let taken = self
             .steps
             .keys()
             .chain(self.interrupts.values().map(|i| &i.step_id))
+            .chain(self.waits.keys())
             .filter_map(|id| id.rsplit_once('#'))
             .filter(|(n, _)| *n == node)
             .filter_map(|(_, k)| k.parse::<u32>().ok())

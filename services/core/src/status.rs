@@ -21,9 +21,24 @@ pub enum RunStatus {
     Succeeded,
     Failed,
     Cancelled,
+    /// Nothing is in flight and the run waits for an outside signal (`wait:`).
+    WaitingSignal,
 }
 
 impl RunStatus {
+    /// Every status, in the order a person reads them.
+    pub const ALL: [RunStatus; 9] = [
+        RunStatus::Running,
+        RunStatus::WaitingApproval,
+        RunStatus::WaitingSignal,
+        RunStatus::NeedsReconciliation,
+        RunStatus::Cancelling,
+        RunStatus::Compensating,
+        RunStatus::Succeeded,
+        RunStatus::Failed,
+        RunStatus::Cancelled,
+    ];
+
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
@@ -43,7 +58,7 @@ impl RunStatus {
             return false;
         }
         match self {
-            Running | WaitingApproval | NeedsReconciliation => true,
+            Running | WaitingApproval | NeedsReconciliation | WaitingSignal => true,
             // Winding down, a run may wait for an operator (and come back) but never
             // runs forward again.
             Cancelling => matches!(next, Cancelled | Failed | NeedsReconciliation),
@@ -62,6 +77,7 @@ impl RunStatus {
             RunStatus::Succeeded => "succeeded",
             RunStatus::Failed => "failed",
             RunStatus::Cancelled => "cancelled",
+            RunStatus::WaitingSignal => "waiting_signal",
         }
     }
 }
@@ -82,6 +98,7 @@ mod tests {
                 Succeeded,
                 Failed,
                 Cancelled,
+                WaitingSignal,
             ] {
                 assert!(!terminal.can_become(next), "{terminal:?} -> {next:?}");
             }

@@ -82,6 +82,29 @@ edges:
   - {from: reserve, to: note}
   - {from: book, to: receipt}
 "#,
+    // Waits for signals: one with a goto escalation and a role, a list with a schema that
+    // continues at its deadline, one that fails the run at its deadline.
+    r#"
+id: waits
+version: 1
+nodes:
+  - {id: a, tool: http, side_effect: keyed, compensate_with: undo, timeout: 5s}
+  - id: w1
+    wait: {signal: s1, timeout: 10m, on_timeout: {goto: alt}, roles: [sender]}
+  - {id: alt, tool: echo, side_effect: pure, timeout: 5s}
+  - id: w2
+    wait: {signal: s2, many: true, count: 2, timeout: 10m, on_timeout: continue, schema: {type: object, required: [ok]}}
+  - id: w3
+    wait: {signal: s3, timeout: 1h}
+  - {id: undo, tool: http, side_effect: keyed}
+  - {id: done, tool: echo, side_effect: pure, args: {one: $steps.w1.output, list: $steps.w2.output.signals}}
+edges:
+  - {from: a, to: w1}
+  - {from: a, to: w2}
+  - {from: w1, to: w3}
+  - {from: w2, to: done}
+  - {from: w3, to: done}
+"#,
 ];
 
 fn graphs() -> Graphs {
@@ -120,6 +143,14 @@ enum Action {
         outcome: u8,
     },
     Duplicate,
+    /// A signal: one of the graph's names or another, a signal id of a few, with or
+    /// without the sender role, a payload the schema takes or not.
+    Signal {
+        name: u8,
+        id: u8,
+        sender: bool,
+        ok: bool,
+    },
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -132,6 +163,7 @@ fn action() -> impl Strategy<Value = Action> {
         2 => Just(Action::NextTimer),
         1 => (any::<usize>(), 0u8..6).prop_map(|(pick, outcome)| Action::Late { pick, outcome }),
         1 => Just(Action::Duplicate),
+        3 => (0u8..4, 0u8..5, any::<bool>(), any::<bool>()).prop_map(|(name, id, sender, ok)| Action::Signal { name, id, sender, ok }),
     ]
 }
 
@@ -360,6 +392,32 @@ impl Sim {
                 self.now += ms;
                 self.fire_due();
             }
+            Action::Signal {
+                name,
+                id,
+                sender,
+                ok,
+            } => {
+                let payload = if *ok {
+                    json!({"ok": true})
+                } else {
+                    json!({"no": 1})
+                };
+                let roles = if *sender {
+                    vec!["sender".into()]
+                } else {
+                    vec![]
+                };
+                self.command(
+                    CommandBody::SignalRun {
+                        name: format!("s{name}"),
+                        signal_id: format!("sig{id}"),
+                        payload,
+                    },
+                    "svc",
+                    roles,
+                );
+            }
             Action::Duplicate => {
                 if let Some(Input::Command(c)) = self
                     .inputs
@@ -483,7 +541,7 @@ proptest! {
 
     #[test]
     fn the_fold_is_deterministic_event_sourced_and_terminates(
-        graph in prop_oneof![Just("mixed"), Just("gate"), Just("order")],
+        graph in prop_oneof![Just("mixed"), Just("gate"), Just("order"), Just("waits")],
         ask in any::<bool>(),
         actions in proptest::collection::vec(action(), 0..40),
         silent in 0usize..6,
@@ -546,6 +604,8 @@ proptest! {
                 prop_assert!(run.buffered.is_empty(), "an ended run still holds early decisions");
             }
             RunStatus::WaitingApproval => prop_assert!(run.open_interrupts().next().is_some()),
+            // Every wait has a deadline, and draining fires every timer.
+            RunStatus::WaitingSignal => prop_assert!(false, "waiting for a signal after every deadline passed"),
             RunStatus::NeedsReconciliation => {
                 prop_assert!(run.steps.values().any(|s| s.status == StepStatus::NeedsOperator), "{:?} without an operator task", run.status);
             }

@@ -51,4 +51,8 @@ scenarios!(
     cancel_then_lookup_cannot_tell_hands_to_an_operator,
     cancel_then_timeout_by_side_effect_class,
     failure_then_unsafe_timeout_waits_for_an_operator,
+    signal_wait_takes_one_signal_once,
+    signal_before_its_wait_is_kept_and_taken,
+    signal_deadline_fails_escalates_or_continues,
+    signal_deadline_fails_the_run,
 );

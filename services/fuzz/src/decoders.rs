@@ -93,6 +93,15 @@ pub fn avro_command(bytes: &[u8]) {
                 shaped("output", output);
             }
         }
+        B::SignalRun {
+            name,
+            signal_id,
+            payload,
+        } => {
+            identified("signal name", name);
+            identified("signal_id", signal_id);
+            shaped("payload", payload);
+        }
         B::CancelRun { reason } | B::ForgetRun { reason } => {
             assert!(reason
                 .as_ref()

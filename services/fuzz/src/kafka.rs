@@ -172,7 +172,7 @@ fn command(rng: &mut Rng, ctx: &Context) -> Hostile {
         run = ctx.victims[rng.below(ctx.victims.len())].clone();
         kind = "a command about another tenant's run";
     }
-    let body = match rng.below(7) {
+    let body = match rng.below(8) {
         0 | 1 => w::CommandBody::StartRun(w::StartRun {
             graph_id: match rng.below(4) {
                 0 => id(rng, "graph"),
@@ -208,6 +208,15 @@ fn command(rng: &mut Rng, ctx: &Context) -> Hostile {
         }),
         4 => w::CommandBody::ForgetRun(w::ForgetRun {
             reason: Some(text(rng)),
+        }),
+        5 => w::CommandBody::SignalRun(w::SignalRun {
+            name: [id(rng, "signal"), String::new(), "x".repeat(300)][rng.below(3)].clone(),
+            signal_id: [None, Some(id(rng, "sig")), Some("\u{0}".to_owned())][rng.below(3)].clone(),
+            payload: match rng.below(4) {
+                0 => Some("{not json".to_owned()),
+                1 => None,
+                _ => Some(payload(rng).to_string()),
+            },
         }),
         _ => w::CommandBody::ReconcileOperation(w::ReconcileOperation {
             operation_id: id(rng, "op"),

@@ -89,14 +89,16 @@ impl ApiError {
     pub fn from_reject(code: &str, reason: &str) -> Self {
         let status = match code {
             "unknown_run" => StatusCode::NOT_FOUND,
-            "unknown_graph" => StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_graph" | "invalid_payload" => StatusCode::UNPROCESSABLE_ENTITY,
             "forbidden" | "not_in_group" => StatusCode::FORBIDDEN,
             // The bearer was fine; the reducers do not accept this gateway's signature
             // (no --signing-key, or a key missing from their keyring): a deployment fault.
             "unauthenticated" => StatusCode::BAD_GATEWAY,
             "conflict" | "run_id_unavailable" | "bad_state" | "stale_proposal"
             | "already_decided" | "expired" | "duplicate_approver" | "unknown_interrupt"
-            | "unknown_operation" => StatusCode::CONFLICT,
+            | "unknown_operation" | "unknown_signal" | "not_waiting" | "too_many_signals" => {
+                StatusCode::CONFLICT
+            }
             // A code this build does not know: the command was refused, so a conflict.
             _ => StatusCode::CONFLICT,
         };

@@ -107,6 +107,19 @@ impl Catalog {
         graph.node(node).map(|n| graph.is_tool_loop(n))
     }
 
+    /// The wait of the graph version for signal `name`: `Some(None)` when the version
+    /// is known here and waits for no such signal, `None` when the version is not known.
+    pub fn signal_wait(
+        &self,
+        graph_id: &str,
+        version: u32,
+        name: &str,
+    ) -> Option<Option<sortie_core::signal::SignalWait>> {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        let graph = graphs.get(graph_id, Some(version))?;
+        Some(graph.waiting_for(name).and_then(|n| n.wait.clone()))
+    }
+
     /// Who may start and cancel runs of the graph (its latest version for `None`), when
     /// the graph is known here.
     pub fn access(&self, graph_id: &str, version: Option<u32>) -> Option<Access> {

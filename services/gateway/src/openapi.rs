@@ -194,6 +194,27 @@ pub fn document() -> Value {
                     "additionalProperties": false,
                     "properties": {"reason": {"type": "string"}}
                 },
+                "Signal": {
+                    "type": "object",
+                    "additionalProperties": false,
+                    "properties": {
+                        "payload": {"description": format!("The signal's payload (JSON; absent: null), held to the wait's schema; {}. Travels inline: pass large artifacts by URI.", shape())},
+                        "signal_id": {"type": "string", "maxLength": 200, "description": "The sender's id of this event: taken once per run, whatever request carries it (absent: the command id, i.e. the Idempotency-Key)."}
+                    }
+                },
+                "SignalWritten": {
+                    "type": "object",
+                    "required": ["run_id", "status", "command_id", "position", "signal", "signal_id"],
+                    "properties": {
+                        "run_id": {"type": "string"},
+                        "status": {"type": "string", "description": "The run's status after the signal."},
+                        "command_id": {"type": "string"},
+                        "position": {"type": "string", "description": "The answering event's log position, for min_position."},
+                        "duplicate": {"type": "boolean"},
+                        "signal": {"enum": ["taken", "kept", "duplicate"], "description": "taken: an open wait took it; kept: its wait has not opened yet and takes it when it does; duplicate: this signal id was taken or kept already."},
+                        "signal_id": {"type": "string"}
+                    }
+                },
                 "Reconcile": {
                     "type": "object",
                     "required": ["outcome"],
@@ -221,7 +242,7 @@ pub fn document() -> Value {
                         "run_id": {"type": "string"},
                         "checkpoint_ns": {"type": "string"},
                         "graph_id": {"type": "string"},
-                        "status": {"enum": ["running", "waiting_approval", "needs_reconciliation", "cancelling", "compensating", "succeeded", "failed", "cancelled"]},
+                        "status": {"enum": ["running", "waiting_approval", "waiting_signal", "needs_reconciliation", "cancelling", "compensating", "succeeded", "failed", "cancelled"]},
                         "version": {"type": "integer"},
                         "last_checkpoint_id": {"type": "string"},
                         "steps_done": {"type": "integer"},
@@ -376,6 +397,22 @@ pub fn document() -> Value {
                     "parameters": [run_id(), idempotency_key()],
                     "requestBody": body("Cancel", false),
                     "responses": write_errors(json!({"200": ok("status is cancelling or cancelled.", "Written")}))
+                }
+            },
+            "/v1/runs/{run_id}/signals/{name}": {
+                "post": {
+                    "summary": "Send a signal a node of the run waits for (wait: {signal: <name>})",
+                    "security": security,
+                    "parameters": [
+                        run_id(),
+                        param("name", "path", "The signal's name, as the graph's wait declares it.", json!({"type": "string", "maxLength": 200})),
+                        idempotency_key()
+                    ],
+                    "requestBody": body("Signal", false),
+                    "responses": write_errors(json!({
+                        "200": ok("Taken, kept for its wait, or a duplicate of a signal id already taken.", "SignalWritten"),
+                        "422": error_response("`invalid_payload`: the payload does not match the wait's schema (the message names the first place that fails).")
+                    }))
                 }
             },
             "/v1/runs/{run_id}/events": {

@@ -218,6 +218,20 @@ fn command_with_payloads(
                 reason: forget.reason,
             }
         }
+        w::CommandBody::SignalRun(signal) => {
+            id("signal name", &signal.name)?;
+            if let Some(signal_id) = &signal.signal_id {
+                id("signal_id", signal_id)?;
+            }
+            CommandBody::SignalRun {
+                name: signal.name,
+                signal_id: signal
+                    .signal_id
+                    .unwrap_or_else(|| command.command_id.clone()),
+                payload: payload_or_null_opt("payload", &signal.payload, breach)?
+                    .unwrap_or(Value::Null),
+            }
+        }
         w::CommandBody::ReconcileOperation(reconcile) => {
             id("operation_id", &reconcile.operation_id)?;
             client_text("error", &reconcile.error)?;
@@ -326,6 +340,7 @@ pub fn status_to_wire(status: RunStatus) -> w::RunStatus {
         RunStatus::Succeeded => w::RunStatus::Succeeded,
         RunStatus::Failed => w::RunStatus::Failed,
         RunStatus::Cancelled => w::RunStatus::Cancelled,
+        RunStatus::WaitingSignal => w::RunStatus::WaitingSignal,
     }
 }
 
@@ -339,6 +354,7 @@ pub fn status_from_wire(status: w::RunStatus) -> RunStatus {
         w::RunStatus::Succeeded => RunStatus::Succeeded,
         w::RunStatus::Failed => RunStatus::Failed,
         w::RunStatus::Cancelled => RunStatus::Cancelled,
+        w::RunStatus::WaitingSignal => RunStatus::WaitingSignal,
     }
 }
 
@@ -622,6 +638,52 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             groups: groups.clone(),
             edited_args: edited_args.as_ref().map(text),
         }),
+        EventBody::SignalWaitOpened {
+            step_id,
+            node,
+            signal,
+            many,
+            wanted,
+            expires_at,
+        } => w::EventBody::SignalWaitOpened(w::SignalWaitOpened {
+            step_id: step_id.clone(),
+            node: node.clone(),
+            signal: signal.clone(),
+            many: *many,
+            wanted: *wanted as i32,
+            expires_at: *expires_at,
+        }),
+        EventBody::SignalReceived {
+            step_id,
+            signal,
+            signal_id,
+            payload,
+            sent_by,
+        } => w::EventBody::SignalReceived(w::SignalReceived {
+            step_id: step_id.clone(),
+            signal: signal.clone(),
+            signal_id: signal_id.clone(),
+            payload: text(payload),
+            sent_by: sent_by.clone(),
+        }),
+        EventBody::SignalBuffered {
+            signal,
+            signal_id,
+            payload,
+            sent_by,
+        } => w::EventBody::SignalBuffered(w::SignalBuffered {
+            signal: signal.clone(),
+            signal_id: signal_id.clone(),
+            payload: text(payload),
+            sent_by: sent_by.clone(),
+        }),
+        EventBody::SignalWaitExpired {
+            step_id,
+            on_timeout,
+        } => w::EventBody::SignalWaitExpired(w::SignalWaitExpired {
+            step_id: step_id.clone(),
+            on_timeout: on_timeout.clone(),
+        }),
     };
     w::RunEvent {
         tenant: event.tenant.clone(),
@@ -766,6 +828,31 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             comment: e.comment,
             groups: e.groups,
             edited_args: json_opt("edited_args", &e.edited_args)?,
+        },
+        w::EventBody::SignalWaitOpened(e) => EventBody::SignalWaitOpened {
+            step_id: e.step_id,
+            node: e.node,
+            signal: e.signal,
+            many: e.many,
+            wanted: u32_of("wanted", e.wanted)?,
+            expires_at: e.expires_at,
+        },
+        w::EventBody::SignalReceived(e) => EventBody::SignalReceived {
+            step_id: e.step_id,
+            signal: e.signal,
+            signal_id: e.signal_id,
+            payload: json("payload", &e.payload)?,
+            sent_by: e.sent_by,
+        },
+        w::EventBody::SignalBuffered(e) => EventBody::SignalBuffered {
+            signal: e.signal,
+            signal_id: e.signal_id,
+            payload: json("payload", &e.payload)?,
+            sent_by: e.sent_by,
+        },
+        w::EventBody::SignalWaitExpired(e) => EventBody::SignalWaitExpired {
+            step_id: e.step_id,
+            on_timeout: e.on_timeout,
         },
     };
     Ok(Event {

@@ -50,6 +50,8 @@ pub enum CommandBody {
     ReconcileOperation(ReconcileOperation),
     /// Added in 0.3: forget a finished run now (crypto-shredding).
     ForgetRun(ForgetRun),
+    /// Added in 0.4: an outside event a node of the run waits for.
+    SignalRun(SignalRun),
 }
 
 impl CommandBody {
@@ -61,6 +63,7 @@ impl CommandBody {
             CommandBody::CancelRun(_) => "CancelRun",
             CommandBody::ReconcileOperation(_) => "ReconcileOperation",
             CommandBody::ForgetRun(_) => "ForgetRun",
+            CommandBody::SignalRun(_) => "SignalRun",
         }
     }
 }
@@ -110,6 +113,17 @@ pub struct CancelRun {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForgetRun {
     pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalRun {
+    pub name: String,
+    /// The sender's id of the event (`None`: the command id).
+    #[serde(default)]
+    pub signal_id: Option<String>,
+    /// JSON; `None` is JSON null.
+    #[serde(default)]
+    pub payload: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -242,6 +256,50 @@ pub enum EventBody {
     RunStatusChanged(RunStatusChanged),
     DecisionBuffered(DecisionBuffered),
     RunForgotten(RunForgotten),
+    SignalWaitOpened(SignalWaitOpened),
+    SignalReceived(SignalReceived),
+    SignalBuffered(SignalBuffered),
+    SignalWaitExpired(SignalWaitExpired),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalWaitOpened {
+    pub step_id: String,
+    pub node: String,
+    pub signal: String,
+    #[serde(default)]
+    pub many: bool,
+    #[serde(default = "one")]
+    pub wanted: i32,
+    #[serde(default)]
+    pub expires_at: Option<Millis>,
+}
+
+fn one() -> i32 {
+    1
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalReceived {
+    pub step_id: String,
+    pub signal: String,
+    pub signal_id: String,
+    pub payload: String,
+    pub sent_by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalBuffered {
+    pub signal: String,
+    pub signal_id: String,
+    pub payload: String,
+    pub sent_by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SignalWaitExpired {
+    pub step_id: String,
+    pub on_timeout: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -434,6 +492,8 @@ pub enum RunStatus {
     Succeeded,
     Failed,
     Cancelled,
+    /// Added in 0.4.
+    WaitingSignal,
 }
 
 // ---------------------------------------------------------------- sortie.run-state

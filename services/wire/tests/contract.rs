@@ -211,6 +211,20 @@ fn every_command_round_trips() {
             reason: Some("erasure request".into()),
         },
     )));
+    round_trip(command(CommandBody::SignalRun(
+        sortie_wire::records::SignalRun {
+            name: "laptop_delivered".into(),
+            signal_id: Some("dlv-1".into()),
+            payload: Some(r#"{"tracking":"1Z9"}"#.into()),
+        },
+    )));
+    round_trip(command(CommandBody::SignalRun(
+        sortie_wire::records::SignalRun {
+            name: "laptop_delivered".into(),
+            signal_id: None,
+            payload: None,
+        },
+    )));
     round_trip(command(CommandBody::ReconcileOperation(
         ReconcileOperation {
             operation_id: "op-1".into(),
@@ -441,6 +455,31 @@ fn every_event_kind_round_trips() {
         EventBody::RunForgotten(RunForgotten {
             reason: "retention".into(),
         }),
+        EventBody::SignalWaitOpened(sortie_wire::records::SignalWaitOpened {
+            step_id: "delivered#1".into(),
+            node: "delivered".into(),
+            signal: "laptop_delivered".into(),
+            many: false,
+            wanted: 1,
+            expires_at: Some(7_000),
+        }),
+        EventBody::SignalReceived(sortie_wire::records::SignalReceived {
+            step_id: "delivered#1".into(),
+            signal: "laptop_delivered".into(),
+            signal_id: "dlv-1".into(),
+            payload: r#"{"tracking":"1Z9"}"#.into(),
+            sent_by: "svc:logistics".into(),
+        }),
+        EventBody::SignalBuffered(sortie_wire::records::SignalBuffered {
+            signal: "laptop_delivered".into(),
+            signal_id: "dlv-1".into(),
+            payload: "null".into(),
+            sent_by: "svc:logistics".into(),
+        }),
+        EventBody::SignalWaitExpired(sortie_wire::records::SignalWaitExpired {
+            step_id: "delivered#1".into(),
+            on_timeout: "goto".into(),
+        }),
     ];
     let schema: Json = serde_json::from_str(RecordKind::RunEvent.schema_text()).expect("json");
     let Json::Array(branches) = &schema["fields"]
@@ -552,10 +591,11 @@ fn union_branches_resolve_by_name_not_by_shape() {
     body["type"].as_array_mut().expect("union").reverse();
     let reordered = Schema::parse_str(&json.to_string()).expect("parses");
 
-    // Variant index = branch index in the reversed union: ForgetRun is now first.
+    // Variant index = branch index in the reversed union: SignalRun is now first.
     #[derive(serde::Serialize)]
     #[allow(dead_code)]
     enum Reversed {
+        SignalRun(sortie_wire::records::SignalRun),
         ForgetRun(sortie_wire::records::ForgetRun),
         ReconcileOperation(ReconcileOperation),
     }

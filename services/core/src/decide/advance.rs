@@ -11,7 +11,8 @@ use crate::{
     event::StepRole,
     graph::{Graph, ModelApi, Node, OnReject},
     json::{self as j, Reference},
-    state::{Interrupt, InterruptStatus, RunState, Step, StepStatus},
+    signal::{OnWaitTimeout, SignalWait},
+    state::{Interrupt, InterruptStatus, RunState, Step, StepStatus, WaitStatus},
     status::RunStatus,
 };
 
@@ -72,6 +73,11 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
     for p in proposals {
         ctx.propose(p.node, p.step_id, p.args, p.role);
     }
+    if std::mem::take(&mut ctx.wait_satisfied) {
+        // A wait that opened took the signals kept for it and is done: plan again (each
+        // wait opens once, so this ends).
+        return advance(ctx);
+    }
 
     let run = ctx.run();
     let busy = run.steps.values().any(|s| !s.status.is_settled());
@@ -91,6 +97,8 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
         .any(|s| s.status == StepStatus::NeedsOperator)
     {
         RunStatus::NeedsReconciliation
+    } else if run.open_waits().next().is_some() && !busy {
+        RunStatus::WaitingSignal
     } else {
         RunStatus::Running
     };
@@ -184,6 +192,70 @@ fn plan<'g>(
     (states, proposals, None)
 }
 
+/// The node `target` runs in place of `node` (its approval was rejected, or its wait
+/// expired, with `goto`): where that substitute stands, proposing it the first time.
+fn substitute<'g>(
+    run: &RunState,
+    graph: &'g Graph,
+    node: &Node,
+    target: &str,
+    decided: Option<&Interrupt>,
+    out: &mut Vec<Proposal<'g>>,
+) -> Result<NodeState, String> {
+    let role = StepRole::Substitute {
+        for_node: node.id.clone(),
+    };
+    match run.steps.values().find(|s| s.role == role) {
+        Some(step) if step.status == StepStatus::Succeeded => {
+            Ok(NodeState::Done(step.output.clone().unwrap_or(Value::Null)))
+        }
+        Some(_) => Ok(NodeState::Active),
+        None => {
+            let target = graph
+                .node(target)
+                .ok_or_else(|| format!("unknown node {target}"))?;
+            // A substitute is a node like any other: its own template, rendered once
+            // (never the rejected proposal's args, which are values, not a template).
+            let args = render(run, None, decided, &target.args);
+            out.push(Proposal {
+                node: target,
+                step_id: run.next_step_id(&target.id),
+                args,
+                role,
+            });
+            Ok(NodeState::Active)
+        }
+    }
+}
+
+/// Where a node that waits for a signal stands: not open yet (open it), open, done with
+/// its output, or expired (its `goto` substitute, or the failure path).
+fn waiting<'g>(
+    run: &RunState,
+    graph: &'g Graph,
+    node: &'g Node,
+    declared: &SignalWait,
+    out: &mut Vec<Proposal<'g>>,
+) -> Result<NodeState, String> {
+    let Some(wait) = run.waits.values().find(|w| w.node == node.id) else {
+        out.push(Proposal {
+            node,
+            step_id: run.next_step_id(&node.id),
+            args: json!({}),
+            role: StepRole::Node,
+        });
+        return Ok(NodeState::Active);
+    };
+    match (wait.status, &declared.on_timeout) {
+        (WaitStatus::Done, _) => Ok(NodeState::Done(wait.output())),
+        (WaitStatus::Expired, OnWaitTimeout::Goto(target)) => {
+            substitute(run, graph, node, target, None, out)
+        }
+        // Open; closed by a wind-down; expired to fail (the failure path decides).
+        _ => Ok(NodeState::Active),
+    }
+}
+
 /// Where one ready graph node stands, adding the proposals it needs.
 fn progress<'g>(
     run: &RunState,
@@ -191,6 +263,9 @@ fn progress<'g>(
     node: &'g Node,
     out: &mut Vec<Proposal<'g>>,
 ) -> Result<NodeState, String> {
+    if let Some(declared) = &node.wait {
+        return waiting(run, graph, node, declared, out);
+    }
     // Approval first: an open one holds the node; a rejected one may send it elsewhere.
     let interrupts: Vec<_> = run
         .interrupts
@@ -211,30 +286,7 @@ fn progress<'g>(
         let OnReject::Goto(target) = &node.on_reject else {
             return Ok(NodeState::Active); // the failure path handles it
         };
-        let role = StepRole::Substitute {
-            for_node: node.id.clone(),
-        };
-        return match run.steps.values().find(|s| s.role == role) {
-            Some(step) if step.status == StepStatus::Succeeded => {
-                Ok(NodeState::Done(step.output.clone().unwrap_or(Value::Null)))
-            }
-            Some(_) => Ok(NodeState::Active),
-            None => {
-                let target = graph
-                    .node(target)
-                    .ok_or_else(|| format!("unknown node {target}"))?;
-                // A substitute is a node like any other: its own template, rendered once
-                // (never the rejected proposal's args, which are values, not a template).
-                let args = render(run, None, Some(rejected), &target.args);
-                out.push(Proposal {
-                    node: target,
-                    step_id: run.next_step_id(&target.id),
-                    args,
-                    role,
-                });
-                Ok(NodeState::Active)
-            }
-        };
+        return substitute(run, graph, node, target, Some(rejected), out);
     }
     if interrupts
         .iter()
@@ -621,17 +673,25 @@ pub(crate) fn render(
     interrupt: Option<&Interrupt>,
     template: &Value,
 ) -> Value {
-    let latest_output = |node: &str, part: &str| -> Option<Value> {
-        let step = run
-            .steps
-            .values()
-            .filter(|s| s.node == node && s.status == StepStatus::Succeeded)
-            .max_by_key(|s| iteration(&s.step_id))?;
-        match part {
-            "args" => Some(step.args.clone()),
-            _ => step.output.clone(),
-        }
-    };
+    let latest_output =
+        |node: &str, part: &str| -> Option<Value> {
+            if let Some(wait) = run.waits.values().find(|w| {
+                w.node == node && matches!(w.status, WaitStatus::Done | WaitStatus::Expired)
+            }) {
+                // A wait has no args; its output is what it took (`timed_out` when its
+                // deadline passed, its goto substitute's output being the substitute's own).
+                return (part == "output").then(|| wait.output());
+            }
+            let step = run
+                .steps
+                .values()
+                .filter(|s| s.node == node && s.status == StepStatus::Succeeded)
+                .max_by_key(|s| iteration(&s.step_id))?;
+            match part {
+                "args" => Some(step.args.clone()),
+                _ => step.output.clone(),
+            }
+        };
     j::render(template, &|reference| match reference {
         Reference::Input(path) => project(&run.input, path),
         Reference::Step { node, part, path } => {

@@ -10,6 +10,7 @@ pub mod fork;
 pub mod reconcile;
 mod report;
 mod resume;
+mod signal;
 mod start;
 mod timer;
 
@@ -284,6 +285,7 @@ fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
                 CommandBody::ResumeRun { .. } => resume::handle(ctx, command),
                 CommandBody::CancelRun { .. } => cancel::handle(ctx, command),
                 CommandBody::ReconcileOperation { .. } => reconcile::handle(ctx, command),
+                CommandBody::SignalRun { .. } => signal::handle(ctx, command),
                 CommandBody::StartRun { .. } | CommandBody::ForgetRun { .. } => {
                     unreachable!("handled above")
                 }
@@ -307,6 +309,9 @@ pub(crate) struct Ctx<'g> {
     /// The history's events as written under an active seal (see [`Applied`]).
     sealed_events: Vec<Event>,
     intents: Vec<Intent>,
+    /// A wait opened during this input and took every signal it wanted from those kept
+    /// for it: `advance` plans again.
+    pub(crate) wait_satisfied: bool,
 }
 
 impl<'g> Ctx<'g> {
@@ -330,6 +335,7 @@ impl<'g> Ctx<'g> {
             events: Vec::new(),
             sealed_events: Vec::new(),
             intents: Vec::new(),
+            wait_satisfied: false,
         }
     }
 
@@ -529,6 +535,16 @@ impl<'g> Ctx<'g> {
         role: StepRole,
         edited_from: Option<&Value>,
     ) {
+        if node.wait.is_some() {
+            signal::open(self, node, step_id.clone(), &role);
+            let done = self
+                .run()
+                .waits
+                .get(&step_id)
+                .is_some_and(|w| w.status == crate::state::WaitStatus::Done);
+            self.wait_satisfied |= done;
+            return;
+        }
         match (&node.interrupt_before, &role) {
             (Some(approval), role) if !matches!(role, StepRole::Compensation { .. }) => {
                 let proposal = serde_json::json!({

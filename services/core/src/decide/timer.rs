@@ -112,6 +112,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, timer: &TimerKey) -> Result<(), &'static
             return Ok(());
         }
         TimerKey::Retention => return forget(ctx),
+        TimerKey::SignalWait { step_id } => return super::signal::expire(ctx, step_id),
     }
     advance(ctx);
     Ok(())

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::{
     json, mcp, Graph, GraphError, InvalidGraph, Node, OnReject, OnTimeout, MAX_EDGES, MAX_NODES,
 };
+use crate::signal::{self, OnWaitTimeout, MAX_WAIT_SIGNALS, WAIT_TOOL};
 
 pub(super) fn validate(graph: &Graph) -> Result<(), InvalidGraph> {
     let mut problems = Vec::new();
@@ -26,6 +27,7 @@ pub(super) fn validate(graph: &Graph) -> Result<(), InvalidGraph> {
     for node in &graph.nodes {
         graph.check_node(node, &mut problem);
         graph.check_approval(node, &mut problem);
+        graph.check_wait(node, &detached, &mut problem);
         graph.check_references(node, &detached, &ancestors, &mut problem);
     }
     if problems.is_empty() {
@@ -357,6 +359,114 @@ impl Graph {
             }
             if approval.timeout.0 <= 0 {
                 problem(Some(id), "interrupt_before.timeout must be positive".into());
+            }
+        }
+    }
+
+    /// A node that waits for a signal: a well-formed wait, reached by edges, calling
+    /// nothing; and no other node that claims the waiting tool.
+    fn check_wait(
+        &self,
+        node: &Node,
+        detached: &BTreeSet<&str>,
+        problem: &mut impl FnMut(Option<&str>, String),
+    ) {
+        let id = node.id.as_str();
+        let Some(wait) = &node.wait else {
+            if node.tool == WAIT_TOOL {
+                problem(
+                    Some(id),
+                    format!("tool {WAIT_TOOL} is the tool of a waiting node; give it a wait"),
+                );
+            }
+            return;
+        };
+        if node.tool != WAIT_TOOL {
+            problem(
+                Some(id),
+                "a waiting node calls no tool: leave tool out".into(),
+            );
+        }
+        if !signal::valid_name(&wait.signal) {
+            problem(
+                Some(id),
+                format!(
+                    "wait.signal {:?} must be 1-64 of [A-Za-z0-9_.-]",
+                    wait.signal
+                ),
+            );
+        }
+        if self
+            .nodes
+            .iter()
+            .filter(|n| n.wait.as_ref().is_some_and(|w| w.signal == wait.signal))
+            .count()
+            > 1
+        {
+            problem(
+                Some(id),
+                format!(
+                    "signal {:?} is waited for by two nodes; a signal names one wait",
+                    wait.signal
+                ),
+            );
+        }
+        let calls = node.interrupt_before.is_some()
+            || node.precheck.is_some()
+            || node.compensate_with.is_some()
+            || !node.may_request.is_empty()
+            || !node.tools.is_empty()
+            || !node.mcp.is_empty()
+            || node.timeout.is_some()
+            || node.args.as_object().is_some_and(|a| !a.is_empty());
+        if calls {
+            problem(
+                Some(id),
+                "a waiting node calls nothing: no args, timeout (use wait.timeout), approval, precheck, compensation, requests or tools".into(),
+            );
+        }
+        if detached.contains(id) {
+            problem(
+                Some(id),
+                "a waiting node is reached by edges, never as a compensation, request, precheck or goto target".into(),
+            );
+        }
+        if wait.timeout.0 <= 0 {
+            problem(Some(id), "wait.timeout must be positive".into());
+        }
+        match wait.count {
+            Some(_) if !wait.many => {
+                problem(Some(id), "wait.count needs many: true".into());
+            }
+            Some(n) if n == 0 || n > MAX_WAIT_SIGNALS => problem(
+                Some(id),
+                format!("wait.count must be within 1..={MAX_WAIT_SIGNALS}"),
+            ),
+            _ => {}
+        }
+        if let Some(schema) = &wait.schema {
+            if let Err(e) = crate::limits::check_shape("wait.schema", schema) {
+                problem(Some(id), format!("{e} (limit {})", e.limit.name()));
+            } else if let Err(e) = signal::check_schema(schema) {
+                problem(Some(id), format!("wait.{e}"));
+            }
+        }
+        for role in &wait.roles {
+            if role.is_empty() {
+                problem(Some(id), "wait.roles names an empty role".into());
+            }
+        }
+        if let OnWaitTimeout::Goto(target) = &wait.on_timeout {
+            match self.nodes.iter().find(|n| &n.id == target) {
+                None => problem(
+                    Some(id),
+                    format!("wait.on_timeout goto names unknown node {target:?}"),
+                ),
+                Some(n) if n.wait.is_some() || n.id == node.id => problem(
+                    Some(id),
+                    format!("wait.on_timeout goto {target:?} must be a node that calls a tool"),
+                ),
+                Some(_) => {}
             }
         }
     }

@@ -56,6 +56,8 @@ pub struct Step {
     pub reconcile: Option<Reconcile>,
     #[serde(default)]
     pub report: Option<Report>,
+    #[serde(default)]
+    pub signal: Option<Signal>,
     /// Fire every timer due at `at`.
     #[serde(default)]
     pub timers: bool,
@@ -114,6 +116,19 @@ pub struct Decision {
     pub hash: Option<String>,
     #[serde(default)]
     pub payload: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Signal {
+    #[serde(flatten)]
+    pub cmd: Cmd,
+    pub name: String,
+    /// Defaults to the command id.
+    #[serde(default)]
+    pub signal_id: Option<String>,
+    #[serde(default)]
+    pub payload: Value,
 }
 
 #[derive(Debug, Deserialize)]
@@ -252,6 +267,19 @@ pub fn summary(event: &Event) -> String {
             format!("DecisionBuffered {interrupt_id}")
         }
         EventBody::RunForgotten { reason } => format!("RunForgotten {reason}"),
+        EventBody::SignalWaitOpened {
+            step_id, signal, ..
+        } => {
+            format!("SignalWaitOpened {step_id} {signal}")
+        }
+        EventBody::SignalReceived {
+            step_id, signal_id, ..
+        } => format!("SignalReceived {step_id} {signal_id}"),
+        EventBody::SignalBuffered { signal_id, .. } => format!("SignalBuffered {signal_id}"),
+        EventBody::SignalWaitExpired {
+            step_id,
+            on_timeout,
+        } => format!("SignalWaitExpired {step_id} {on_timeout}"),
     }
 }
 
@@ -323,6 +351,26 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
                 reason: cmd.reason.clone(),
             },
         )];
+    }
+    if let Some(sig) = &step.signal {
+        let input = command(
+            s,
+            &sig.cmd,
+            n,
+            step.at,
+            CommandBody::SignalRun {
+                name: sig.name.clone(),
+                signal_id: String::new(),
+                payload: sig.payload.clone(),
+            },
+        );
+        let Input::Command(mut command) = input else {
+            unreachable!()
+        };
+        if let CommandBody::SignalRun { signal_id, .. } = &mut command.body {
+            *signal_id = sig.signal_id.clone().unwrap_or(command.command_id.clone());
+        }
+        return vec![Input::Command(command)];
     }
     if let Some(r) = &step.reconcile {
         let operation_id = state

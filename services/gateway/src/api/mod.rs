@@ -2,6 +2,7 @@
 //! come from the local view and can wait for a position (read-your-writes).
 
 mod routes;
+mod signals;
 
 pub use routes::ROUTES;
 
@@ -787,19 +788,9 @@ struct ListQuery {
 }
 
 fn parse_status(text: &str) -> Option<RunStatus> {
-    use RunStatus::*;
-    [
-        Running,
-        WaitingApproval,
-        NeedsReconciliation,
-        Cancelling,
-        Compensating,
-        Succeeded,
-        Failed,
-        Cancelled,
-    ]
-    .into_iter()
-    .find(|s| s.as_str().eq_ignore_ascii_case(text))
+    RunStatus::ALL
+        .into_iter()
+        .find(|s| s.as_str().eq_ignore_ascii_case(text))
 }
 
 async fn list_runs(

@@ -1,0 +1,99 @@
+//! `POST /v1/runs/{run_id}/signals/{name}`: an outside event a node of the run waits for
+//! (`wait: {signal: <name>}`), published as a `SignalRun` command like every write.
+
+use super::*;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SignalRequest {
+    /// The signal's payload (absent: null), held to the wait's schema.
+    #[serde(default)]
+    payload: Option<Value>,
+    /// The sender's id of the event: taken once per run, whatever request carries it
+    /// (absent: the command id, i.e. the `Idempotency-Key`).
+    #[serde(default)]
+    signal_id: Option<String>,
+}
+
+/// Sends a signal. What the gateway can tell from the run's pinned graph it answers
+/// before publishing (no such wait 409 `unknown_signal`, the sender's roles 403, the
+/// payload's schema 422 `invalid_payload`); the reducer decides the rest and its answer
+/// is the response: `signal` is `taken` (an open wait took it), `kept` (the wait has not
+/// opened yet; it is taken when it does) or `duplicate` (this signal id was taken or
+/// kept already).
+pub(super) async fn signal_run(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params((run_id, name)): Params<(String, String)>,
+    JsonBody(body): JsonBody<Option<SignalRequest>>,
+) -> Result<Json<Value>, ApiError> {
+    let key = idempotency_key(&headers)?;
+    let body = body.unwrap_or_default();
+    sortie_core::limits::check_id("signal name", &name)
+        .map_err(|e| ApiError::bad_request("invalid_request", e))?;
+    if let Some(id) = &body.signal_id {
+        sortie_core::limits::check_id("signal_id", id)
+            .map_err(|e| ApiError::bad_request("invalid_request", e))?;
+    }
+    let payload = body.payload.unwrap_or(Value::Null);
+    // A signal's payload travels inline, never by reference: the wait's schema is held
+    // against it in the fold, which never reads a blob.
+    limits::payload("payload", &payload)?;
+    if let Some(run) = known_run(&app, &caller, &run_id)? {
+        let (graph, version) = (&run.state.graph_id, run.state.graph_version);
+        match app.inner.graphs.signal_wait(graph, version, &name) {
+            Some(None) => {
+                return Err(ApiError::from_reject(
+                    "unknown_signal",
+                    &format!("graph {graph}@{version} waits for no signal named {name}"),
+                ))
+            }
+            Some(Some(wait)) => {
+                if let Some(reason) = wait.refusal(&caller.roles) {
+                    return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
+                }
+                if let Some(schema) = &wait.schema {
+                    sortie_core::signal::validate(schema, &payload)
+                        .map_err(|why| ApiError::from_reject("invalid_payload", &why))?;
+                }
+            }
+            None => {} // the version is not known here yet: the reducer answers
+        }
+    }
+    let payload = app.seal(&caller.tenant, &run_id, payload, false).await?;
+    let command = command(
+        &caller,
+        &run_id,
+        key,
+        w::CommandBody::SignalRun(w::SignalRun {
+            name,
+            signal_id: body.signal_id,
+            payload: Some(sortie_core::json::canonical(&payload)),
+        }),
+    );
+    let answer = app.submit(&command).await?;
+    let run = accepted(&app, &command, &answer).await?;
+    let signal_id = match &command.body {
+        w::CommandBody::SignalRun(s) => s.signal_id.clone(),
+        _ => None,
+    }
+    .unwrap_or_else(|| command.command_id.clone());
+    let state = run.as_ref().map(|r| &r.state);
+    let taken = state.is_some_and(|s| {
+        s.waits
+            .values()
+            .flat_map(|w| &w.received)
+            .any(|r| r.signal_id == signal_id)
+    });
+    let signal = match (answer.duplicate, taken) {
+        (true, _) => "duplicate",
+        (false, true) => "taken",
+        (false, false) => "kept",
+    };
+    let status = state.map_or("running", |s| s.status.as_str());
+    let mut out = written(&command, &answer, status);
+    out["signal"] = signal.into();
+    out["signal_id"] = signal_id.into();
+    Ok(Json(out))
+}
