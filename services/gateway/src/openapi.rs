@@ -249,6 +249,8 @@ pub fn document() -> Value {
                         "nodes_completed": {"type": "array", "items": {"type": "string"}},
                         "interrupt": {"type": ["object", "null"]},
                         "interrupts": {"type": "array", "items": {"type": "object"}},
+                        "waits": {"type": "array", "items": {"type": "object"}, "description": "The run's waits for signals: step_id, node, signal, many, wanted, expires_at, status (open, done, expired, closed), timed_out, received [{signal_id, payload, sent_by, at}]."},
+                        "open_waits": {"type": "array", "items": {"type": "string"}, "description": "The names of the signals the run waits for now."},
                         "steps": {"type": "array", "items": {"type": "object"}},
                         "budget": {"type": ["object", "null"], "description": "Spend limits (tokens, cost_usd, tool_calls, wall_time) and the price table, as started and raised."},
                         "spend": {"type": "object", "description": "What the run spent: prompt_tokens, completion_tokens, cost_usd, llm_calls, tool_calls."}

@@ -24,6 +24,22 @@ fn interrupt(i: &Interrupt) -> Value {
 }
 
 /// The nodes of the steps that succeeded, in the order they did.
+/// A wait for a signal, as a reader sees it: its node, signal, status, deadline and
+/// what it took so far.
+fn wait(w: &sortie_core::state::Wait) -> Value {
+    json!({
+        "step_id": w.step_id,
+        "node": w.node,
+        "signal": w.signal,
+        "many": w.many,
+        "wanted": w.wanted,
+        "expires_at": w.expires_at,
+        "status": w.status,
+        "timed_out": w.timed_out,
+        "received": w.received,
+    })
+}
+
 fn nodes_completed(state: &RunState) -> Vec<&str> {
     state
         .completed
@@ -47,6 +63,8 @@ fn common(state: &RunState) -> serde_json::Map<String, Value> {
         "steps": state.steps.values().collect::<Vec<_>>(),
         "interrupt": open.first(),
         "interrupts": open,
+        "waits": state.waits.values().map(wait).collect::<Vec<_>>(),
+        "open_waits": state.open_waits().map(|w| w.signal.as_str()).collect::<Vec<_>>(),
         "created_at": state.created_at,
         "updated_at": state.updated_at,
         "started_by": state.started_by,
