@@ -17,6 +17,11 @@
 //!   once and still waits for a second one. Seen red: with the signal-id check in
 //!   `decide/signal.rs` skipped, the resent signal filled the wait (two copies of one
 //!   delivery) and the run had succeeded where it must still wait.
+//! - `a_run_is_addressed_by_its_correlation_label`: a graph declares `correlation:
+//!   hire_id`; HR starts the onboarding of hire h-7 without a run id and gets the id
+//!   derived from the label; the logistics service signals "the run of hire h-7"
+//!   without knowing any run id; a signal for a hire whose run has not started is 404
+//!   `unknown_run`, and another tenant naming the same hire reaches nothing of ours.
 //! - `only_signed_signals_are_taken_where_signatures_are_required`: under
 //!   `--require-signatures` a signal signed by the logistics service's key is taken; the
 //!   same signal unsigned, or signed by a key that does not vouch for the role it claims,
@@ -36,11 +41,17 @@ const LONG: Duration = Duration::from_secs(90);
 const TOKENS: &[&str] = &[
     "acme:svc:logistics:logistics:tok-logistics",
     "acme:user:ann:viewer:tok-ann",
+    "globex:svc:logistics:logistics:tok-globex",
 ];
 
 /// provision (echo) → delivered (waits for `laptop_delivered`: a tracking number, from
 /// the logistics role) → welcome (keyed call to the ledger with the tracking number).
 fn onboarding(ledger: &str, many: bool) -> String {
+    onboarding_with(ledger, many, "")
+}
+
+/// [`onboarding`] with extra graph fields (`header`, e.g. `correlation: hire_id`).
+fn onboarding_with(ledger: &str, many: bool, header: &str) -> String {
     let wait = if many {
         "{signal: laptop_delivered, many: true, count: 2, roles: [logistics], timeout: 72h, schema: {type: object, required: [tracking], properties: {tracking: {type: string}}}}"
     } else {
@@ -55,6 +66,7 @@ fn onboarding(ledger: &str, many: bool) -> String {
         r#"
 id: hire
 version: 1
+{header}
 nodes:
   - {{id: provision, tool: echo, side_effect: pure, args: {{hire: $input.hire}}}}
   - id: delivered
@@ -128,7 +140,12 @@ async fn a_wait_survives_a_deploy_and_takes_each_signal_once() {
     assert_eq!(started["run_id"], "hire-ada");
     let ada = "hire-ada".to_owned();
     stack
-        .wait_for_states("ada waits for her laptop", &[ada.clone()], LONG, waiting)
+        .wait_for_states(
+            "ada waits for her laptop",
+            std::slice::from_ref(&ada),
+            LONG,
+            waiting,
+        )
         .await;
 
     // A deploy mid-wait: both die; while they are down, Bob's run starts and his laptop's
@@ -144,9 +161,12 @@ async fn a_wait_survives_a_deploy_and_takes_each_signal_once() {
         .await;
     let _reducer = stack.reducer("0");
     let kept = stack
-        .wait_for_states("bob's signal is kept", &[bob.clone()], LONG, |s| {
-            !s.early_signals.is_empty()
-        })
+        .wait_for_states(
+            "bob's signal is kept",
+            std::slice::from_ref(&bob),
+            LONG,
+            |s| !s.early_signals.is_empty(),
+        )
         .await;
     assert!(kept[&bob].waits.is_empty(), "kept before any wait opened");
     let _executor = stack.executor_process("executor", &["default"], &[]);
@@ -156,7 +176,11 @@ async fn a_wait_survives_a_deploy_and_takes_each_signal_once() {
     let (status, refused) = api
         .post(&path, "tok-logistics", json!({"payload": {"tracking": 7}}))
         .await;
-    assert_eq!((status, code(&refused)), (422, "invalid_payload"), "{refused}");
+    assert_eq!(
+        (status, code(&refused)),
+        (422, "invalid_payload"),
+        "{refused}"
+    );
     let (status, refused) = api
         .post(&path, "tok-ann", json!({"payload": {"tracking": "1Z-ADA"}}))
         .await;
@@ -172,7 +196,7 @@ async fn a_wait_survives_a_deploy_and_takes_each_signal_once() {
     assert_eq!(taken["signal_id"], "dlv-ada", "{taken}");
 
     let runs = [ada.clone(), bob.clone()];
-    let states = stack
+    stack
         .wait_for_states("both hires are welcomed", &runs, LONG, |s| {
             s.status == RunStatus::Succeeded
         })
@@ -181,7 +205,10 @@ async fn a_wait_survives_a_deploy_and_takes_each_signal_once() {
     // The same request again (its Idempotency-Key): the same answer, nothing applied.
     let (status, again) = api.send(send_ada("ada-laptop")).await;
     assert_eq!(status, 200, "{again}");
-    assert_eq!((&again["duplicate"], &again["signal"]), (&json!(true), &json!("duplicate")));
+    assert_eq!(
+        (&again["duplicate"], &again["signal"]),
+        (&json!(true), &json!("duplicate"))
+    );
     // The same delivery under a new key, after the run ended: refused, nothing applied.
     let (status, late) = api.send(send_ada("ada-laptop-2")).await;
     assert_eq!((status, code(&late)), (409, "bad_state"), "{late}");
@@ -228,7 +255,7 @@ async fn a_signal_resent_after_the_reducer_died_mid_commit_is_taken_once() {
         .send(&start_run(&run, "hire", r#"{"hire": "cy"}"#))
         .await;
     stack
-        .wait_for_states("cy waits", &[run.clone()], LONG, waiting)
+        .wait_for_states("cy waits", std::slice::from_ref(&run), LONG, waiting)
         .await;
 
     // The next commit is the signal's: the reducer dies before it.
@@ -241,12 +268,17 @@ async fn a_signal_resent_after_the_reducer_died_mid_commit_is_taken_once() {
         "the reducer died at reducer.before_commit ({status:?})"
     );
     // Unanswered, the sender sends the same delivery again under a new command id.
-    stack.send(&signal(&run, "sig-1-retry", "dlv-1", "1Z-ONE")).await;
+    stack
+        .send(&signal(&run, "sig-1-retry", "dlv-1", "1Z-ONE"))
+        .await;
     let _reducer = stack.reducer("0");
     let answered = stack
-        .wait_for_states("both commands answered", &[run.clone()], LONG, |s| {
-            s.commands.contains_key("sig-1") && s.commands.contains_key("sig-1-retry")
-        })
+        .wait_for_states(
+            "both commands answered",
+            std::slice::from_ref(&run),
+            LONG,
+            |s| s.commands.contains_key("sig-1") && s.commands.contains_key("sig-1-retry"),
+        )
         .await;
     let state = &answered[&run];
     assert_eq!(state.status, RunStatus::WaitingSignal, "one of two taken");
@@ -255,7 +287,7 @@ async fn a_signal_resent_after_the_reducer_died_mid_commit_is_taken_once() {
 
     stack.send(&signal(&run, "sig-2", "dlv-2", "1Z-TWO")).await;
     let states = stack
-        .wait_for_states("cy is welcomed", &[run.clone()], LONG, |s| {
+        .wait_for_states("cy is welcomed", std::slice::from_ref(&run), LONG, |s| {
             s.status == RunStatus::Succeeded
         })
         .await;
@@ -270,6 +302,86 @@ async fn a_signal_resent_after_the_reducer_died_mid_commit_is_taken_once() {
         .filter_map(|s| s["signal_id"].as_str())
         .collect();
     assert_eq!(ids, ["dlv-1", "dlv-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_is_addressed_by_its_correlation_label() {
+    let stack = Stack::start("signals-correlated", &[]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack
+        .publish(&onboarding_with(&ledger.url, false, "correlation: hire_id"))
+        .await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), TOKENS)
+        .await;
+    let api = Api::new(&url);
+    let signal = |hire: &str| json!({"graph_id": "hire", "correlation": hire, "payload": {"tracking": format!("1Z-{hire}")}});
+
+    // Before the run exists: answered, not kept.
+    let (status, early) = api
+        .post(
+            "/v1/signals/laptop_delivered",
+            "tok-logistics",
+            signal("h-7"),
+        )
+        .await;
+    assert_eq!((status, code(&early)), (404, "unknown_run"), "{early}");
+
+    let started = api
+        .start(
+            "tok-logistics",
+            json!({"graph_id": "hire", "input": {"hire": "h-7"}, "labels": {"hire_id": "h-7"}}),
+        )
+        .await;
+    let run_id = started["run_id"].as_str().expect("run_id").to_owned();
+    assert_eq!(
+        run_id,
+        sortie_core::ids::correlated_run_id("acme", "hire", "hire_id", "h-7")
+    );
+    // A second onboarding of the same hire is the same run (or a conflict): never two.
+    let (status, twice) = api
+        .post(
+            "/v1/runs",
+            "tok-logistics",
+            json!({"graph_id": "hire", "input": {"hire": "someone else"}, "labels": {"hire_id": "h-7"}}),
+        )
+        .await;
+    assert_eq!((status, code(&twice)), (409, "conflict"), "{twice}");
+    stack
+        .wait_for_states("h-7 waits", std::slice::from_ref(&run_id), LONG, waiting)
+        .await;
+
+    // Another tenant naming the same hire computes another run: ours is not reached.
+    let (status, foreign) = api
+        .post("/v1/signals/laptop_delivered", "tok-globex", signal("h-7"))
+        .await;
+    assert_eq!((status, code(&foreign)), (404, "unknown_run"), "{foreign}");
+
+    let (status, taken) = api
+        .post(
+            "/v1/signals/laptop_delivered",
+            "tok-logistics",
+            signal("h-7"),
+        )
+        .await;
+    assert_eq!(status, 200, "{taken}");
+    assert_eq!(
+        (&taken["signal"], &taken["run_id"]),
+        (&json!("taken"), &json!(run_id))
+    );
+    stack
+        .wait_for_states(
+            "h-7 is welcomed",
+            std::slice::from_ref(&run_id),
+            LONG,
+            |s| s.status == RunStatus::Succeeded,
+        )
+        .await;
+    let calls = welcomes(&ledger, "h-7").await;
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["tracking"], "1Z-h-7");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,7 +411,7 @@ async fn only_signed_signals_are_taken_where_signatures_are_required() {
         .send_signed(&start_run(&run, "hire", r#"{"hire": "di"}"#), &service)
         .await;
     stack
-        .wait_for_states("di waits", &[run.clone()], LONG, waiting)
+        .wait_for_states("di waits", std::slice::from_ref(&run), LONG, waiting)
         .await;
 
     stack.send(&signal(&run, "forged", "dlv-x", "1Z-X")).await;
@@ -310,7 +422,7 @@ async fn only_signed_signals_are_taken_where_signatures_are_required() {
         .send_signed(&signal(&run, "real", "dlv-di", "1Z-DI"), &logistics)
         .await;
     let states = stack
-        .wait_for_states("di is welcomed", &[run.clone()], LONG, |s| {
+        .wait_for_states("di is welcomed", std::slice::from_ref(&run), LONG, |s| {
             s.status == RunStatus::Succeeded
         })
         .await;

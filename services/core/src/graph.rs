@@ -71,6 +71,12 @@ pub struct Graph {
     /// summary (`RunForgotten`). Absent: kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<Millis>,
+    /// A start label that names at most one run of this graph per tenant, so outside
+    /// services address the run by it (a signal for "the onboarding of hire h-42"): a
+    /// run's id is derived from its tenant, this graph and the label's value
+    /// ([`crate::ids::correlated_run_id`]), and a start must carry the label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub correlation: Option<String>,
     /// MCP servers whose tools nodes call or offer their models (see [`crate::mcp`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mcp_servers: Vec<mcp::McpServer>,

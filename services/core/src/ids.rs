@@ -26,6 +26,20 @@ pub fn interrupt_id(run_id: &str, step_id: &str, proposal_hash: &str) -> String 
     format!("int_{}", &digest[..24])
 }
 
+/// The prefix of a correlated run's id: reserved for ids [`correlated_run_id`] derives.
+pub const CORRELATED_PREFIX: &str = "cor_";
+
+/// The run id of the one run of graph `graph_id` whose start label `label` (the graph's
+/// `correlation`) is `value`, in `tenant`: `cor_` and 32 hex digits of SHA-256 over the
+/// four, each followed by a unit separator (0x1f). An outside service that knows the
+/// label's value (an order id) computes it to address the run — no index holds the
+/// value in clear. Another tenant computes another id, and the reducer takes a `cor_` id
+/// only from a start whose own tenant, graph and label derive it.
+pub fn correlated_run_id(tenant: &str, graph_id: &str, label: &str, value: &str) -> String {
+    let digest = json::sha256_hex(&["sortie.correlation.v1", tenant, graph_id, label, value]);
+    format!("{CORRELATED_PREFIX}{}", &digest[..32])
+}
+
 /// Checkpoint id of a run's state at a version.
 pub fn checkpoint_id(run_id: &str, version: i64) -> String {
     format!("ckpt_{run_id}_{version}")
@@ -35,6 +49,22 @@ pub fn checkpoint_id(run_id: &str, version: i64) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The published formula, pinned: outside clients (the Python one included)
+    /// compute the same id from the same four values.
+    #[test]
+    fn a_correlated_run_id_is_the_published_hash() {
+        let id = correlated_run_id("acme", "hire", "hire_id", "h-42");
+        assert_eq!(
+            id,
+            "cor_".to_owned()
+                + &json::sha256_hex(&["sortie.correlation.v1", "acme", "hire", "hire_id", "h-42"])
+                    [..32]
+        );
+        assert_eq!(id.len(), 36);
+        assert_ne!(id, correlated_run_id("globex", "hire", "hire_id", "h-42"));
+        assert_ne!(id, correlated_run_id("acme", "hire", "hire_id", "h-43"));
+    }
 
     #[test]
     fn operation_ids_are_stable_and_distinguish_actions() {

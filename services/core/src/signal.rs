@@ -392,9 +392,11 @@ fn validate_object(
         match properties.and_then(|p| p.get(name)) {
             Some(sub) => validate_at(sub, field, &format!("{at}.{name}"))?,
             None => match rules.get("additionalProperties") {
-                Some(Value::Bool(false)) => return Err(format!(
+                Some(Value::Bool(false)) => {
+                    return Err(format!(
                     "{at} has a field the schema does not declare (additionalProperties is false)"
-                )),
+                ))
+                }
                 Some(sub @ Value::Object(_)) => validate_at(sub, field, &format!("{at}.*"))?,
                 _ => {}
             },

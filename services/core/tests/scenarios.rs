@@ -55,4 +55,5 @@ scenarios!(
     signal_before_its_wait_is_kept_and_taken,
     signal_deadline_fails_escalates_or_continues,
     signal_deadline_fails_the_run,
+    correlated_runs_are_named_by_their_label,
 );

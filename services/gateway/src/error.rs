@@ -89,7 +89,7 @@ impl ApiError {
     pub fn from_reject(code: &str, reason: &str) -> Self {
         let status = match code {
             "unknown_run" => StatusCode::NOT_FOUND,
-            "unknown_graph" | "invalid_payload" => StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_graph" | "invalid_payload" | "bad_run_id" => StatusCode::UNPROCESSABLE_ENTITY,
             "forbidden" | "not_in_group" => StatusCode::FORBIDDEN,
             // The bearer was fine; the reducers do not accept this gateway's signature
             // (no --signing-key, or a key missing from their keyring): a deployment fault.

@@ -120,6 +120,13 @@ impl Catalog {
         Some(graph.waiting_for(name).and_then(|n| n.wait.clone()))
     }
 
+    /// The correlation label of the graph (its latest version for `None`): `Some(None)`
+    /// when the graph is known here and declares none.
+    pub fn correlation(&self, graph_id: &str, version: Option<u32>) -> Option<Option<String>> {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        graphs.get(graph_id, version).map(|g| g.correlation.clone())
+    }
+
     /// Who may start and cancel runs of the graph (its latest version for `None`), when
     /// the graph is known here.
     pub fn access(&self, graph_id: &str, version: Option<u32>) -> Option<Access> {

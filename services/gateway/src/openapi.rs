@@ -202,6 +202,17 @@ pub fn document() -> Value {
                         "signal_id": {"type": "string", "maxLength": 200, "description": "The sender's id of this event: taken once per run, whatever request carries it (absent: the command id, i.e. the Idempotency-Key)."}
                     }
                 },
+                "CorrelatedSignal": {
+                    "type": "object",
+                    "required": ["graph_id", "correlation"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "graph_id": {"type": "string", "description": "A graph that declares a correlation label."},
+                        "correlation": {"type": "string", "description": "The value of that label on the run (e.g. the hire's id): the run's id is cor_ + 32 hex digits of SHA-256 over \"sortie.correlation.v1\", tenant, graph id, label and value, each followed by 0x1f."},
+                        "payload": {"description": "The signal's payload (JSON; absent: null), held to the wait's schema."},
+                        "signal_id": {"type": "string", "maxLength": 200, "description": "The sender's id of this event: taken once per run."}
+                    }
+                },
                 "SignalWritten": {
                     "type": "object",
                     "required": ["run_id", "status", "command_id", "position", "signal", "signal_id"],
@@ -414,6 +425,22 @@ pub fn document() -> Value {
                     "responses": write_errors(json!({
                         "200": ok("Taken, kept for its wait, or a duplicate of a signal id already taken.", "SignalWritten"),
                         "422": error_response("`invalid_payload`: the payload does not match the wait's schema (the message names the first place that fails).")
+                    }))
+                }
+            },
+            "/v1/signals/{name}": {
+                "post": {
+                    "summary": "Send a signal to the run of a graph named by its correlation label's value (no run id needed)",
+                    "security": security,
+                    "parameters": [
+                        param("name", "path", "The signal's name, as the graph's wait declares it.", json!({"type": "string", "maxLength": 200})),
+                        idempotency_key()
+                    ],
+                    "requestBody": body("CorrelatedSignal", true),
+                    "responses": write_errors(json!({
+                        "200": ok("Taken, kept for its wait, or a duplicate of a signal id already taken.", "SignalWritten"),
+                        "404": error_response("`unknown_run`: no run of the graph carries that value yet (a signal is never kept for a run that does not exist: send it again later)."),
+                        "422": error_response("`unknown_graph`, `no_correlation` (the graph declares no correlation label), `invalid_payload`.")
                     }))
                 }
             },

@@ -23,7 +23,6 @@ fn interrupt(i: &Interrupt) -> Value {
     })
 }
 
-/// The nodes of the steps that succeeded, in the order they did.
 /// A wait for a signal, as a reader sees it: its node, signal, status, deadline and
 /// what it took so far.
 fn wait(w: &sortie_core::state::Wait) -> Value {
@@ -40,6 +39,7 @@ fn wait(w: &sortie_core::state::Wait) -> Value {
     })
 }
 
+/// The nodes of the steps that succeeded, in the order they did.
 fn nodes_completed(state: &RunState) -> Vec<&str> {
     state
         .completed

@@ -67,6 +67,9 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     if let Some(reason) = graph.access.start_refusal(&graph.id, &command.roles) {
         return ctx.reject(command, "forbidden", reason);
     }
+    if let Some(reason) = correlation_refusal(command, graph, labels, fork.is_some()) {
+        return ctx.reject(command, "bad_run_id", reason);
+    }
     if let Some(Err(problem)) = budget.as_ref().map(crate::budget::Budget::check) {
         // The model layer refuses such a command before the fold; this keeps any other
         // caller of the fold to the same rule.
@@ -150,4 +153,41 @@ fn source_state(
         return Err("a fork needs a run id of its own".into());
     }
     Ok(state)
+}
+
+/// Why `command` may not start a run under its run id, for a graph with a `correlation`
+/// or an id of the correlated form: a correlated graph's run (a fork aside, which is
+/// addressed by its own id) must carry the label and take the id derived from it; a
+/// `cor_` id is taken only as so derived, so no tenant can hold another's correlated id.
+fn correlation_refusal(
+    command: &Command,
+    graph: &crate::graph::Graph,
+    labels: &std::collections::BTreeMap<String, String>,
+    forked: bool,
+) -> Option<String> {
+    use crate::ids::{correlated_run_id, CORRELATED_PREFIX};
+    let derived = match (&graph.correlation, forked) {
+        (Some(label), false) => {
+            let Some(value) = labels.get(label) else {
+                return Some(format!(
+                    "graph {} names its runs by their {label} label: a start must carry it",
+                    graph.id
+                ));
+            };
+            Some(correlated_run_id(&command.tenant, &graph.id, label, value))
+        }
+        _ => None,
+    };
+    match derived {
+        Some(id) if id != command.run_id => Some(format!(
+            "graph {} names its runs by their {} label: this run's id is {id}",
+            graph.id,
+            graph.correlation.as_deref().unwrap_or_default()
+        )),
+        Some(_) => None,
+        None if command.run_id.starts_with(CORRELATED_PREFIX) => Some(format!(
+            "run ids starting {CORRELATED_PREFIX} are derived from a correlation label; choose another"
+        )),
+        None => None,
+    }
 }

@@ -69,6 +69,14 @@ impl Graph {
         if self.max_steps == 0 {
             problem(None, "max_steps must be at least 1".into());
         }
+        if let Some(label) = &self.correlation {
+            if !valid_id(label) {
+                problem(
+                    None,
+                    format!("correlation {label:?} must be a label name: 1-64 of [A-Za-z0-9_-]"),
+                );
+            }
+        }
     }
 
     /// The limits every definition is held to, whoever publishes it: the payload shape

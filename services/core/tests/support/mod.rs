@@ -102,6 +102,8 @@ pub struct Start {
     pub version: Option<u32>,
     #[serde(default)]
     pub input: Value,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -308,7 +310,7 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
                 graph_id: start.graph.clone(),
                 graph_version: start.version,
                 input: start.input.clone(),
-                labels: BTreeMap::new(),
+                labels: start.labels.clone(),
                 budget: None,
                 fork: None,
             },

@@ -297,7 +297,8 @@ async fn start_run(
         app.check_payload("input", input)?;
     }
     let key = idempotency_key(&headers)?;
-    let run_id = match (body.run_id, &key) {
+    let chosen = body.run_id.is_some();
+    let mut run_id = match (body.run_id, &key) {
         (Some(id), _) if valid_id(&id) => id,
         (Some(_), _) => {
             return Err(ApiError::bad_request(
@@ -337,6 +338,13 @@ async fn start_run(
     }
     if let Some(reason) = access.and_then(|a| a.start_refusal(&body.graph_id, &caller.roles)) {
         return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
+    }
+    // A graph with a correlation label names its runs by it (a retry names the same run).
+    if let (false, Some(Some(label))) = (
+        chosen,
+        graphs.correlation(&body.graph_id, body.graph_version),
+    ) {
+        run_id = signals::correlated(&caller.tenant, &body.graph_id, &label, &body.labels)?;
     }
     let input = body.input.unwrap_or_else(|| json!({}));
     let input = app.payload(&caller.tenant, &run_id, "input", input).await?;

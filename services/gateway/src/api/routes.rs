@@ -37,6 +37,7 @@ routes! {
     "/v1/runs/{run_id}/resume" => { POST: resume_run }
     "/v1/runs/{run_id}/cancel" => { POST: cancel_run }
     "/v1/runs/{run_id}/signals/{name}" => { POST: signals::signal_run }
+    "/v1/signals/{name}" => { POST: signals::signal_correlated }
     "/v1/runs/{run_id}/events" => { GET: events }
     "/v1/runs/{run_id}/conversation" => { GET: conversation }
     "/v1/runs/{run_id}/events/stream" => { GET: events_stream }

@@ -15,6 +15,102 @@ pub(super) struct SignalRequest {
     signal_id: Option<String>,
 }
 
+/// `POST /v1/signals/{name}`: a signal for the run of a graph with a `correlation`
+/// label, addressed by the label's value (the run's id is derived from it).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CorrelatedSignalRequest {
+    graph_id: String,
+    /// The value of the graph's correlation label on the run (e.g. the hire's id).
+    correlation: String,
+    #[serde(default)]
+    payload: Option<Value>,
+    #[serde(default)]
+    signal_id: Option<String>,
+}
+
+/// The id of the run of `graph_id` whose correlation label `label` is in `labels`
+/// (422 `bad_run_id` when it is not).
+pub(super) fn correlated(
+    tenant: &str,
+    graph_id: &str,
+    label: &str,
+    labels: &BTreeMap<String, String>,
+) -> Result<String, ApiError> {
+    let value = labels.get(label).ok_or_else(|| {
+        ApiError::from_reject(
+            "bad_run_id",
+            &format!(
+                "graph {graph_id} names its runs by their {label} label: a start must carry it"
+            ),
+        )
+    })?;
+    Ok(sortie_core::ids::correlated_run_id(
+        tenant, graph_id, label, value,
+    ))
+}
+
+/// Sends a signal to the run of `graph_id` named by its correlation label's value: the
+/// same as [`signal_run`] on the derived run id. A graph without a correlation is 422
+/// `no_correlation`; a run not started yet is 404 `unknown_run` (the sender retries: a
+/// signal is never kept for a run that does not exist).
+pub(super) async fn signal_correlated(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    Params(name): Params<String>,
+    JsonBody(body): JsonBody<CorrelatedSignalRequest>,
+) -> Result<Json<Value>, ApiError> {
+    sortie_core::limits::check_id("graph_id", &body.graph_id)
+        .map_err(|e| ApiError::bad_request("invalid_request", e))?;
+    sortie_core::limits::check_text(
+        "correlation",
+        &body.correlation,
+        sortie_core::limits::MAX_TEXT_BYTES,
+    )
+    .map_err(|e| ApiError::bad_request("invalid_request", e))?;
+    let graphs = &app.inner.graphs;
+    let mut label = graphs.correlation(&body.graph_id, None);
+    if label.is_none() {
+        graphs.refresh(Duration::from_secs(3)).await;
+        label = graphs.correlation(&body.graph_id, None);
+    }
+    let label = match label {
+        None => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unknown_graph",
+                format!("graph {} is not published", body.graph_id),
+            ))
+        }
+        Some(None) => {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "no_correlation",
+                format!(
+                    "graph {} declares no correlation label; address its runs by run id",
+                    body.graph_id
+                ),
+            ))
+        }
+        Some(Some(label)) => label,
+    };
+    let labels = BTreeMap::from([(label.clone(), body.correlation)]);
+    let run_id = correlated(&caller.tenant, &body.graph_id, &label, &labels)?;
+    send(
+        &app,
+        &caller,
+        &headers,
+        run_id,
+        name,
+        SignalRequest {
+            payload: body.payload,
+            signal_id: body.signal_id,
+        },
+    )
+    .await
+}
+
 /// Sends a signal. What the gateway can tell from the run's pinned graph it answers
 /// before publishing (no such wait 409 `unknown_signal`, the sender's roles 403, the
 /// payload's schema 422 `invalid_payload`); the reducer decides the rest and its answer
@@ -28,8 +124,26 @@ pub(super) async fn signal_run(
     Params((run_id, name)): Params<(String, String)>,
     JsonBody(body): JsonBody<Option<SignalRequest>>,
 ) -> Result<Json<Value>, ApiError> {
-    let key = idempotency_key(&headers)?;
-    let body = body.unwrap_or_default();
+    send(
+        &app,
+        &caller,
+        &headers,
+        run_id,
+        name,
+        body.unwrap_or_default(),
+    )
+    .await
+}
+
+async fn send(
+    app: &AppState,
+    caller: &Caller,
+    headers: &HeaderMap,
+    run_id: String,
+    name: String,
+    body: SignalRequest,
+) -> Result<Json<Value>, ApiError> {
+    let key = idempotency_key(headers)?;
     sortie_core::limits::check_id("signal name", &name)
         .map_err(|e| ApiError::bad_request("invalid_request", e))?;
     if let Some(id) = &body.signal_id {
@@ -40,7 +154,7 @@ pub(super) async fn signal_run(
     // A signal's payload travels inline, never by reference: the wait's schema is held
     // against it in the fold, which never reads a blob.
     limits::payload("payload", &payload)?;
-    if let Some(run) = known_run(&app, &caller, &run_id)? {
+    if let Some(run) = known_run(app, caller, &run_id)? {
         let (graph, version) = (&run.state.graph_id, run.state.graph_version);
         match app.inner.graphs.signal_wait(graph, version, &name) {
             Some(None) => {
@@ -63,7 +177,7 @@ pub(super) async fn signal_run(
     }
     let payload = app.seal(&caller.tenant, &run_id, payload, false).await?;
     let command = command(
-        &caller,
+        caller,
         &run_id,
         key,
         w::CommandBody::SignalRun(w::SignalRun {
@@ -73,7 +187,7 @@ pub(super) async fn signal_run(
         }),
     );
     let answer = app.submit(&command).await?;
-    let run = accepted(&app, &command, &answer).await?;
+    let run = accepted(app, &command, &answer).await?;
     let signal_id = match &command.body {
         w::CommandBody::SignalRun(s) => s.signal_id.clone(),
         _ => None,

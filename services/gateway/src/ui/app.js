@@ -10,7 +10,7 @@ const TOKEN_KEY = "sortie.token";
 const RUNS_POLL_MS = 3000;
 const INBOX_POLL_MS = 4000;
 const STATUSES = [
-  "running", "waiting_approval", "needs_reconciliation", "cancelling",
+  "running", "waiting_approval", "waiting_signal", "needs_reconciliation", "cancelling",
   "compensating", "succeeded", "failed", "cancelled",
 ];
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
@@ -74,6 +74,12 @@ function relative(ms) {
 }
 
 function json(value) { return JSON.stringify(value, null, 2); }
+
+/** A value's JSON on one line, cut at 200 characters. */
+function shortJson(value) {
+  const text = JSON.stringify(value === undefined ? null : value);
+  return text.length > 200 ? `${text.slice(0, 199)}…` : text;
+}
 
 function badge(status) {
   return el("span", { class: `badge status-${status}`, "data-status": status, text: status.replace(/_/g, " ") });
@@ -378,16 +384,41 @@ function roleText(role) {
   return "";
 }
 
-/** Attempts, approvals and compensations, folded from the run's events. */
+/** A signal event as one readable line (null for other kinds). `waitSignal` names the
+ * signal of a wait by its step id, for the events that carry only the step. */
+function signalLine(kind, b, waitSignal) {
+  if (kind === "SignalWaitOpened") {
+    const what = b.many ? `up to ${b.wanted} signals` : "signal";
+    return `waiting for ${what} ${b.signal} at ${b.node}` +
+      (b.expires_at ? ` until ${when(b.expires_at)}` : "");
+  }
+  if (kind === "SignalReceived") return `signal ${b.signal} ${b.signal_id} from ${b.sent_by}`;
+  if (kind === "SignalBuffered") {
+    return `kept signal ${b.signal} ${b.signal_id} from ${b.sent_by} until its wait opens`;
+  }
+  if (kind === "SignalWaitExpired") {
+    const name = waitSignal && waitSignal.get(b.step_id);
+    return `${name ? `signal ${name}: ` : ""}deadline passed (${b.on_timeout})`;
+  }
+  return null;
+}
+
+/** Attempts, approvals, compensations and signals, folded from the run's events. */
 function timeline(events) {
   const attempts = [];
   const byKey = new Map();
   const approvals = [];
   const interrupts = new Map();
+  const signals = [];
+  const waitSignal = new Map();
   for (const event of events) {
     const kind = eventKind(event);
     const b = event.body[kind];
-    if (kind === "StepDispatched") {
+    if (kind === "SignalWaitOpened") waitSignal.set(b.step_id, b.signal);
+    const line = signalLine(kind, b, waitSignal);
+    if (line !== null) {
+      signals.push({ kind, at: event.at, text: line, payload: b.payload });
+    } else if (kind === "StepDispatched") {
       const a = { step_id: b.step_id, node: b.node, attempt: b.attempt, tool: b.tool,
         side_effect: b.side_effect, role: b.role, started: event.at, ended: null,
         outcome: "in flight", detail: "", operation_id: event.operation_id };
@@ -433,7 +464,7 @@ function timeline(events) {
       if (entry) entry.outcome = `escalated to ${b.approver_group}`;
     }
   }
-  return { attempts, approvals };
+  return { attempts, approvals, signals };
 }
 
 function runPage(main, runId) {
@@ -444,6 +475,8 @@ function runPage(main, runId) {
   const live = el("span", { class: "live", id: "live-state", text: "connecting…" });
   const summary = el("div", { id: "run-summary" });
   const pending = el("section", { id: "run-pending" });
+  const waits = el("section", { id: "run-waits" });
+  const signalLog = el("section", { id: "run-signals" });
   const steps = el("section", { id: "run-steps" });
   const conversation = el("section", { id: "run-conversation" });
   const approvals = el("section", { id: "run-approvals" });
@@ -453,7 +486,8 @@ function runPage(main, runId) {
   const messages = el("div", { id: "run-messages" });
   const data = el("section", { id: "run-data" });
   const why = el("section", { id: "run-why" });
-  main.append(head, messages, pending, summary, conversation, steps, why, approvals, compensations, data, checkpoint, log);
+  main.append(head, messages, pending, waits, summary, conversation, steps, signalLog, why, approvals, compensations, data,
+    checkpoint, log);
 
   let scheduled = null;
   function refresh() {
@@ -502,12 +536,13 @@ function runPage(main, runId) {
           el("pre", { class: "json", text: json(i.proposal.args) }),
           el("a", { href: "#/inbox", text: "Decide in the approval inbox →" }))));
     }
+    renderWaits();
     if (turns.length) {
       fill(conversation, el("h2", { text: "Conversation" }), conversationView(turns));
     } else {
       clear(conversation);
     }
-    const { attempts, approvals: decided } = timeline(events);
+    const { attempts, approvals: decided, signals } = timeline(events);
     const now = Date.now();
     const normal = attempts.filter((a) => !(a.role && a.role.Compensation));
     const undo = attempts.filter((a) => a.role && a.role.Compensation);
@@ -527,15 +562,114 @@ function runPage(main, runId) {
             d.payload !== null && d.payload !== undefined ? el("span", { class: "muted decision-input", text: ` · input ${JSON.stringify(d.payload)}` }) : null))) : "—"),
           el("td", {}, el("span", { class: `outcome ${a.outcome.split(" ")[0]}`, text: a.outcome }))))))
       : el("p", { class: "empty", text: "No approval gate reached." }));
+    if (signals.length) {
+      fill(signalLog, el("h2", { text: "Signals" }), el("ol", { class: "events signals", id: "signals-list" },
+        signals.map((s) => el("li", { "data-kind": s.kind },
+          el("span", { class: "muted", text: `${when(s.at)} ` }),
+          el("span", { class: "signal-line", text: s.text }),
+          s.payload !== undefined ? el("code", { class: "small signal-payload-shown", text: ` ${shortJson(s.payload)}` }) : null))));
+    } else {
+      clear(signalLog);
+    }
     fill(compensations, el("h2", { text: "Compensations" }), undo.length
       ? attemptsTable(undo, now, "compensations-table")
       : el("p", { class: "empty", text: "None ran." }));
     renderCheckpointPicker();
     const wasOpen = !!log.querySelector("details[open]");
     fill(log, el("details", { open: wasOpen }, el("summary", { text: `All events (${events.length})` }),
-      el("ol", { class: "events", start: 1 }, events.map((e) => el("li", {},
-        el("span", { class: "muted", text: `#${e.seq} ${when(e.at)} ` }), el("strong", { text: eventKind(e) }),
-        el("pre", { class: "json small", text: json(e.body[eventKind(e)]) }))))));
+      el("ol", { class: "events", start: 1 }, events.map((e) => {
+        const line = signalLine(eventKind(e), e.body[eventKind(e)]);
+        return el("li", {},
+          el("span", { class: "muted", text: `#${e.seq} ${when(e.at)} ` }), el("strong", { text: eventKind(e) }),
+          line ? el("span", { class: "event-line", text: ` — ${line}` }) : null,
+          el("pre", { class: "json small", text: json(e.body[eventKind(e)]) }));
+      }))));
+  }
+
+  // One card per open wait, kept across redraws so a payload being written survives the
+  // run's events (the cards are re-attached only when the set of open waits changes).
+  const waitCards = new Map();
+  function renderWaits() {
+    const open = run.open_waits && run.open_waits.length
+      ? (run.waits || []).filter((w) => w.status === "open") : [];
+    for (const id of Array.from(waitCards.keys())) {
+      if (!open.some((w) => w.step_id === id)) waitCards.delete(id);
+    }
+    if (!open.length) { clear(waits); return; }
+    const cards = open.map((w) => {
+      if (!waitCards.has(w.step_id)) waitCards.set(w.step_id, waitCard(w));
+      const card = waitCards.get(w.step_id);
+      card.update(w);
+      return card.node;
+    });
+    const shown = Array.from(waits.querySelectorAll(":scope > .wait"));
+    if (shown.length !== cards.length || shown.some((n, i) => n !== cards[i])) {
+      fill(waits, el("h2", { text: "Waiting for signals" }), cards);
+    }
+  }
+
+  function waitCard(wait) {
+    const name = wait.signal;
+    const facts = el("dl", { class: "facts" });
+    const payload = el("textarea", { class: "signal-payload", rows: "4", spellcheck: "false",
+      "aria-label": `Payload of signal ${name} (JSON)` });
+    payload.value = "{}";
+    const signalId = el("input", { type: "text", class: "signal-id", maxlength: "128", autocomplete: "off",
+      spellcheck: "false", "aria-label": "Signal id (optional)",
+      placeholder: "Signal id (optional): your id of the event; a signal id is taken once" });
+    const send = el("button", { type: "submit", class: "primary send-signal", text: "Send" });
+    const result = el("div", { class: "signal-result" });
+    const form = el("form", { class: "signal-form" },
+      el("h3", { text: `Send signal ${name}` }),
+      el("label", { text: "Payload (JSON)" }), payload,
+      el("label", { text: "Signal id (optional)" }), signalId,
+      el("div", { class: "actions" }, send),
+      result);
+    form.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const body = {};
+      try { body.payload = JSON.parse(payload.value); } catch (e) {
+        result.replaceChildren(notice("error", `The payload is not valid JSON: ${e.message}`,
+          { class: "notice error signal-refusal code-bad_json" }));
+        return;
+      }
+      if (signalId.value.trim()) body.signal_id = signalId.value.trim();
+      send.disabled = true;
+      result.replaceChildren(notice("info", "Sending…"));
+      try {
+        const answer = await api("POST",
+          `/v1/runs/${encodeURIComponent(runId)}/signals/${encodeURIComponent(name)}`, body);
+        const what = {
+          taken: "taken",
+          kept: "kept: the wait has not opened yet; it takes the signal when it does",
+          duplicate: "duplicate: a signal with this id was taken already; nothing changed",
+        }[answer.signal] || answer.signal;
+        const text = `Signal ${name} ${answer.signal_id}: ${what}. The run is ${answer.status.replace(/_/g, " ")}.`;
+        fill(messages, notice("ok", text, { class: `notice ok signal-answer signal-${answer.signal}` }));
+        result.replaceChildren(notice("ok", text));
+      } catch (e) {
+        result.replaceChildren(notice("error", `Not sent (${e.code}): ${e.message}`,
+          { class: `notice error signal-refusal code-${e.code}` }));
+      } finally {
+        send.disabled = false;
+      }
+      refresh();
+    });
+    const node = el("article", { class: "card wait", "data-signal": name, "data-step": wait.step_id },
+      el("h3", {}, "Signal ", el("strong", { class: "mono signal-name", text: name }),
+        el("span", { class: "muted", text: ` · node ${wait.node}` })),
+      facts, form);
+    function update(w) {
+      const got = w.received || [];
+      fill(facts,
+        fact("Deadline", w.expires_at ? `${when(w.expires_at)} (${relative(w.expires_at)})` : "none"),
+        fact(w.many ? `Taken (${got.length} of ${w.wanted})` : "Taken", got.length
+          ? el("ul", { class: "plain signals-taken" }, got.map((r) => el("li", {},
+            el("span", { class: "mono small", text: r.signal_id }), ` from ${r.sent_by} at ${when(r.at)} `,
+            el("code", { class: "small", text: shortJson(r.payload) }))))
+          : el("span", { class: "muted", text: "nothing yet" })));
+    }
+    return { node, update };
   }
 
   function attemptsTable(rows, now, id) {
@@ -861,7 +995,7 @@ function operatorPage(main) {
       fill(unknown, notice("error", e.message));
     }
     try {
-      const lists = await Promise.all(["running", "waiting_approval", "needs_reconciliation", "compensating"]
+      const lists = await Promise.all(["running", "waiting_approval", "waiting_signal", "needs_reconciliation", "compensating"]
         .map((s) => api("GET", `/v1/runs?status=${s}&limit=100`)));
       const runs = lists.flatMap((l) => l.runs);
       fill(active, el("h2", { text: "Runs in progress" }), runs.length
