@@ -5,23 +5,32 @@ confluent-kafka with its Avro serializer and the schema registry.
         start --run-id run-42 --graph refund --input '{"order_id": "o-42"}'
     python publish_commands.py ... approve --run-id run-42 --interrupt-id int_... --proposal-hash ...
     python publish_commands.py ... cancel --run-id run-42 --reason "customer asked"
+    python publish_commands.py ... --principal svc:logistics --role logistics \
+        signal --run-id run-42 --name laptop_delivered --payload '{"tracking": "1Z999"}'
+    python publish_commands.py ... signal --correlated onboarding hire_id h-42 \
+        --name laptop_delivered --payload '{"tracking": "1Z999"}'
 
 Two things matter for Sortie:
   * the record key is the run id, and the producer hashes keys like the Java client
     (`partitioner=murmur2_random`; librdkafka's default would pick other partitions,
     which Sortie tolerates by forwarding, at the cost of a hop);
-  * `command_id` makes a command idempotent: send it again and it is applied once;
+  * `command_id` makes a command idempotent: send it again and it is applied once (a
+    signal's `--signal-id` does the same across command ids: resend an event under a new
+    command id and its run takes it once);
   * with `--signing-key` (a key file from `sortie keys new`), the record carries an
     Ed25519 signature over its exact value bytes (headers `sortie-key`,
     `sortie-signature`, signed with `cryptography` from PyPI): reducers started with
     `--require-signatures` take only signed commands, by a key of their keyring that may
     sign as `--principal` for `--tenant` with `--role`s.
 The reducer answers every command with a CommandAccepted or CommandRejected event carrying
-the same command_id on the run-events topic (see dashboard.py).
+the same command_id on the run-events topic (see dashboard.py); a signal its run takes is
+followed by SignalReceived (or SignalBuffered, kept for a wait not open yet), one it
+refuses is answered `unknown_signal`, `forbidden`, `invalid_payload`, `not_waiting`, ...
 """
 
 import argparse
 import base64
+import hashlib
 import json
 import os
 import sys
@@ -70,7 +79,24 @@ def body(args):
         })
     if args.command == "cancel":
         return (NS + "CancelRun", {"reason": args.reason})
+    if args.command == "signal":
+        # For a node with `wait: {signal: <name>}`; the payload is held to the wait's schema.
+        return (NS + "SignalRun", {
+            "name": args.name,
+            "signal_id": args.signal_id,
+            "payload": None if args.payload is None else json.dumps(json.loads(args.payload)),
+        })
     raise SystemExit(f"unknown command {args.command}")
+
+
+def correlated_run_id(tenant: str, graph_id: str, label: str, value: str) -> str:
+    """The run id of a graph that declares `correlation: <label>`: the one run of that
+    graph whose label has this value, in this tenant (`sortie_core::ids::correlated_run_id`)."""
+    digest = hashlib.sha256()
+    for part in ("sortie.correlation.v1", tenant, graph_id, label, value):
+        digest.update(part.encode())
+        digest.update(b"\x1f")
+    return "cor_" + digest.hexdigest()[:32]
 
 
 def main() -> int:
@@ -99,7 +125,18 @@ def main() -> int:
     cancel = sub.add_parser("cancel")
     cancel.add_argument("--run-id", required=True)
     cancel.add_argument("--reason", default=None)
+    signal = sub.add_parser("signal")
+    target = signal.add_mutually_exclusive_group(required=True)
+    target.add_argument("--run-id")
+    target.add_argument("--correlated", nargs=3, metavar=("GRAPH", "LABEL", "VALUE"),
+                        help="the run of GRAPH (which declares correlation: LABEL) whose label is VALUE")
+    signal.add_argument("--name", required=True, help="the signal the run's wait names")
+    signal.add_argument("--payload", default=None, help="JSON (default null)")
+    signal.add_argument("--signal-id", default=None,
+                        help="your id of this event, taken once per run (default: the command id)")
     args = parser.parse_args()
+    if getattr(args, "correlated", None):
+        args.run_id = correlated_run_id(args.tenant, *args.correlated)
 
     topic = args.prefix + "commands"
     with open(SCHEMA) as f:

@@ -268,6 +268,18 @@ fn agent_spent(run: &Value) {
     assert!(run["budget"]["prices"]["fake-agent"].is_object(), "{run}");
 }
 
+/// A payload a wait's schema takes: each declared string property `"example-<name>"`.
+fn example_payload(schema: Option<&Value>) -> Value {
+    let mut payload = serde_json::Map::new();
+    let properties = schema.and_then(|s| s["properties"].as_object());
+    for (name, property) in properties.into_iter().flatten() {
+        if property["type"] == "string" {
+            payload.insert(name.clone(), Value::String(format!("example-{name}")));
+        }
+    }
+    Value::Object(payload)
+}
+
 /// The input a graph file asks for: every `$input.<name>` it mentions, as a string.
 fn example_input(text: &str) -> Value {
     let mut input = serde_json::Map::new();
@@ -307,13 +319,25 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
     assert!(!files.is_empty(), "no graph files in {}", dir.display());
 
     let mut runs = Vec::new();
+    let mut signals = std::collections::BTreeMap::new();
     for file in &files {
         let graph = sortie_catalog::load_file(file).expect("the graph file loads");
         let text = std::fs::read_to_string(file).expect("read");
+        // A correlated graph names its runs by a label: the run id is derived from it.
+        let labels: serde_json::Map<String, Value> = graph
+            .correlation
+            .iter()
+            .map(|label| (label.clone(), Value::String(format!("example-{label}"))))
+            .collect();
+        for node in &graph.nodes {
+            if let Some(wait) = &node.wait {
+                signals.insert(wait.signal.clone(), example_payload(wait.schema.as_ref()));
+            }
+        }
         let started: Value = client
             .post(format!("{gateway}/v1/runs"))
             .bearer_auth(token)
-            .json(&json!({"graph_id": graph.id, "input": example_input(&text)}))
+            .json(&json!({"graph_id": graph.id, "input": example_input(&text), "labels": labels}))
             .send()
             .await
             .expect("start")
@@ -351,6 +375,23 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
                 "succeeded" => break,
                 "failed" | "cancelled" => panic!("{file}: run {run_id} ended {run}"),
                 _ => {}
+            }
+            // A run that waits for the world gets its signal, as the outside service
+            // would send it.
+            for name in run["open_waits"].as_array().into_iter().flatten() {
+                let name = name.as_str().expect("signal name");
+                let answer = client
+                    .post(format!("{gateway}/v1/runs/{run_id}/signals/{name}"))
+                    .bearer_auth(token)
+                    .json(&json!({"payload": signals.get(name), "signal_id": format!("example-{name}")}))
+                    .send()
+                    .await
+                    .expect("signal");
+                assert!(
+                    answer.status().is_success(),
+                    "{file}: signalling {name}: {}",
+                    answer.text().await.unwrap_or_default()
+                );
             }
             for interrupt in run["interrupts"].as_array().into_iter().flatten() {
                 let id = interrupt["interrupt_id"].as_str().expect("interrupt id");

@@ -56,4 +56,5 @@ scenarios!(
     signal_deadline_fails_escalates_or_continues,
     signal_deadline_fails_the_run,
     correlated_runs_are_named_by_their_label,
+    approver_groups_come_from_the_input,
 );

@@ -714,6 +714,20 @@ pub(crate) fn render(
     })
 }
 
+/// An approver group as a gate names it: a name, or a template reference to the run's
+/// input (`$input.manager`: each hire has another manager), rendered against `run`. A
+/// reference that renders to no string stays as written, which no principal's group
+/// matches: a members-only gate then waits for its deadline rather than open to anyone.
+pub(crate) fn group_name(run: &RunState, group: &str) -> String {
+    if !group.starts_with('$') {
+        return group.to_owned();
+    }
+    match render(run, None, None, &Value::String(group.to_owned())) {
+        Value::String(name) if !name.is_empty() => name,
+        _ => group.to_owned(),
+    }
+}
+
 /// The arguments an approved call runs with: `args` (the proposal's, or the approver's
 /// edit) where every position the node's template holds an `$interrupt.payload` reference,
 /// and the arguments still hold that reference, gets the decision's human input.

@@ -567,8 +567,9 @@ impl<'g> Ctx<'g> {
                         required_role: approval.required_role.clone(),
                         approver_group: approval
                             .group
-                            .clone()
-                            .or_else(|| approval.approver_group.clone()),
+                            .as_ref()
+                            .or(approval.approver_group.as_ref())
+                            .map(|g| advance::group_name(self.run(), g)),
                         quorum: approval.quorum,
                         expires_at: Some(self.at + approval.timeout.0),
                         role: role.clone(),

@@ -294,10 +294,11 @@ fn may_decide_a_gate(graph: &Graph, command: &Command) -> bool {
                 .required_role
                 .as_ref()
                 .is_none_or(|r| command.roles.contains(r));
+            // A group named by a template is known only once its interrupt opens.
             let group = gate
                 .group
                 .as_ref()
-                .is_none_or(|g| command.groups.contains(g));
+                .is_none_or(|g| g.starts_with('$') || command.groups.contains(g));
             role && group
         })
 }

@@ -76,13 +76,16 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, timer: &TimerKey) -> Result<(), &'static
             else {
                 return Err("unknown node");
             };
-            let next_group = approval.escalation.get(*round as usize);
+            let next_group = approval
+                .escalation
+                .get(*round as usize)
+                .map(|g| super::advance::group_name(ctx.run(), g));
             match (approval.on_timeout, next_group) {
                 (OnTimeout::Escalate, Some(group)) => {
                     ctx.emit(
                         EventBody::InterruptEscalated {
                             interrupt_id: interrupt_id.clone(),
-                            approver_group: group.clone(),
+                            approver_group: group,
                             expires_at: ctx.at + approval.timeout.0,
                         },
                         None,

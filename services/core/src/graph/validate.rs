@@ -345,6 +345,19 @@ impl Graph {
     fn check_approval(&self, node: &Node, problem: &mut impl FnMut(Option<&str>, String)) {
         let id = node.id.as_str();
         if let Some(approval) = &node.interrupt_before {
+            let groups = approval
+                .group
+                .iter()
+                .chain(&approval.approver_group)
+                .chain(&approval.escalation);
+            for group in groups.filter(|g| g.starts_with('$')) {
+                if !matches!(json::reference(group), Some(Ok(json::Reference::Input(_)))) {
+                    problem(
+                        Some(id),
+                        format!("approver group {group:?}: a group template reads the run input ($input.<path>)"),
+                    );
+                }
+            }
             if approval.quorum == 0 {
                 problem(
                     Some(id),

@@ -85,6 +85,8 @@ pub struct Cmd {
     #[serde(default)]
     pub roles: Vec<String>,
     #[serde(default)]
+    pub groups: Vec<String>,
+    #[serde(default)]
     pub reason: Option<String>,
 }
 
@@ -294,7 +296,7 @@ fn command(s: &Scenario, cmd: &Cmd, n: usize, at: i64, body: CommandBody) -> Inp
         roles: cmd.roles.clone(),
         at,
         body,
-        groups: vec![],
+        groups: cmd.groups.clone(),
     })
 }
 
