@@ -286,6 +286,7 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
             labels: Default::default(),
             budget: None,
             fork: None,
+            parent: None,
         }),
     );
     stack.send(&forged).await;

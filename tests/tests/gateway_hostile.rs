@@ -99,6 +99,7 @@ fn deep_start(run_id: &str, depth: usize) -> Event {
             budget: None,
             forked_from: None,
             rules: 0,
+            parent: None,
         },
     }
 }

@@ -272,6 +272,7 @@ fn regenerate_golden_histories() {
                 labels: BTreeMap::from([("channel".to_owned(), "support".to_owned())]),
                 budget: None,
                 fork: None,
+                parent: None,
             },
         );
     };
@@ -354,6 +355,7 @@ fn regenerate_golden_histories() {
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         },
     );
     story.report("send#1", StepOutcome::Started);

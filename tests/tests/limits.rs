@@ -74,6 +74,7 @@ fn start(
             labels: labels.clone(),
             budget: None,
             fork: None,
+            parent: None,
         }),
     )
 }

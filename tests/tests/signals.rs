@@ -7,9 +7,10 @@
 //! - `a_wait_survives_a_deploy_and_takes_each_signal_once`: the reducer and the executor
 //!   are killed while a run waits; another run's signal arrives over Kafka while they
 //!   are down, before its run even reached the wait, and is kept; after the restart both
-//!   runs take their signal once, the same request again is answered `duplicate` and
-//!   changes nothing, a payload the schema refuses is 422, a sender without the wait's
-//!   role 403, and a signal for a finished run 409 `bad_state`.
+//!   runs take their signal once, the same request (or the same signal id under a new
+//!   key, also after the run ended) is answered `duplicate` and changes nothing, a payload
+//!   the schema refuses is 422, a sender without the wait's role 403, and a new signal
+//!   for a finished run 409 `bad_state`.
 //! - `a_signal_resent_after_the_reducer_died_mid_commit_is_taken_once` (crash matrix:
 //!   "signal taken and the reducer dies before its commit"): the reducer dies at
 //!   `reducer.before_commit` in the batch that takes a signal; the sender, unanswered,
@@ -209,13 +210,27 @@ async fn a_wait_survives_a_deploy_and_takes_each_signal_once() {
         (&again["duplicate"], &again["signal"]),
         (&json!(true), &json!("duplicate"))
     );
-    // The same delivery under a new key, after the run ended: refused, nothing applied.
+    // The same delivery under a new key, after the run ended: still "taken before".
     let (status, late) = api.send(send_ada("ada-laptop-2")).await;
-    assert_eq!((status, code(&late)), (409, "bad_state"), "{late}");
+    assert_eq!(
+        (status, &late["signal"]),
+        (200, &json!("duplicate")),
+        "{late}"
+    );
+    // Another delivery after the end: refused, nothing applied.
+    let (status, other) = api
+        .post(
+            &path,
+            "tok-logistics",
+            json!({"payload": {"tracking": "2Z-ADA"}, "signal_id": "dlv-ada-2"}),
+        )
+        .await;
+    assert_eq!((status, code(&other)), (409, "bad_state"), "{other}");
 
     let states = stack
-        .wait_for_states("the refusal is folded", &runs, LONG, |s| {
-            s.commands.contains_key("ada-laptop-2") || s.run_id != "hire-ada"
+        .wait_for_states("the answers are folded", &runs, LONG, |s| {
+            (s.commands.contains_key("ada-laptop-2") && !s.rejected.is_empty())
+                || s.run_id != "hire-ada"
         })
         .await;
     let events = stack.events().await;

@@ -316,6 +316,7 @@ fn fork_command(
             labels: Default::default(),
             budget: None,
             fork: Some(fork.to_string()),
+            parent: None,
         }),
     );
     command.issuer = starter_issuer();

@@ -33,6 +33,7 @@ fn start_run(run_id: &str) -> RunCommand {
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         }),
     }
 }
@@ -286,6 +287,7 @@ async fn direct_encoding_writes_the_converters_bytes() -> anyhow::Result<()> {
                 budget: None,
                 forked_from: None,
                 rules: 1,
+                parent: None,
             }),
         };
         let topic = topics.run_events();

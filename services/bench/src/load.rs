@@ -200,6 +200,7 @@ impl Driver {
                 labels: Default::default(),
                 budget: None,
                 fork: None,
+                parent: None,
             }),
         };
         Ok(codec.encode(&topics.commands(), &command).await?)

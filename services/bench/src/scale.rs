@@ -48,6 +48,7 @@ pub fn finished_run(graph: &Graph, payload_bytes: usize) -> anyhow::Result<RunSt
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         },
     });
     let mut applied = apply(None, &start, &graphs);

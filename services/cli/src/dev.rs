@@ -392,6 +392,7 @@ async fn serve(
     }
     let keyring = keys.keyring.display().to_string();
     let gateway_key = keys.gateway.display().to_string();
+    let reducer_key = keys.reducer.display().to_string();
     let reducer_dir = data_dir.join("reducer").display().to_string();
     // Run payloads are sealed with per-run data keys (`docs/guides/retention-and-deletion.md`).
     let kek = keys.kek.display().to_string();
@@ -408,6 +409,8 @@ async fn serve(
             "--keyring",
             &keyring,
             "--require-signatures",
+            "--signing-key",
+            &reducer_key,
             "--seal-keyring",
             &kek,
             "--seal-key-store",
@@ -523,6 +526,9 @@ struct DevKeys {
     kek: PathBuf,
     /// The key the dev stack signs its graphs with (principal [`DEV_PUBLISHER`]).
     publisher: PathBuf,
+    /// The reducer's delegate key: it signs the commands the reducer sends other runs
+    /// (a child run's start and cancel).
+    reducer: PathBuf,
 }
 
 /// Who publishes the dev stack's graphs.
@@ -537,6 +543,7 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
         examples: dir.join("examples.key"),
         kek: dir.join("kek.yaml"),
         publisher: dir.join("publisher.key"),
+        reducer: dir.join("reducer.key"),
     };
     std::fs::create_dir_all(&dir)?;
     if !keys.kek.exists() {
@@ -550,6 +557,7 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
         &keys.gateway,
         &keys.examples,
         &keys.publisher,
+        &keys.reducer,
     ];
     if made.iter().all(|path| path.exists()) {
         return Ok(keys);
@@ -557,6 +565,7 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
     let gateway = Signer::generate("dev-gateway")?;
     let examples = Signer::generate("dev-examples")?;
     let publisher = Signer::generate("dev-publisher")?;
+    let reducer = Signer::generate("dev-reducer")?;
     let tenants = ["dev".to_owned()];
     let roles = ["approver".to_owned(), "operator".to_owned()];
     let mut publishes = publisher.entry(DEV_PUBLISHER, &["*".to_owned()], &[], false);
@@ -565,13 +574,20 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
         gateway.entry("gateway", &tenants, &[], true),
         examples.entry("svc:python-example", &tenants, &roles, false),
         publishes,
+        reducer.entry("reducer", &tenants, &[], true),
     ];
-    for path in [&keys.gateway, &keys.examples, &keys.publisher] {
+    for path in [
+        &keys.gateway,
+        &keys.examples,
+        &keys.publisher,
+        &keys.reducer,
+    ] {
         let _ = std::fs::remove_file(path);
     }
     crate::keys::write_secret(&keys.gateway, &gateway.to_file())?;
     crate::keys::write_secret(&keys.examples, &examples.to_file())?;
     crate::keys::write_secret(&keys.publisher, &publisher.to_file())?;
+    crate::keys::write_secret(&keys.reducer, &reducer.to_file())?;
     std::fs::write(&keys.keyring, keyring_text(&entries))?;
     Ok(keys)
 }

@@ -76,6 +76,11 @@ pub struct Args {
     /// taken as before, signed ones are checked.
     #[arg(long, env = "SORTIE_REQUIRE_SIGNATURES")]
     require_signatures: bool,
+    /// The reducer's own key (a file from `sortie keys new`): it signs the commands the
+    /// reducer produces for other runs (a child run's start and cancel). Reducers that
+    /// require signatures need it in their keyring as a delegate of the runs' tenants.
+    #[arg(long, env = "SORTIE__REDUCER__SIGNING_KEY")]
+    signing_key: Option<std::path::PathBuf>,
     /// A signed command is refused (`outside_window`) unless it was issued at most this
     /// long before the broker took it; its command id is remembered that long, and a copy
     /// is refused (`replayed`).
@@ -141,6 +146,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.max_payload_bytes = args.max_payload_bytes;
     config.keyring = args.keyring;
     config.require_signatures = args.require_signatures;
+    config.signing_key = args.signing_key;
     config.command_window = Duration::from_millis(args.command_window_ms);
     config.command_skew = Duration::from_millis(args.command_skew_ms);
     config.seal = args.seal.config();

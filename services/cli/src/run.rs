@@ -1,5 +1,5 @@
-//! `sortie run start|approve|reject|cancel|forget|get|watch|list|inbox`: runs through the HTTP gateway,
-//! as any client would. `get`, `watch` and `list` print for people (a timeline, a table;
+//! `sortie run start|approve|reject|cancel|signal|forget|fork|get|watch|list|inbox`: runs
+//! through the HTTP gateway, as any client would. `get`, `watch` and `list` print for people (a timeline, a table;
 //! colour on a terminal only); `--json` prints what the gateway answered, as before, for
 //! scripts.
 
@@ -38,6 +38,10 @@ enum Sub {
         /// Choose the run id (same id + same request = same run).
         #[arg(long)]
         run_id: Option<String>,
+        /// A start label `key=value` (repeat for several); a graph with a correlation
+        /// label names the run by it.
+        #[arg(long)]
+        label: Vec<String>,
     },
     /// Approve the run's pending interrupt (or the one named).
     Approve(Decision),
@@ -217,10 +221,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             graph_id,
             input,
             run_id,
+            label,
         } => {
             let mut body = json!({"graph_id": graph_id, "input": parse_json("--input", &input)?});
             if let Some(run_id) = run_id {
                 body["run_id"] = run_id.into();
+            }
+            let mut labels = serde_json::Map::new();
+            for pair in &label {
+                let (key, value) = pair
+                    .split_once('=')
+                    .ok_or_else(|| anyhow::anyhow!("--label {pair:?} is not key=value"))?;
+                labels.insert(key.to_owned(), value.into());
+            }
+            if !labels.is_empty() {
+                body["labels"] = Value::Object(labels);
             }
             client
                 .send(

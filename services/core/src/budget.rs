@@ -95,6 +95,25 @@ pub struct Limits {
     pub wall_time: Option<Millis>,
 }
 
+impl Budget {
+    /// What is left of this budget after `spend`, with the same prices: the most a child
+    /// run started now may spend ([`crate::child`]).
+    pub fn remaining(&self, spend: &Spend) -> Budget {
+        Budget {
+            limits: Limits {
+                tokens: self.limits.tokens.map(|t| t.saturating_sub(spend.tokens())),
+                cost_usd: self.limits.cost_usd.map(|c| (c - spend.cost_usd).max(0.0)),
+                tool_calls: self
+                    .limits
+                    .tool_calls
+                    .map(|t| t.saturating_sub(spend.tool_calls)),
+                wall_time: self.limits.wall_time,
+            },
+            prices: self.prices.clone(),
+        }
+    }
+}
+
 impl Limits {
     pub fn is_empty(&self) -> bool {
         self == &Limits::default()

@@ -11,6 +11,12 @@ pub enum Effect {
     Emit(Event),
     /// Publish an intent to `sortie.intents.<queue>`.
     Dispatch(Intent),
+    /// A command for another run (a child's start or cancel), produced in this input's
+    /// transaction to that run's partition of the commands topic ([`crate::child`]).
+    Command(crate::input::Command),
+    /// A report to a parent run's step: this child run ended ([`crate::child`]), produced
+    /// to the parent's partition of the step results, as an executor would.
+    Report(crate::input::StepReport),
     /// Index a timer by due time (the timer itself lives in the run state).
     ArmTimer {
         run_id: String,

@@ -127,6 +127,9 @@ pub enum EventBody {
         /// which keep the rules they were written under.
         #[serde(default, skip_serializing_if = "is_zero")]
         rules: u32,
+        /// A child run's parent ([`crate::child`]); its end is reported to it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<crate::child::ParentLink>,
     },
     StepDispatched {
         step_id: String,

@@ -27,6 +27,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 budget,
                 forked_from,
                 rules,
+                parent,
             },
             None,
         ) => {
@@ -61,6 +62,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 forgotten: None,
                 waits: Default::default(),
                 early_signals: Vec::new(),
+                parent: parent.clone(),
             };
             if let Some(fork) = forked_from {
                 crate::decide::fork::carry(&mut state, fork);

@@ -215,6 +215,11 @@ pub struct Node {
     /// definition is parsed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait: Option<SignalWait>,
+    /// Starts a run of another graph and waits for it ([`crate::child`]): `args` are its
+    /// input. Such a node's `tool` is [`crate::child::CHILD_TOOL`] and its side effect
+    /// `idempotent`, filled in when the definition is parsed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<crate::child::ChildRun>,
 }
 
 /// The model API an `llm` node speaks (`config.api`), which decides the shape of its
@@ -735,9 +740,10 @@ impl Graph {
     }
 }
 
-/// Gives each node that waits for a signal (`wait:`) the tool and side effect it has on
-/// the wire ([`signal::WAIT_TOOL`], `pure`) where the author left them out. Whether there
-/// was any such node.
+/// Gives each node that waits for a signal (`wait:`) or starts a child run (`run:`) the
+/// tool and side effect it has on the wire ([`signal::WAIT_TOOL`] and `pure`,
+/// [`crate::child::CHILD_TOOL`] and `idempotent`) where the author left them out.
+/// Whether there was any such node.
 fn fill_waiting_nodes(document: &mut serde_yaml::Value) -> bool {
     let mut any = false;
     let nodes = document
@@ -747,11 +753,15 @@ fn fill_waiting_nodes(document: &mut serde_yaml::Value) -> bool {
         let Some(map) = node.as_mapping_mut() else {
             continue;
         };
-        if !map.contains_key("wait") {
+        let (tool, side_effect) = if map.contains_key("wait") {
+            (signal::WAIT_TOOL, "pure")
+        } else if map.contains_key("run") {
+            (crate::child::CHILD_TOOL, "idempotent")
+        } else {
             continue;
-        }
+        };
         any = true;
-        for (key, value) in [("tool", signal::WAIT_TOOL), ("side_effect", "pure")] {
+        for (key, value) in [("tool", tool), ("side_effect", side_effect)] {
             if !map.contains_key(key) {
                 map.insert(key.into(), value.into());
             }

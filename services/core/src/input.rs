@@ -55,6 +55,10 @@ pub struct Command {
     pub body: CommandBody,
 }
 
+// A start (with its budget, fork source and parent link) is the largest command by far;
+// a command lives for one fold and is moved, not copied, so boxing its fields would only
+// add allocations and churn every place that builds one.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum CommandBody {
     StartRun {
@@ -69,6 +73,10 @@ pub enum CommandBody {
         /// Start from another run's checkpoint instead of from scratch (time travel).
         #[serde(default)]
         fork: Option<ForkSource>,
+        /// A child run's parent: the run, step, operation and attempt that start it
+        /// ([`crate::child`]); its run id must be the one the link derives.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<crate::child::ParentLink>,
     },
     ResumeRun {
         interrupt_id: String,

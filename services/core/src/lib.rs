@@ -13,6 +13,7 @@
 
 pub mod blob;
 pub mod budget;
+pub mod child;
 pub mod conversation;
 pub mod decide;
 pub mod duration;

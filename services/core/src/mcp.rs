@@ -252,6 +252,7 @@ pub fn tool_node(server: &McpServer, tool: &PinnedTool) -> Node {
         description: tool.description.clone(),
         input_schema: Some(tool.input_schema.clone()),
         wait: None,
+        run: None,
     }
 }
 

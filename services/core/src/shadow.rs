@@ -70,7 +70,7 @@ pub fn replay(history: &[Event], graphs: &Graphs) -> Outcome {
             group.push(next.clone());
         }
         out.versions += 1;
-        let Some(input) = input_of(state.as_ref(), &group) else {
+        let Some(input) = input_of(state.as_ref(), &group, graphs) else {
             out.taken_as_recorded += 1;
             state = group.iter().fold(state, evolve);
             continue;
@@ -125,7 +125,7 @@ fn covers(recorded: &Value, redecided: &Value) -> bool {
 }
 
 /// The input that produced one version's events, when they tell enough to rebuild it.
-fn input_of(state: Option<&RunState>, group: &[Event]) -> Option<Input> {
+fn input_of(state: Option<&RunState>, group: &[Event], graphs: &Graphs) -> Option<Input> {
     let first = group.first()?;
     let run_id = first.run_id.clone();
     let at = first.at;
@@ -149,6 +149,31 @@ fn input_of(state: Option<&RunState>, group: &[Event]) -> Option<Input> {
                     body = Some(match state {
                         // A start under a new command id is a duplicate when it asks for
                         // the same run: the run's own request.
+                        // A signal id taken before, under a new command id: any signal
+                        // id the run took gets the same answer.
+                        Some(run) if command == "SignalRun" => {
+                            let (name, signal_id) = run
+                                .waits
+                                .values()
+                                .flat_map(|w| w.received.iter().map(move |r| (&w.signal, r)))
+                                .map(|(name, r)| (name.clone(), r.signal_id.clone()))
+                                .chain(
+                                    run.early_signals
+                                        .iter()
+                                        .map(|e| (e.signal.clone(), e.signal_id.clone())),
+                                )
+                                .next()?;
+                            let graph = graphs.get(&run.graph_id, Some(run.graph_version));
+                            let wait = graph
+                                .and_then(|g| g.waiting_for(&name))
+                                .and_then(|n| n.wait.as_ref());
+                            roles.extend(wait.and_then(|w| w.roles.first().cloned()));
+                            CommandBody::SignalRun {
+                                name,
+                                signal_id,
+                                payload: Value::Null,
+                            }
+                        }
                         Some(run) if command == "StartRun" => CommandBody::StartRun {
                             graph_id: run.graph_id.clone(),
                             graph_version: Some(run.graph_version),
@@ -156,6 +181,7 @@ fn input_of(state: Option<&RunState>, group: &[Event]) -> Option<Input> {
                             labels: run.labels.clone(),
                             fork: None,
                             budget: run.budget.clone(),
+                            parent: run.parent.clone(),
                         },
                         _ => placeholder(command)?,
                     });
@@ -168,6 +194,7 @@ fn input_of(state: Option<&RunState>, group: &[Event]) -> Option<Input> {
                     labels,
                     forked_from,
                     budget,
+                    parent,
                     ..
                 } => {
                     if forked_from.is_some() {
@@ -181,6 +208,36 @@ fn input_of(state: Option<&RunState>, group: &[Event]) -> Option<Input> {
                         labels: labels.clone(),
                         fork: None,
                         budget: budget.clone(),
+                        parent: parent.clone(),
+                    });
+                }
+                EventBody::SignalReceived {
+                    signal,
+                    signal_id,
+                    payload,
+                    sent_by,
+                    ..
+                }
+                | EventBody::SignalBuffered {
+                    signal,
+                    signal_id,
+                    payload,
+                    sent_by,
+                } if body.is_none() => {
+                    principal.clone_from(sent_by);
+                    // Taken or kept, so it was allowed: its sender held a role the wait
+                    // asks for.
+                    let graph = state.and_then(|s| graphs.get(&s.graph_id, Some(s.graph_version)));
+                    if let Some(wait) = graph
+                        .and_then(|g| g.waiting_for(signal))
+                        .and_then(|n| n.wait.as_ref())
+                    {
+                        roles.extend(wait.roles.first().cloned());
+                    }
+                    body = Some(CommandBody::SignalRun {
+                        name: signal.clone(),
+                        signal_id: signal_id.clone(),
+                        payload: payload.clone(),
                     });
                 }
                 EventBody::InterruptDecided {
@@ -353,6 +410,9 @@ fn input_of(state: Option<&RunState>, group: &[Event]) -> Option<Input> {
             step_id: step_id.clone(),
             attempt: attempt - 1,
         }),
+        EventBody::SignalWaitExpired { step_id, .. } => timer(TimerKey::SignalWait {
+            step_id: step_id.clone(),
+        }),
         EventBody::InterruptEscalated { interrupt_id, .. }
         | EventBody::InterruptExpired { interrupt_id, .. } => {
             let round = state.interrupts.get(interrupt_id)?.round;
@@ -382,6 +442,7 @@ fn placeholder(kind: &str) -> Option<CommandBody> {
             labels: Default::default(),
             fork: None,
             budget: None,
+            parent: None,
         },
         "ResumeRun" => CommandBody::ResumeRun {
             interrupt_id: String::new(),
@@ -397,6 +458,11 @@ fn placeholder(kind: &str) -> Option<CommandBody> {
             succeeded: false,
             output: None,
             error: None,
+        },
+        "SignalRun" => CommandBody::SignalRun {
+            name: String::new(),
+            signal_id: String::new(),
+            payload: Value::Null,
         },
         _ => return None,
     })

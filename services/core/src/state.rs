@@ -78,6 +78,9 @@ pub struct RunState {
     /// [`crate::signal::MAX_EARLY_SIGNALS`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub early_signals: Vec<EarlySignal>,
+    /// A child run's parent: its end is reported to the parent's step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<crate::child::ParentLink>,
 }
 
 /// A node's wait for an outside signal.

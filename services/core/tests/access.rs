@@ -44,6 +44,7 @@ fn start(graph: &str) -> CommandBody {
         labels: BTreeMap::new(),
         budget: None,
         fork: None,
+        parent: None,
     }
 }
 

@@ -37,6 +37,7 @@ fn start(input: Value) -> Input {
             labels: Default::default(),
             budget: None,
             fork: None,
+            parent: None,
         },
         groups: vec![],
     })

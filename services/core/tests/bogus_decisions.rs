@@ -55,6 +55,7 @@ impl Run {
                 labels: BTreeMap::new(),
                 budget: None,
                 fork: None,
+                parent: None,
             },
         );
         run

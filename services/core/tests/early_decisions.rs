@@ -62,6 +62,7 @@ fn started(graphs: &Graphs) -> RunState {
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         },
     );
     apply(None, &start, graphs).state.unwrap()

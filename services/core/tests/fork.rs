@@ -48,6 +48,7 @@ fn start(run_id: &str, at: i64, input: Value, fork: Option<ForkSource>) -> Input
             input,
             labels: BTreeMap::new(),
             fork,
+            parent: None,
             budget: None,
         },
     })

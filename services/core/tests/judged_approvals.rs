@@ -77,6 +77,7 @@ impl Run {
                 input,
                 labels: BTreeMap::new(),
                 fork: None,
+                parent: None,
                 budget: None,
             },
         );

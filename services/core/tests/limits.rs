@@ -51,6 +51,7 @@ fn start(graph: &str, input: serde_json::Value) -> Input {
             labels: Default::default(),
             budget: None,
             fork: None,
+            parent: None,
         },
     )
 }

@@ -97,6 +97,7 @@ impl Run {
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         });
         run
     }

@@ -197,6 +197,7 @@ impl Sim {
                 labels: BTreeMap::new(),
                 budget: None,
                 fork: None,
+                parent: None,
             },
             "svc",
             vec![],

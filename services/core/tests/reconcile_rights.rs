@@ -41,6 +41,7 @@ impl Run {
                 labels: BTreeMap::new(),
                 budget: None,
                 fork: None,
+                parent: None,
             },
         );
         run

@@ -48,6 +48,7 @@ fn start_of(graph: &str) -> Input {
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         },
     })
 }

@@ -49,6 +49,7 @@ impl Run {
             labels: BTreeMap::new(),
             budget,
             fork: None,
+            parent: None,
         });
         run
     }

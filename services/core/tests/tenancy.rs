@@ -46,6 +46,7 @@ fn start(tenant: &str, id: &str) -> Input {
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         },
     )
 }

@@ -73,6 +73,7 @@ impl Run {
             labels: BTreeMap::new(),
             budget,
             fork: None,
+            parent: None,
         });
         run
     }

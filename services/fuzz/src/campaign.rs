@@ -460,6 +460,7 @@ fn canary_start(target: &Target, run: &str) -> w::RunCommand {
             labels: Default::default(),
             budget: None,
             fork: None,
+            parent: None,
         }),
     }
 }

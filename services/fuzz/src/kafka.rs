@@ -193,6 +193,7 @@ fn command(rng: &mut Rng, ctx: &Context) -> Hostile {
             ][rng.below(3)]
             .clone(),
             fork: None,
+            parent: None,
         }),
         2 => w::CommandBody::ResumeRun(w::ResumeRun {
             interrupt_id: id(rng, "int"),

@@ -149,6 +149,7 @@ mod corpus {
                     labels: [("team".to_owned(), "payments".to_owned())].into(),
                     budget: Some(r#"{"limits":{"tokens":1000}}"#.into()),
                     fork: None,
+                    parent: None,
                 }),
             ),
             (
@@ -160,6 +161,7 @@ mod corpus {
                     labels: Default::default(),
                     budget: None,
                     fork: None,
+                    parent: None,
                 }),
             ),
             (
@@ -264,6 +266,7 @@ mod corpus {
                 labels: Default::default(),
                 budget: None,
                 fork: None,
+                parent: None,
             },
         });
         let applied = apply(None, &start, &graphs);

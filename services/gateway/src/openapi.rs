@@ -199,7 +199,7 @@ pub fn document() -> Value {
                     "additionalProperties": false,
                     "properties": {
                         "payload": {"description": format!("The signal's payload (JSON; absent: null), held to the wait's schema; {}. Travels inline: pass large artifacts by URI.", shape())},
-                        "signal_id": {"type": "string", "maxLength": 200, "description": "The sender's id of this event: taken once per run, whatever request carries it (absent: the command id, i.e. the Idempotency-Key)."}
+                        "signal_id": {"type": "string", "maxLength": 256, "description": "The sender's id of this event: taken once per run, whatever request carries it (absent: the command id, i.e. the Idempotency-Key)."}
                     }
                 },
                 "CorrelatedSignal": {
@@ -210,7 +210,7 @@ pub fn document() -> Value {
                         "graph_id": {"type": "string", "description": "A graph that declares a correlation label."},
                         "correlation": {"type": "string", "description": "The value of that label on the run (e.g. the hire's id): the run's id is cor_ + 32 hex digits of SHA-256 over \"sortie.correlation.v1\", tenant, graph id, label and value, each followed by 0x1f."},
                         "payload": {"description": "The signal's payload (JSON; absent: null), held to the wait's schema."},
-                        "signal_id": {"type": "string", "maxLength": 200, "description": "The sender's id of this event: taken once per run."}
+                        "signal_id": {"type": "string", "maxLength": 256, "description": "The sender's id of this event: taken once per run."}
                     }
                 },
                 "SignalWritten": {
@@ -418,7 +418,7 @@ pub fn document() -> Value {
                     "security": security,
                     "parameters": [
                         run_id(),
-                        param("name", "path", "The signal's name, as the graph's wait declares it.", json!({"type": "string", "maxLength": 200})),
+                        param("name", "path", "The signal's name, as the graph's wait declares it.", json!({"type": "string", "maxLength": 64})),
                         idempotency_key()
                     ],
                     "requestBody": body("Signal", false),
@@ -433,7 +433,7 @@ pub fn document() -> Value {
                     "summary": "Send a signal to the run of a graph named by its correlation label's value (no run id needed)",
                     "security": security,
                     "parameters": [
-                        param("name", "path", "The signal's name, as the graph's wait declares it.", json!({"type": "string", "maxLength": 200})),
+                        param("name", "path", "The signal's name, as the graph's wait declares it.", json!({"type": "string", "maxLength": 64})),
                         idempotency_key()
                     ],
                     "requestBody": body("CorrelatedSignal", true),

@@ -671,6 +671,7 @@ mod tests {
                 deadline_at: None,
                 forked_from: None,
                 rules: 0,
+                parent: None,
             },
         };
         let mut state = sortie_core::evolve(None, &event).expect("started");

@@ -96,6 +96,9 @@ pub struct ReducerConfig {
     pub keyring: Option<PathBuf>,
     /// Refuse unsigned commands (production); without it they are taken as before.
     pub require_signatures: bool,
+    /// The key the reducer signs the commands it produces for other runs with (a child
+    /// run's start and cancel); `None`: they go unsigned.
+    pub signing_key: Option<PathBuf>,
     /// How long before the broker's time a signed command may have been issued, and how
     /// far after it (clock skew); its id is remembered that long (see `replay`).
     pub command_window: Duration,
@@ -136,6 +139,7 @@ impl ReducerConfig {
             max_payload_bytes: 1024 * 1024,
             keyring: None,
             require_signatures: false,
+            signing_key: None,
             command_window: Duration::from_secs(300),
             command_skew: Duration::from_secs(30),
             seal: None,
@@ -282,6 +286,12 @@ impl Reducer {
         };
         let topics = &config.topics;
         let keys = crate::keys::Keys::open(config.keyring.clone(), config.require_signatures)?;
+        let signer = config
+            .signing_key
+            .as_deref()
+            .map(sortie_wire::signing::Signer::load)
+            .transpose()
+            .map_err(|e| Error::Setup(format!("the reducer's signing key: {e}")))?;
         // The transactional producers (init fences and aborts a previous incarnation's
         // transactions, which the stable offset fetch of the first assignment would
         // otherwise wait out) and the graph table start side by side: all are round
@@ -393,6 +403,7 @@ impl Reducer {
                 ..config.clone()
             },
             run_keys,
+            signer,
             runtime,
             codec,
             store,

@@ -54,6 +54,8 @@ pub(crate) struct Engine {
     pub keys: crate::keys::Keys,
     /// The run data keys, when payloads are sealed (see `sealing`).
     pub run_keys: Option<sortie_seal::RunKeys>,
+    /// Signs the commands the fold sends to other runs (a child run's start and cancel).
+    pub signer: Option<sortie_wire::signing::Signer>,
     /// Partition count of the co-partitioned topics.
     pub partitions: u32,
     pub tasks: Tasks,
@@ -546,6 +548,12 @@ impl Engine {
                         source: source.clone(),
                     });
                 }
+                Effect::Command(command) => {
+                    outputs.push(self.command_output(command, trace, &source)?);
+                }
+                Effect::Report(report) => {
+                    outputs.push(self.report_output(report, &run_id, trace, &source)?);
+                }
                 Effect::Forget { operations, .. } => {
                     // The step results hold outputs: tombstoned, so compaction drops them.
                     let topic = self.config.topics.step_results();
@@ -570,6 +578,97 @@ impl Engine {
         }
         self.batch.outputs.extend(outputs);
         Ok(None)
+    }
+}
+
+impl Engine {
+    /// A command the fold sends another run (a child's start or cancel): its payloads
+    /// sealed with that run's key (made now for a start), issued now and signed with the
+    /// reducer's key, to that run's partition of the commands topic.
+    fn command_output(
+        &mut self,
+        command: &sortie_core::Command,
+        trace: &TraceContext,
+        source: &Source,
+    ) -> Result<Output, Error> {
+        let mut input = Input::Command(command.clone());
+        if let Some(keys) = self.run_keys.clone() {
+            let starts = matches!(command.body, sortie_core::CommandBody::StartRun { .. });
+            let seal = match self.lookup(&keys, &command.tenant, &command.run_id, starts)? {
+                Ok(lookup) => sortie_seal::RunKeys::seal_of(&command.run_id, &lookup),
+                Err(reason) => {
+                    return Err(Error::Setup(format!(
+                        "no data key for run {}: {reason}",
+                        command.run_id
+                    )))
+                }
+            };
+            use sortie_core::Seal as _;
+            input.map_payloads(&mut |v| *v = seal.seal(v));
+        }
+        let Input::Command(sealed) = input else {
+            unreachable!("a command stays a command")
+        };
+        let mut wire = convert::command_to_wire(&sealed);
+        // Issued when produced: a re-fold after downtime is not outside the window.
+        wire.issued_at = sortie_kafka::clock::now_ms();
+        let topic = self.config.topics.commands();
+        let value = self.encode(&topic, &wire)?;
+        let mut headers = vec![trace.child(&command.command_id).header()];
+        if let Some(signer) = &self.signer {
+            headers.extend(
+                signer
+                    .headers(&value)
+                    .into_iter()
+                    .map(|(name, bytes)| (name.to_owned(), Some(bytes))),
+            );
+        }
+        Ok(Output {
+            topic,
+            partition: Some(self.partition_of(&command.run_id)),
+            key: command.run_id.clone().into_bytes(),
+            value: Some(value),
+            headers,
+            source: source.clone(),
+        })
+    }
+
+    /// A child run's end for its parent's step: a step result, its output sealed with
+    /// the parent's key, to the parent's partition of the step results.
+    fn report_output(
+        &mut self,
+        report: &sortie_core::StepReport,
+        child: &str,
+        trace: &TraceContext,
+        source: &Source,
+    ) -> Result<Output, Error> {
+        let mut report = report.clone();
+        if let (Some(keys), sortie_core::StepOutcome::Succeeded { output }) =
+            (self.run_keys.clone(), &mut report.outcome)
+        {
+            let seal = match self.lookup(&keys, &report.tenant, &report.run_id, false)? {
+                Ok(lookup) => sortie_seal::RunKeys::seal_of(&report.run_id, &lookup),
+                Err(reason) => {
+                    return Err(Error::Setup(format!(
+                        "no data key for run {}: {reason}",
+                        report.run_id
+                    )))
+                }
+            };
+            use sortie_core::Seal as _;
+            *output = seal.seal(output);
+        }
+        let topic = self.config.topics.step_results();
+        let wire = convert::report_to_wire(&report, &format!("run:{child}"));
+        let value = self.encode(&topic, &wire)?;
+        Ok(Output {
+            topic,
+            partition: Some(self.partition_of(&report.run_id)),
+            key: report.operation_id.clone().into_bytes(),
+            value: Some(value),
+            headers: vec![trace.child(&report.operation_id).header()],
+            source: source.clone(),
+        })
     }
 }
 

@@ -1048,6 +1048,7 @@ edges:
             labels: Default::default(),
             budget: None,
             fork: None,
+            parent: None,
         };
         step(&mut state, command("start", start, 1));
         let s = state.clone().expect("state");

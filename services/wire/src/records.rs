@@ -80,6 +80,9 @@ pub struct StartRun {
     /// Start from another run's checkpoint: `{run_id, version, state}` as JSON (added in 0.2).
     #[serde(default)]
     pub fork: Option<String>,
+    /// A child run's parent `{run_id, step_id, operation_id, attempt}` as JSON (added in 0.4).
+    #[serde(default)]
+    pub parent: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -354,6 +357,9 @@ pub struct RunStarted {
     /// The rules the run's derived state is folded with (added in 0.2; 0 before).
     #[serde(default)]
     pub rules: i32,
+    /// A child run's parent, as JSON (added in 0.4).
+    #[serde(default)]
+    pub parent: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -185,6 +185,7 @@ fn every_command_round_trips() {
         labels: BTreeMap::from([("team".to_owned(), "support".to_owned())]),
         budget: None,
         fork: None,
+        parent: None,
     })));
     round_trip(command(CommandBody::StartRun(StartRun {
         graph_id: "refund".into(),
@@ -193,6 +194,7 @@ fn every_command_round_trips() {
         labels: BTreeMap::new(),
         budget: None,
         fork: None,
+        parent: None,
     })));
     round_trip(command(CommandBody::ResumeRun(ResumeRun {
         interrupt_id: "int-1".into(),
@@ -350,6 +352,7 @@ fn every_event_kind_round_trips() {
             deadline_at: Some(5),
             forked_from: None,
             rules: 1,
+            parent: None,
         }),
         EventBody::StepDispatched(StepDispatched {
             step_id: "s".into(),

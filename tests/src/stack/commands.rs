@@ -96,6 +96,7 @@ pub fn start_run(run_id: &str, graph: &str, input: &str) -> w::RunCommand {
             labels: BTreeMap::new(),
             budget: None,
             fork: None,
+            parent: None,
         }),
     )
 }

@@ -863,6 +863,7 @@ fn final_output(graph: &Graph, states: &BTreeMap<&str, NodeState>) -> Value {
 pub(crate) fn begin_failure(ctx: &mut Ctx<'_>, reason: String) {
     let Some(graph) = ctx.graph() else { return };
     if needs_wind_down(ctx.run(), graph) {
+        ctx.cancel_children(&reason);
         ctx.set_status(RunStatus::Compensating, Some(reason), None);
         wind_down(ctx, graph);
     } else {

@@ -29,13 +29,15 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
 
 /// Begins cancellation (also used when an approval expires with `on_timeout: cancel`).
 pub(crate) fn cancel(ctx: &mut Ctx<'_>, by: String, reason: Option<String>) {
+    let reason = reason.unwrap_or_else(|| format!("cancelled by {by}"));
     ctx.emit(
         EventBody::CancelRequested {
             requested_by: by.clone(),
-            reason: Some(reason.unwrap_or_else(|| format!("cancelled by {by}"))),
+            reason: Some(reason.clone()),
         },
         None,
     );
+    ctx.cancel_children(&reason);
     ctx.set_status(RunStatus::Cancelling, None, None);
     advance(ctx);
 }

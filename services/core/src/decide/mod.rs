@@ -150,6 +150,35 @@ fn breach(applied: &Applied, measured: &mut MeasuredSteps) -> Option<String> {
                     return Some(reason);
                 }
             }
+            Effect::Command(command) => {
+                let measured = limits::measure(command);
+                if measured.bytes > limits::MAX_RECORD_BYTES {
+                    return Some(format!(
+                        "the {} for run {} ({} bytes) would exceed the {}-byte record limit",
+                        command.body.kind(),
+                        command.run_id,
+                        measured.bytes,
+                        limits::MAX_RECORD_BYTES
+                    ));
+                }
+                if let Some(reason) = too_deep(
+                    format!("the {} for run {}", command.body.kind(), command.run_id),
+                    measured.depth,
+                ) {
+                    return Some(reason);
+                }
+            }
+            Effect::Report(report) => {
+                let measured = limits::measure(report);
+                if measured.bytes > limits::MAX_RECORD_BYTES {
+                    return Some(format!(
+                        "the report to run {} ({} bytes) would exceed the {}-byte record limit",
+                        report.run_id,
+                        measured.bytes,
+                        limits::MAX_RECORD_BYTES
+                    ));
+                }
+            }
             Effect::ArmTimer { .. } | Effect::DisarmTimer { .. } | Effect::Forget { .. } => {}
         }
     }
@@ -207,6 +236,8 @@ pub fn refuse(command: &Command, code: &str, reason: String, graphs: &Graphs) ->
     let input = Input::Command(command.clone());
     let mut ctx = Ctx::new(None, &input, graphs, &Plain);
     ctx.command_id = Some(command.command_id.clone());
+    // A child's start refused here (its signature) tells no parent: who sent it is not
+    // known, so neither is the parent link it claims.
     ctx.answer_outside(command, code, reason);
     ctx.finish(None, Some("refused before the fold"))
 }
@@ -222,6 +253,9 @@ fn apply_unchecked(
         Input::Command(command) => {
             ctx.command_id = Some(command.command_id.clone());
             command_input(&mut ctx, command);
+            if ctx.state.is_none() {
+                ctx.tell_parent_of_refusal(command);
+            }
             None
         }
         Input::StepReport(report) => report::handle(&mut ctx, report).err(),
@@ -278,6 +312,13 @@ fn command_input(ctx: &mut Ctx<'_>, command: &Command) {
                 );
             };
             if run.status.is_terminal() {
+                if let CommandBody::SignalRun { signal_id, .. } = body {
+                    if run.has_signal(signal_id) {
+                        // A sender's retry of a signal the run took before it ended: the
+                        // same answer as while it ran, so "taken" is told from "never".
+                        return signal::duplicate(ctx, command);
+                    }
+                }
                 let reason = format!("run is {}", run.status.as_str());
                 return ctx.reject(command, "bad_state", reason);
             }
@@ -309,6 +350,10 @@ pub(crate) struct Ctx<'g> {
     /// The history's events as written under an active seal (see [`Applied`]).
     sealed_events: Vec<Event>,
     intents: Vec<Intent>,
+    /// Commands for other runs: children's starts and cancels.
+    commands: Vec<Command>,
+    /// Reports to a parent's step (this child run ended).
+    reports: Vec<StepReport>,
     /// A wait opened during this input and took every signal it wanted from those kept
     /// for it: `advance` plans again.
     pub(crate) wait_satisfied: bool,
@@ -335,6 +380,8 @@ impl<'g> Ctx<'g> {
             events: Vec::new(),
             sealed_events: Vec::new(),
             intents: Vec::new(),
+            commands: Vec::new(),
+            reports: Vec::new(),
             wait_satisfied: false,
         }
     }
@@ -499,6 +546,9 @@ impl<'g> Ctx<'g> {
             None,
         );
         if status.is_terminal() {
+            self.report_to_parent();
+        }
+        if status.is_terminal() {
             // Early decisions whose interrupt never came get their answer now.
             let waiting = self.run().buffered.clone();
             for decision in waiting {
@@ -611,24 +661,28 @@ impl<'g> Ctx<'g> {
         let operation_id =
             ids::operation_id(&self.tenant, &self.run_id, &step_id, &node.tool, &args);
         let timeout_at = node.timeout.map(|t| self.at + t.0);
-        self.intents.push(Intent {
-            operation_id: operation_id.clone(),
-            attempt,
-            tenant: self.tenant.clone(),
-            run_id: self.run_id.clone(),
-            step_id: step_id.clone(),
-            node: node.id.clone(),
-            graph_id: graph.id.clone(),
-            graph_version: graph.version,
-            tool: node.tool.clone(),
-            queue: node.queue.clone(),
-            side_effect: node.side_effect,
-            args: args.clone(),
-            config: graph.step_config(node),
-            timeout_ms: node.timeout.map(|t| t.0),
-            issued_at: self.at,
-            lookup_only,
-        });
+        if let Some(child) = &node.run {
+            self.start_child(child, &step_id, &operation_id, attempt, &args);
+        } else {
+            self.intents.push(Intent {
+                operation_id: operation_id.clone(),
+                attempt,
+                tenant: self.tenant.clone(),
+                run_id: self.run_id.clone(),
+                step_id: step_id.clone(),
+                node: node.id.clone(),
+                graph_id: graph.id.clone(),
+                graph_version: graph.version,
+                tool: node.tool.clone(),
+                queue: node.queue.clone(),
+                side_effect: node.side_effect,
+                args: args.clone(),
+                config: graph.step_config(node),
+                timeout_ms: node.timeout.map(|t| t.0),
+                issued_at: self.at,
+                lookup_only,
+            });
+        }
         self.emit(
             EventBody::StepDispatched {
                 step_id,
@@ -646,6 +700,154 @@ impl<'g> Ctx<'g> {
         );
     }
 
+    /// The parent's command to start `child` as attempt `attempt` of its step: the
+    /// child's id derives from the operation and attempt, so a re-fold sends the same
+    /// start (a duplicate the child answers) and a retry starts a fresh child.
+    fn start_child(
+        &mut self,
+        child: &crate::child::ChildRun,
+        step_id: &str,
+        operation_id: &str,
+        attempt: u32,
+        input: &Value,
+    ) {
+        let link = crate::child::ParentLink {
+            run_id: self.run_id.clone(),
+            step_id: step_id.to_owned(),
+            operation_id: operation_id.to_owned(),
+            attempt,
+        };
+        let child_id = link.child_id(&self.tenant);
+        self.commands.push(Command {
+            command_id: format!("start-{child_id}"),
+            tenant: self.tenant.clone(),
+            run_id: child_id,
+            principal: format!("{}{}", crate::child::PARENT_PRINCIPAL, self.run_id),
+            roles: Vec::new(),
+            groups: Vec::new(),
+            at: self.at,
+            body: CommandBody::StartRun {
+                graph_id: child.graph.clone(),
+                graph_version: child.version,
+                input: input.clone(),
+                labels: Default::default(),
+                budget: self
+                    .run()
+                    .budget
+                    .as_ref()
+                    .map(|b| b.remaining(&self.run().spend)),
+                fork: None,
+                parent: Some(link),
+            },
+        });
+    }
+
+    /// Cancels the children this run has in flight (it began to wind down): each is sent
+    /// a `CancelRun`, whose id is derived, so a re-fold sends the same one.
+    pub(crate) fn cancel_children(&mut self, reason: &str) {
+        let children: Vec<String> = self
+            .run()
+            .steps
+            .values()
+            .filter(|s| s.tool == crate::child::CHILD_TOOL && s.status.is_in_flight())
+            .map(|s| {
+                crate::child::child_run_id(&self.tenant, &self.run_id, &s.operation_id, s.attempt)
+            })
+            .collect();
+        for child_id in children {
+            self.commands.push(Command {
+                command_id: format!("cancel-{child_id}"),
+                tenant: self.tenant.clone(),
+                run_id: child_id,
+                principal: format!("{}{}", crate::child::PARENT_PRINCIPAL, self.run_id),
+                roles: Vec::new(),
+                groups: Vec::new(),
+                at: self.at,
+                body: CommandBody::CancelRun {
+                    reason: Some(format!("its parent run is winding down: {reason}")),
+                },
+            });
+        }
+    }
+
+    /// A child's start that was refused (no run began) fails its parent's step for good,
+    /// with the refusal's code and reason: a parent never waits on a child that will not
+    /// run. Only for a link that derives the start's run id: a forged one names no parent.
+    fn tell_parent_of_refusal(&mut self, command: &Command) {
+        let CommandBody::StartRun {
+            parent: Some(parent),
+            ..
+        } = &command.body
+        else {
+            return;
+        };
+        if parent.child_id(&command.tenant) != command.run_id {
+            return;
+        }
+        let Some((code, reason)) = self.events.iter().find_map(|e| match &e.body {
+            EventBody::CommandRejected {
+                command_id,
+                code,
+                reason,
+                ..
+            } if *command_id == command.command_id => Some((code.clone(), reason.clone())),
+            _ => None,
+        }) else {
+            return;
+        };
+        self.reports.push(StepReport {
+            operation_id: parent.operation_id.clone(),
+            attempt: parent.attempt,
+            tenant: command.tenant.clone(),
+            run_id: parent.run_id.clone(),
+            step_id: parent.step_id.clone(),
+            outcome: StepOutcome::Failed {
+                retryable: false,
+                code: format!("child_{code}"),
+                message: format!("child run {} was not started: {reason}", command.run_id),
+                retry_after_ms: None,
+            },
+            at: self.at,
+        });
+    }
+
+    /// A child run that ended reports to its parent's step, as an executor would: its
+    /// output, or why it did not succeed (a failed child may be retried by the parent's
+    /// policy, a cancelled one not).
+    fn report_to_parent(&mut self) {
+        let run = self.run();
+        let Some(parent) = run.parent.clone() else {
+            return;
+        };
+        let outcome = match run.status {
+            RunStatus::Succeeded => StepOutcome::Succeeded {
+                output: run.output.clone().unwrap_or(Value::Null),
+            },
+            status => {
+                let reason = run
+                    .ending
+                    .as_ref()
+                    .map(|e| e.reason.clone())
+                    .unwrap_or_default();
+                StepOutcome::Failed {
+                    retryable: status == RunStatus::Failed,
+                    code: format!("child_{}", status.as_str()),
+                    message: format!("child run {} {}: {reason}", run.run_id, status.as_str()),
+                    retry_after_ms: None,
+                }
+            }
+        };
+        self.reports.push(StepReport {
+            operation_id: parent.operation_id,
+            attempt: parent.attempt,
+            tenant: self.tenant.clone(),
+            run_id: parent.run_id,
+            step_id: parent.step_id,
+            outcome,
+            at: self.at,
+        });
+    }
+
     fn finish(self, before: Option<&RunState>, ignored: Option<&'static str>) -> Applied {
         let forgotten = self
             .events
@@ -653,6 +855,8 @@ impl<'g> Ctx<'g> {
             .any(|e| matches!(e.body, EventBody::RunForgotten { .. }));
         let mut effects: Vec<Effect> = self.events.into_iter().map(Effect::Emit).collect();
         effects.extend(self.intents.into_iter().map(Effect::Dispatch));
+        effects.extend(self.commands.into_iter().map(Effect::Command));
+        effects.extend(self.reports.into_iter().map(Effect::Report));
         let changed = self.state.as_ref() != before;
         if let (Some(after), true) = (&self.state, changed) {
             let old = before.map(|b| &b.timers);

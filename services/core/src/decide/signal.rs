@@ -15,10 +15,10 @@ use crate::{
 /// the run's history and changing nothing else:
 /// - the run's graph waits for no signal of this name: `unknown_signal`;
 /// - the sender holds none of the wait's roles: `forbidden`;
+/// - a signal with this signal id was taken or kept already: accepted as a duplicate,
+///   taken once (its payload is not looked at again);
 /// - the payload does not match the wait's schema: `invalid_payload` (naming the first
 ///   place that fails, never the payload);
-/// - a signal with this signal id was taken or kept already: accepted as a duplicate,
-///   taken once;
 /// - the wait is open: taken (`SignalReceived`); a wait that has all it wants is done and
 ///   the run moves on;
 /// - the wait has not opened yet: kept (`SignalBuffered`) within
@@ -50,23 +50,15 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     if let Some(reason) = wait.refusal(&command.roles) {
         return ctx.reject(command, "forbidden", reason);
     }
+    if ctx.run().has_signal(signal_id) {
+        return duplicate(ctx, command);
+    }
     if let Some(schema) = &wait.schema {
         if let Err(why) = signal::validate(schema, payload) {
             return ctx.reject(command, "invalid_payload", why);
         }
     }
     let run = ctx.run();
-    if run.has_signal(signal_id) {
-        // The same event again (a retry under a new command id): taken once.
-        return ctx.emit(
-            EventBody::CommandAccepted {
-                command_id: command.command_id.clone(),
-                command: command.body.kind().into(),
-                duplicate: true,
-            },
-            None,
-        );
-    }
     if run.ending.is_some() {
         return ctx.reject(
             command,
@@ -123,6 +115,19 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             signal_id: early.signal_id,
             payload: early.payload,
             sent_by: early.sent_by,
+        },
+        None,
+    );
+}
+
+/// The same event again (a retry under a new command id): accepted as a duplicate, taken
+/// once.
+pub(crate) fn duplicate(ctx: &mut Ctx<'_>, command: &Command) {
+    ctx.emit(
+        EventBody::CommandAccepted {
+            command_id: command.command_id.clone(),
+            command: command.body.kind().into(),
+            duplicate: true,
         },
         None,
     );

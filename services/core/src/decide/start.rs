@@ -15,6 +15,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         labels,
         budget,
         fork,
+        parent,
     } = &command.body
     else {
         return;
@@ -70,6 +71,9 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     if let Some(reason) = correlation_refusal(command, graph, labels, fork.is_some()) {
         return ctx.reject(command, "bad_run_id", reason);
     }
+    if let Some((code, reason)) = child_refusal(command, graph, parent.as_ref()) {
+        return ctx.reject(command, code, reason);
+    }
     if let Some(Err(problem)) = budget.as_ref().map(crate::budget::Budget::check) {
         // The model layer refuses such a command before the fold; this keeps any other
         // caller of the fold to the same rule.
@@ -91,6 +95,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             budget: budget.clone(),
             forked_from,
             rules: crate::budget::RULES,
+            parent: parent.clone(),
         },
         None,
     );
@@ -189,5 +194,38 @@ fn correlation_refusal(
             "run ids starting {CORRELATED_PREFIX} are derived from a correlation label; choose another"
         )),
         None => None,
+    }
+}
+
+/// Why `command` may not start a child run, or a run under a child's id: a `sub_` id is
+/// taken only by a start whose parent link derives it (in the start's own tenant), and a
+/// child's graph must leave `access` open — its start and cancel come from the parent
+/// run, which holds no roles of its own.
+fn child_refusal(
+    command: &Command,
+    graph: &crate::graph::Graph,
+    parent: Option<&crate::child::ParentLink>,
+) -> Option<(&'static str, String)> {
+    use crate::child::CHILD_PREFIX;
+    match parent {
+        None if command.run_id.starts_with(CHILD_PREFIX) => Some((
+            "bad_run_id",
+            format!(
+                "run ids starting {CHILD_PREFIX} are child runs' ids, derived by their parent; choose another"
+            ),
+        )),
+        None => None,
+        Some(link) if link.child_id(&command.tenant) != command.run_id => Some((
+            "bad_run_id",
+            "a child run's id is the one its parent link derives".to_owned(),
+        )),
+        Some(_) if !graph.access.start.is_empty() || !graph.access.cancel.is_empty() => Some((
+            "forbidden",
+            format!(
+                "graph {} limits who starts or cancels its runs (access), so it cannot run as a child",
+                graph.id
+            ),
+        )),
+        Some(_) => None,
     }
 }

@@ -28,6 +28,7 @@ pub(super) fn validate(graph: &Graph) -> Result<(), InvalidGraph> {
         graph.check_node(node, &mut problem);
         graph.check_approval(node, &mut problem);
         graph.check_wait(node, &detached, &mut problem);
+        graph.check_child(node, &mut problem);
         graph.check_references(node, &detached, &ancestors, &mut problem);
     }
     if problems.is_empty() {
@@ -433,6 +434,10 @@ impl Graph {
             );
         }
         let calls = node.interrupt_before.is_some()
+            || node.side_effect != super::SideEffect::Pure
+            || node.queue != "default"
+            || node.retry != super::RetryPolicy::default()
+            || node.config.as_object().is_some_and(|c| !c.is_empty())
             || node.precheck.is_some()
             || node.compensate_with.is_some()
             || !node.may_request.is_empty()
@@ -443,7 +448,7 @@ impl Graph {
         if calls {
             problem(
                 Some(id),
-                "a waiting node calls nothing: no args, timeout (use wait.timeout), approval, precheck, compensation, requests or tools".into(),
+                "a waiting node calls nothing: no args, config, queue, retry, side_effect, timeout (use wait.timeout), approval, precheck, compensation, requests or tools".into(),
             );
         }
         if detached.contains(id) {
@@ -454,6 +459,12 @@ impl Graph {
         }
         if wait.timeout.0 <= 0 {
             problem(Some(id), "wait.timeout must be positive".into());
+        }
+        if wait.many && wait.count.is_none() && wait.on_timeout == OnWaitTimeout::Fail {
+            problem(
+                Some(id),
+                "a list wait without a count ends at its deadline: give it a count, or on_timeout continue or goto".into(),
+            );
         }
         match wait.count {
             Some(_) if !wait.many => {
@@ -489,6 +500,50 @@ impl Graph {
                 ),
                 Some(_) => {}
             }
+        }
+    }
+
+    /// A node that starts a child run: a graph id, no tool of its own, nothing that would
+    /// let a second child start while the first runs (a timeout), and `idempotent` (a
+    /// re-fold sends the same start; the child's id makes it one run).
+    fn check_child(&self, node: &Node, problem: &mut impl FnMut(Option<&str>, String)) {
+        let id = node.id.as_str();
+        let Some(child) = &node.run else {
+            if node.tool == crate::child::CHILD_TOOL {
+                problem(
+                    Some(id),
+                    format!(
+                        "tool {} is the tool of a node that starts a child run; give it run",
+                        crate::child::CHILD_TOOL
+                    ),
+                );
+            }
+            return;
+        };
+        if !valid_id(&child.graph) {
+            problem(
+                Some(id),
+                format!("run.graph {:?} must be a graph id", child.graph),
+            );
+        }
+        if node.wait.is_some() {
+            problem(
+                Some(id),
+                "a node either waits or runs a child, not both".into(),
+            );
+        }
+        let own = node.tool != crate::child::CHILD_TOOL
+            || node.side_effect != super::SideEffect::Idempotent
+            || node.timeout.is_some()
+            || node.config.as_object().is_some_and(|c| !c.is_empty())
+            || !node.may_request.is_empty()
+            || !node.tools.is_empty()
+            || !node.mcp.is_empty();
+        if own {
+            problem(
+                Some(id),
+                "a node that runs a child calls nothing itself: no tool, config, timeout (the child's graph has max_duration), side_effect other than idempotent, requests or tools".into(),
+            );
         }
     }
 

@@ -315,6 +315,7 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
                 labels: start.labels.clone(),
                 budget: None,
                 fork: None,
+                parent: None,
             },
         )];
     }

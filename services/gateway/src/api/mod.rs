@@ -366,6 +366,7 @@ async fn start_run(
                 .as_ref()
                 .map(sortie_model::budget_text),
             fork: None,
+            parent: None,
         }),
     );
     let answer = app.submit(&command).await?;
@@ -1335,6 +1336,7 @@ async fn fork_run(
             input: sortie_core::json::canonical(&input),
             labels: body.labels.unwrap_or_else(|| source.labels.clone()),
             fork: Some(sortie_core::json::canonical(&fork)),
+            parent: None,
             // The source's limits as they stood at that version; the fork's own spend
             // starts at zero (what it carries over was charged to the source).
             budget: source.budget.as_ref().map(sortie_model::budget_text),
