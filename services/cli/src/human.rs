@@ -186,11 +186,23 @@ impl Timeline {
                 } else {
                     ""
                 };
+                let what = match (tool.as_str(), &event.operation_id) {
+                    (sortie_core::child::CHILD_TOOL, Some(op)) => format!(
+                        "child run {}",
+                        sortie_core::child::child_run_id(
+                            &event.tenant,
+                            &event.run_id,
+                            op,
+                            *attempt
+                        )
+                    ),
+                    _ => format!("{class}, {tool}"),
+                };
                 (
                     node.clone(),
                     "dispatched",
                     "",
-                    format!("attempt {attempt}, {class}, {tool}{why}{only}"),
+                    format!("attempt {attempt}, {what}{why}{only}"),
                 )
             }
             EventBody::StepStarted { step_id, attempt } => (

@@ -262,6 +262,8 @@ pub fn document() -> Value {
                         "interrupts": {"type": "array", "items": {"type": "object"}},
                         "waits": {"type": "array", "items": {"type": "object"}, "description": "The run's waits for signals: step_id, node, signal, many, wanted, expires_at, status (open, done, expired, closed), timed_out, received [{signal_id, payload, sent_by, at}]."},
                         "open_waits": {"type": "array", "items": {"type": "string"}, "description": "The names of the signals the run waits for now."},
+                        "parent": {"type": ["object", "null"], "description": "For a child run: its parent's run_id, step_id, operation_id and attempt."},
+                        "children": {"type": "array", "items": {"type": "object"}, "description": "The child runs this run started (its run: steps): step_id, node, run_id, attempt, status (the step's)."},
                         "steps": {"type": "array", "items": {"type": "object"}},
                         "budget": {"type": ["object", "null"], "description": "Spend limits (tokens, cost_usd, tool_calls, wall_time) and the price table, as started and raised."},
                         "spend": {"type": "object", "description": "What the run spent: prompt_tokens, completion_tokens, cost_usd, llm_calls, tool_calls."}

@@ -39,6 +39,25 @@ fn wait(w: &sortie_core::state::Wait) -> Value {
     })
 }
 
+/// The child runs a run started (its `run:` steps): step, node, the child's run id (the
+/// current attempt's) and the step's status.
+fn children(state: &RunState) -> Vec<Value> {
+    state
+        .steps
+        .values()
+        .filter(|s| s.tool == sortie_core::child::CHILD_TOOL)
+        .map(|s| {
+            json!({
+                "step_id": s.step_id,
+                "node": s.node,
+                "run_id": sortie_core::child::child_run_id(&state.tenant, &state.run_id, &s.operation_id, s.attempt),
+                "attempt": s.attempt,
+                "status": s.status,
+            })
+        })
+        .collect()
+}
+
 /// The nodes of the steps that succeeded, in the order they did.
 fn nodes_completed(state: &RunState) -> Vec<&str> {
     state
@@ -64,6 +83,8 @@ fn common(state: &RunState) -> serde_json::Map<String, Value> {
         "interrupt": open.first(),
         "interrupts": open,
         "waits": state.waits.values().map(wait).collect::<Vec<_>>(),
+        "parent": state.parent,
+        "children": children(state),
         "open_waits": state.open_waits().map(|w| w.signal.as_str()).collect::<Vec<_>>(),
         "created_at": state.created_at,
         "updated_at": state.updated_at,
