@@ -250,8 +250,10 @@ fn empty_object() -> Value {
     Value::Object(serde_json::Map::new())
 }
 
+/// A node's retry policy; each field left out takes its default (`retry: {max_attempts:
+/// 5}` keeps the default backoff).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct RetryPolicy {
     pub max_attempts: u32,
     pub initial_backoff: Millis,
@@ -902,6 +904,27 @@ edges:
             found.iter().any(|p| p.contains("lookup_authoritative")),
             "{found:?}"
         );
+    }
+
+    #[test]
+    fn a_retry_policy_takes_its_defaults_field_by_field() {
+        let graph = Graph::parse(
+            "id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, retry: {max_attempts: 5}}\n",
+        )
+        .expect("a partial retry policy is complete with defaults");
+        let retry = &graph.nodes[0].retry;
+        assert_eq!(retry.max_attempts, 5);
+        assert_eq!(
+            RetryPolicy {
+                max_attempts: 3,
+                ..retry.clone()
+            },
+            RetryPolicy::default()
+        );
+        let found = problems(
+            "id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, retry: {max_atempts: 5}}\n",
+        );
+        assert!(found.iter().any(|p| p.contains("max_atempts")), "{found:?}");
     }
 
     #[test]
