@@ -532,7 +532,7 @@ struct DevKeys {
 }
 
 /// Who publishes the dev stack's graphs.
-const DEV_PUBLISHER: &str = "sortie-dev";
+pub(crate) const DEV_PUBLISHER: &str = "sortie-dev";
 
 fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
     use sortie_wire::signing::{keyring_text, Signer};

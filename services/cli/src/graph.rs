@@ -45,6 +45,10 @@ enum Action {
         /// one. Without it, only the signing key's own signatures are trusted.
         #[arg(long, env = "SORTIE_KEYRING", requires = "signing_key")]
         keyring: Option<PathBuf>,
+        /// Publish unsigned even where the dev stack's publisher key is at hand
+        /// (reducers that require signatures, as `sortie dev` does, refuse such graphs).
+        #[arg(long, conflicts_with = "signing_key")]
+        unsigned: bool,
     },
     /// List every published graph version.
     List {
@@ -61,12 +65,31 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     match args.action {
         Action::Publish {
             files,
-            by,
-            signing_key,
-            keyring,
+            mut by,
+            mut signing_key,
+            mut keyring,
+            unsigned,
         } => {
             // Every file is validated before anything is published.
             let loaded = load(&files)?;
+            if signing_key.is_none() && !unsigned {
+                // `sortie dev` requires signed graphs: next to its data, sign as it does.
+                let dev = std::path::Path::new(DEV_KEYS);
+                let (key, ring) = (dev.join("publisher.key"), dev.join("keyring.yaml"));
+                if key.exists() && ring.exists() {
+                    eprintln!(
+                        "signing with the dev stack's publisher key ({}); --signing-key to sign with another, --unsigned for none",
+                        key.display()
+                    );
+                    signing_key = Some(key);
+                    keyring = keyring.or(Some(ring));
+                    by = DEV_PUBLISHER.to_owned();
+                } else {
+                    eprintln!(
+                        "publishing unsigned: reducers and gateways that require signatures (sortie dev, production) refuse unsigned graphs; sign with --signing-key"
+                    );
+                }
+            }
             let signer = signing_key
                 .as_deref()
                 .map(sortie_wire::signing::Signer::load)
@@ -85,6 +108,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
 }
+
+/// Where `sortie dev` keeps its keys (its default data dir, from the workspace root).
+const DEV_KEYS: &str = "target/dev/keys";
+use crate::dev::DEV_PUBLISHER;
 
 /// A codec that may register schemas, with the graph definition schema registered.
 async fn codec(registry_url: &str, topics: &Topics) -> anyhow::Result<Codec> {
