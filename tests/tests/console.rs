@@ -1009,3 +1009,60 @@ async fn an_agents_conversation_reads_in_order_and_the_inbox_shows_the_asking_me
     }
     assert_eq!(fake.exchanges().len(), 3);
 }
+
+/// A parent's run page lists its child runs with links, and a child's page links its
+/// parent: a person follows a sub-agent and back. Seen red with the console's
+/// `#run-children` list left out of the run page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_run_page_links_its_child_and_the_child_its_parent() {
+    let child = "id: waiter\nversion: 1\nnodes:\n  - id: go\n    wait: {signal: go, timeout: 1h}\n";
+    let parent =
+        "id: boss\nversion: 1\nnodes:\n  - {id: delegate, run: {graph: waiter}, args: {}}\n";
+    let stack = Stack::start("console-children", &[child, parent]).await;
+    let _reducer = stack.reducer("0");
+    let (_gateway, url) = stack
+        .gateway_process(&stack.dir.join("gateway"), &[ALICE])
+        .await;
+    let client = reqwest::Client::new();
+    let answer = client
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth("tok-alice")
+        .json(&json!({"graph_id": "boss", "run_id": "boss-7", "input": {}}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(answer.status().as_u16(), 201, "{:?}", answer.text().await);
+    let child_id = sortie_tests::wait_for("the child to start", LONG, || async {
+        let run = get_run(&client, &url, "boss-7").await;
+        let id = run["children"][0]["run_id"].as_str()?.to_owned();
+        (run_status(&client, &url, &id).await == "waiting_signal").then_some(id)
+    })
+    .await;
+
+    let browser = Browser::start(&stack.dir.join("chromedriver.log"), 1280, 1000).await;
+    sign_in(&browser, &url, "tok-alice").await;
+    browser.goto(&format!("{url}/ui/#/runs/boss-7")).await;
+    let listed = browser
+        .wait_text("the child run listed", "#run-children", LONG, |t| {
+            t.contains(&child_id)
+        })
+        .await;
+    assert!(listed.contains("delegate"), "{listed}");
+    browser.click("#run-children a", SHORT).await;
+    let parent_fact = browser
+        .wait_text(
+            "the child's page names its parent",
+            "#run-parent",
+            LONG,
+            |t| t.contains("boss-7"),
+        )
+        .await;
+    assert!(parent_fact.contains("delegate#1"), "{parent_fact}");
+    browser
+        .wait_for(
+            "the child's page shows it waits",
+            "#run-status [data-status='waiting_signal']",
+            LONG,
+        )
+        .await;
+}

@@ -522,6 +522,10 @@ function runPage(main, runId) {
       fact("Updated", when(run.updated_at)),
       fact("Steps done", `${run.steps_done} (${run.nodes_completed.join(" → ") || "none yet"})`),
       fact("Labels", labelsText(run.labels) || "none"),
+      run.parent ? fact("Parent run", el("span", { id: "run-parent" },
+        runLink(run.parent.run_id), ` (step ${run.parent.step_id})`)) : null,
+      run.children && run.children.length ? fact("Child runs", el("ul", { class: "plain", id: "run-children" },
+        run.children.map((c) => el("li", {}, runLink(c.run_id), ` · ${c.node} · ${c.status}`)))) : null,
       run.ending ? fact(run.ending.cancelled ? "Cancelled" : "Ending", run.ending.reason) : null));
     fill(data, el("h2", { text: "Input and output" }), el("dl", { class: "facts" },
       fact("Input", el("pre", { class: "json", text: json(run.input) })),
