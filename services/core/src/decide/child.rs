@@ -30,27 +30,34 @@ impl Ctx<'_> {
             attempt,
         };
         let child_id = link.child_id(&self.tenant);
+        let body = CommandBody::StartRun {
+            graph_id: child.graph.clone(),
+            graph_version: child.version,
+            input: input.clone(),
+            labels: Default::default(),
+            budget: self
+                .run()
+                .budget
+                .as_ref()
+                .map(|b| b.remaining(&self.run().spend)),
+            fork: None,
+            parent: Some(link),
+        };
+        self.send_child("start", child_id, body);
+    }
+
+    /// A command from this run to its child `child_id`, under the derived command id
+    /// `<what>-<child id>`, issued as the run itself (no roles).
+    fn send_child(&mut self, what: &str, child_id: String, body: CommandBody) {
         self.commands.push(Command {
-            command_id: format!("start-{child_id}"),
+            command_id: format!("{what}-{child_id}"),
             tenant: self.tenant.clone(),
             run_id: child_id,
             principal: format!("{}{}", crate::child::PARENT_PRINCIPAL, self.run_id),
             roles: Vec::new(),
             groups: Vec::new(),
             at: self.at,
-            body: CommandBody::StartRun {
-                graph_id: child.graph.clone(),
-                graph_version: child.version,
-                input: input.clone(),
-                labels: Default::default(),
-                budget: self
-                    .run()
-                    .budget
-                    .as_ref()
-                    .map(|b| b.remaining(&self.run().spend)),
-                fork: None,
-                parent: Some(link),
-            },
+            body,
         });
     }
 
@@ -67,18 +74,8 @@ impl Ctx<'_> {
             })
             .collect();
         for child_id in children {
-            self.commands.push(Command {
-                command_id: format!("cancel-{child_id}"),
-                tenant: self.tenant.clone(),
-                run_id: child_id,
-                principal: format!("{}{}", crate::child::PARENT_PRINCIPAL, self.run_id),
-                roles: Vec::new(),
-                groups: Vec::new(),
-                at: self.at,
-                body: CommandBody::CancelRun {
-                    reason: Some(format!("its parent run is winding down: {reason}")),
-                },
-            });
+            let reason = Some(format!("its parent run is winding down: {reason}"));
+            self.send_child("cancel", child_id, CommandBody::CancelRun { reason });
         }
     }
 
