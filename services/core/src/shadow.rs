@@ -147,8 +147,6 @@ fn input_of(state: Option<&RunState>, group: &[Event], graphs: &Graphs) -> Optio
                     // Answered from the run's memory before the body is looked at: only
                     // its kind shows in the answer.
                     body = Some(match state {
-                        // A start under a new command id is a duplicate when it asks for
-                        // the same run: the run's own request.
                         // A signal id taken before, under a new command id: any signal
                         // id the run took gets the same answer.
                         Some(run) if command == "SignalRun" => {
@@ -163,17 +161,15 @@ fn input_of(state: Option<&RunState>, group: &[Event], graphs: &Graphs) -> Optio
                                         .map(|e| (e.signal.clone(), e.signal_id.clone())),
                                 )
                                 .next()?;
-                            let graph = graphs.get(&run.graph_id, Some(run.graph_version));
-                            let wait = graph
-                                .and_then(|g| g.waiting_for(&name))
-                                .and_then(|n| n.wait.as_ref());
-                            roles.extend(wait.and_then(|w| w.roles.first().cloned()));
+                            roles.extend(sender_role(graphs, Some(run), &name));
                             CommandBody::SignalRun {
                                 name,
                                 signal_id,
                                 payload: Value::Null,
                             }
                         }
+                        // A start under a new command id is a duplicate when it asks for
+                        // the same run: the run's own request.
                         Some(run) if command == "StartRun" => CommandBody::StartRun {
                             graph_id: run.graph_id.clone(),
                             graph_version: Some(run.graph_version),
@@ -227,13 +223,7 @@ fn input_of(state: Option<&RunState>, group: &[Event], graphs: &Graphs) -> Optio
                     principal.clone_from(sent_by);
                     // Taken or kept, so it was allowed: its sender held a role the wait
                     // asks for.
-                    let graph = state.and_then(|s| graphs.get(&s.graph_id, Some(s.graph_version)));
-                    if let Some(wait) = graph
-                        .and_then(|g| g.waiting_for(signal))
-                        .and_then(|n| n.wait.as_ref())
-                    {
-                        roles.extend(wait.roles.first().cloned());
-                    }
+                    roles.extend(sender_role(graphs, state, signal));
                     body = Some(CommandBody::SignalRun {
                         name: signal.clone(),
                         signal_id: signal_id.clone(),
@@ -430,6 +420,15 @@ fn input_of(state: Option<&RunState>, group: &[Event], graphs: &Graphs) -> Optio
         }
         _ => None,
     }
+}
+
+/// A role the sender of a signal the run took held: one the wait asks for (none when it
+/// asks for none).
+fn sender_role(graphs: &Graphs, state: Option<&RunState>, signal: &str) -> Option<String> {
+    let run = state?;
+    let graph = graphs.get(&run.graph_id, Some(run.graph_version))?;
+    let wait = graph.waiting_for(signal)?.wait.as_ref()?;
+    wait.roles.first().cloned()
 }
 
 /// A command of `kind` whose content does not matter (a duplicate's).

@@ -315,6 +315,15 @@ pub fn report_from_wire(result: w::StepResult, at: i64) -> Result<StepReport, In
     })
 }
 
+/// An approval (`true`) or a rejection on the wire.
+pub(crate) fn decision_to_wire(approve: bool) -> w::Decision {
+    if approve {
+        w::Decision::Approve
+    } else {
+        w::Decision::Reject
+    }
+}
+
 pub fn side_effect_to_wire(side_effect: SideEffect) -> w::SideEffectClass {
     match side_effect {
         SideEffect::Pure => w::SideEffectClass::Pure,
@@ -572,11 +581,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
         } => w::EventBody::InterruptDecided(w::InterruptDecided {
             interrupt_id: interrupt_id.clone(),
             proposal_hash: proposal_hash.clone(),
-            decision: if *approve {
-                w::Decision::Approve
-            } else {
-                w::Decision::Reject
-            },
+            decision: decision_to_wire(*approve),
             decided_by: decided_by.clone(),
             payload: payload.as_ref().map(text),
             comment: comment.clone(),
@@ -633,11 +638,7 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
         } => w::EventBody::DecisionBuffered(w::DecisionBuffered {
             interrupt_id: interrupt_id.clone(),
             proposal_hash: proposal_hash.clone(),
-            decision: if *approve {
-                w::Decision::Approve
-            } else {
-                w::Decision::Reject
-            },
+            decision: decision_to_wire(*approve),
             decided_by: decided_by.clone(),
             roles: roles.clone(),
             payload: payload.as_ref().map(text),

@@ -5,7 +5,7 @@
 use sortie_core::{input::Command, CommandBody, StepOutcome, StepReport};
 use sortie_wire::records as w;
 
-use crate::{budget_text, id, json_opt, text, Invalid};
+use crate::{budget_text, decision_to_wire, id, json_opt, text, Invalid};
 
 /// A child run's parent link on the wire (JSON).
 pub(crate) fn parent_text(link: &sortie_core::child::ParentLink) -> String {
@@ -58,11 +58,7 @@ pub fn command_to_wire(command: &Command) -> w::RunCommand {
         } => w::CommandBody::ResumeRun(w::ResumeRun {
             interrupt_id: interrupt_id.clone(),
             proposal_hash: proposal_hash.clone(),
-            decision: if *approve {
-                w::Decision::Approve
-            } else {
-                w::Decision::Reject
-            },
+            decision: decision_to_wire(*approve),
             payload: payload.as_ref().map(text),
             comment: comment.clone(),
             edited_args: edited_args.as_ref().map(text),

@@ -582,6 +582,26 @@ impl Engine {
 }
 
 impl Engine {
+    /// How another run (a child, a parent) seals its payloads, when payloads are sealed:
+    /// its key, made now with `create` (a child's start). A key that cannot be had is an
+    /// error of the batch, which aborts.
+    fn seal_for(
+        &mut self,
+        tenant: &str,
+        run_id: &str,
+        create: bool,
+    ) -> Result<Option<sortie_seal::RunSeal>, Error> {
+        let Some(keys) = self.run_keys.clone() else {
+            return Ok(None);
+        };
+        match self.lookup(&keys, tenant, run_id, create)? {
+            Ok(lookup) => Ok(Some(sortie_seal::RunKeys::seal_of(run_id, &lookup))),
+            Err(reason) => Err(Error::Setup(format!(
+                "no data key for run {run_id}: {reason}"
+            ))),
+        }
+    }
+
     /// A command the fold sends another run (a child's start or cancel): its payloads
     /// sealed with that run's key (made now for a start), issued now and signed with the
     /// reducer's key, to that run's partition of the commands topic.
@@ -592,17 +612,8 @@ impl Engine {
         source: &Source,
     ) -> Result<Output, Error> {
         let mut input = Input::Command(command.clone());
-        if let Some(keys) = self.run_keys.clone() {
-            let starts = matches!(command.body, sortie_core::CommandBody::StartRun { .. });
-            let seal = match self.lookup(&keys, &command.tenant, &command.run_id, starts)? {
-                Ok(lookup) => sortie_seal::RunKeys::seal_of(&command.run_id, &lookup),
-                Err(reason) => {
-                    return Err(Error::Setup(format!(
-                        "no data key for run {}: {reason}",
-                        command.run_id
-                    )))
-                }
-            };
+        let starts = matches!(command.body, sortie_core::CommandBody::StartRun { .. });
+        if let Some(seal) = self.seal_for(&command.tenant, &command.run_id, starts)? {
             use sortie_core::Seal as _;
             input.map_payloads(&mut |v| *v = seal.seal(v));
         }
@@ -643,20 +654,11 @@ impl Engine {
         source: &Source,
     ) -> Result<Output, Error> {
         let mut report = report.clone();
-        if let (Some(keys), sortie_core::StepOutcome::Succeeded { output }) =
-            (self.run_keys.clone(), &mut report.outcome)
-        {
-            let seal = match self.lookup(&keys, &report.tenant, &report.run_id, false)? {
-                Ok(lookup) => sortie_seal::RunKeys::seal_of(&report.run_id, &lookup),
-                Err(reason) => {
-                    return Err(Error::Setup(format!(
-                        "no data key for run {}: {reason}",
-                        report.run_id
-                    )))
-                }
-            };
-            use sortie_core::Seal as _;
-            *output = seal.seal(output);
+        if let sortie_core::StepOutcome::Succeeded { output } = &mut report.outcome {
+            if let Some(seal) = self.seal_for(&report.tenant, &report.run_id, false)? {
+                use sortie_core::Seal as _;
+                *output = seal.seal(output);
+            }
         }
         let topic = self.config.topics.step_results();
         let wire = convert::report_to_wire(&report, &format!("run:{child}"));
