@@ -125,6 +125,26 @@ pub fn of(events: &[Event]) -> Vec<Entry> {
                     }
                 }
             }
+            EventBody::SignalReceived {
+                step_id, payload, ..
+            } => {
+                // A person's next message to a conversation, after the answer `step_id`.
+                if let Some(model) = asked.get(step_id) {
+                    let text = match crate::converse::message(payload) {
+                        Ok(crate::converse::Message {
+                            text: Some(text), ..
+                        }) => text,
+                        _ => "(ends the conversation)".to_owned(),
+                    };
+                    out.push(entry(
+                        &model.node,
+                        Body::Message {
+                            role: "user".into(),
+                            text,
+                        },
+                    ));
+                }
+            }
             EventBody::StepSucceeded {
                 step_id, output, ..
             } => {

@@ -194,6 +194,9 @@ fn apply_body(state: &mut RunState, event: &Event) {
                     *due,
                 );
             }
+            if *attempt == 1 && *role == crate::event::StepRole::Node {
+                compact_earlier_turns(state, node, step_id, args);
+            }
         }
         EventBody::StepStarted { step_id, .. } => {
             if let Some(step) = state.steps.get_mut(step_id).map(Arc::make_mut) {
@@ -534,6 +537,65 @@ fn apply_body(state: &mut RunState, event: &Event) {
                 };
                 state.timers.remove(&key.encode());
             }
+        }
+    }
+}
+
+/// A conversation's call `step_id` of `node` was dispatched: the payloads of its earlier
+/// calls, of their summaries and of the messages that started them are replaced by
+/// [`crate::converse::COMPACTED`] — the events and the transcript keep them, and nothing
+/// reads them from the state again, so a long conversation keeps the state small. (A tool
+/// call's step keeps its payloads: a compensation renders from them.)
+fn compact_earlier_turns(
+    state: &mut RunState,
+    node: &str,
+    step_id: &str,
+    args: &serde_json::Value,
+) {
+    use crate::converse::{compacted, Turn, COMPACTED};
+    if Turn::of(args).is_none_or(|t| t.turn == 1 && t.history.is_null()) {
+        return;
+    }
+    let earlier: Vec<String> = state
+        .steps
+        .values()
+        .filter(|s| {
+            s.node == node
+                && s.step_id != step_id
+                && s.role == crate::event::StepRole::Node
+                && s.status.is_settled()
+                && s.args.get(COMPACTED).is_none()
+        })
+        .map(|s| s.step_id.clone())
+        .collect();
+    for id in &earlier {
+        if let Some(step) = state.steps.get_mut(id).map(Arc::make_mut) {
+            step.args = compacted();
+            step.output = step.output.as_ref().map(|_| compacted());
+        }
+        if let Some(wait) = state.waits.get_mut(id) {
+            for received in &mut wait.received {
+                received.payload = compacted();
+            }
+        }
+    }
+    let summaries: Vec<String> = state
+        .steps
+        .values()
+        .filter(|s| match &s.role {
+            crate::event::StepRole::Requested { by } => {
+                earlier.contains(by)
+                    && s.status.is_settled()
+                    && Turn::of(&s.args).is_some_and(|t| t.summarize.is_some())
+            }
+            _ => false,
+        })
+        .map(|s| s.step_id.clone())
+        .collect();
+    for id in summaries {
+        if let Some(step) = state.steps.get_mut(&id).map(Arc::make_mut) {
+            step.args = compacted();
+            step.output = step.output.as_ref().map(|_| compacted());
         }
     }
 }

@@ -220,6 +220,10 @@ pub struct Node {
     /// `idempotent`, filled in when the definition is parsed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<crate::child::ChildRun>,
+    /// A conversation ([`crate::converse`]): after an answer without tool calls the run
+    /// waits for the person's next message and calls the model again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<crate::converse::Conversation>,
 }
 
 /// The model API an `llm` node speaks (`config.api`), which decides the shape of its
@@ -518,9 +522,10 @@ impl Graph {
         out
     }
 
-    /// Whether `node` is a tool loop: it offers its model tools (nodes or MCP tools).
+    /// Whether `node` is a tool loop: it offers its model tools (nodes or MCP tools), or is
+    /// a conversation.
     pub fn is_tool_loop(&self, node: &Node) -> bool {
-        !node.tools.is_empty() || !node.mcp.is_empty()
+        !node.tools.is_empty() || !node.mcp.is_empty() || node.conversation.is_some()
     }
 
     /// Whether `node` may ask for a step of `target`: one of its `may_request`, or an MCP
@@ -632,11 +637,13 @@ impl Graph {
         Value::Array(specs)
     }
 
-    /// The node that waits for signal `name`, if any (names are unique among waits).
+    /// The node that waits for signal `name`, if any: a waiting node, or a conversation
+    /// whose messages it carries (names are unique among both).
     pub fn waiting_for(&self, name: &str) -> Option<&Node> {
-        self.nodes
-            .iter()
-            .find(|n| n.wait.as_ref().is_some_and(|w| w.signal == name))
+        self.nodes.iter().find(|n| {
+            n.wait.as_ref().is_some_and(|w| w.signal == name)
+                || n.conversation.as_ref().is_some_and(|c| c.signal == name)
+        })
     }
 
     pub fn key(&self) -> String {
@@ -679,6 +686,11 @@ impl Graph {
                     }),
             )
             .map(String::as_str)
+            .chain(self.nodes.iter().filter_map(|n| {
+                n.conversation
+                    .as_ref()
+                    .and_then(|c| c.context.summary_node())
+            }))
             .collect()
     }
 

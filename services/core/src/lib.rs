@@ -15,6 +15,7 @@ pub mod blob;
 pub mod budget;
 pub mod child;
 pub mod conversation;
+pub mod converse;
 pub mod decide;
 pub mod duration;
 pub mod effect;

@@ -253,6 +253,7 @@ pub fn tool_node(server: &McpServer, tool: &PinnedTool) -> Node {
         input_schema: Some(tool.input_schema.clone()),
         wait: None,
         run: None,
+        conversation: None,
     }
 }
 

@@ -371,6 +371,12 @@ impl RunState {
             || self.early_signals.iter().any(|e| e.signal_id == signal_id)
     }
 
+    /// Whether `wait` is a conversation's wait for the next message (keyed by the step
+    /// whose answer it follows) rather than a waiting node's (which has no step).
+    pub fn is_turn_wait(&self, wait: &Wait) -> bool {
+        self.steps.contains_key(&wait.step_id)
+    }
+
     pub fn open_waits(&self) -> impl Iterator<Item = &Wait> {
         self.waits.values().filter(|w| w.status == WaitStatus::Open)
     }

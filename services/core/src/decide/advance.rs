@@ -18,7 +18,7 @@ use crate::{
 
 /// Where a graph node stands in a run.
 #[derive(Debug, Clone, PartialEq)]
-enum NodeState {
+pub(super) enum NodeState {
     /// Its incoming edges are not all decided yet.
     Waiting,
     /// Proposed, in flight, retrying, looping, or awaiting a human.
@@ -29,11 +29,13 @@ enum NodeState {
 }
 
 /// A new step to propose, decided while the run is only read.
-struct Proposal<'g> {
-    node: &'g Node,
-    step_id: String,
-    args: Value,
-    role: StepRole,
+pub(super) struct Proposal<'g> {
+    pub(super) node: &'g Node,
+    pub(super) step_id: String,
+    pub(super) args: Value,
+    pub(super) role: StepRole,
+    /// Not a step: the wait for a conversation's next message after the answer `step_id`.
+    pub(super) opens_turn: bool,
 }
 
 pub(crate) fn advance(ctx: &mut Ctx<'_>) {
@@ -55,7 +57,8 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
     if let Some(reason) = problem {
         return begin_failure(ctx, reason);
     }
-    if run.steps_taken() + proposals.len() > graph.max_steps as usize {
+    let steps = proposals.iter().filter(|p| !p.opens_turn).count();
+    if run.steps_taken() + steps > graph.max_steps as usize {
         let reason = format!(
             "the run would exceed the graph's max_steps ({})",
             graph.max_steps
@@ -66,16 +69,20 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
         .iter()
         .filter(|p| matches!(p.role, StepRole::Requested { .. }))
         .count() as u64;
-    match super::budget::check(ctx, proposals.len(), new_tool_calls) {
+    match super::budget::check(ctx, steps, new_tool_calls) {
         super::budget::Verdict::Go => {}
         super::budget::Verdict::Hold => return hold(ctx),
     }
     for p in proposals {
-        ctx.propose(p.node, p.step_id, p.args, p.role);
+        if p.opens_turn {
+            super::converse::open(ctx, p.node, p.step_id);
+        } else {
+            ctx.propose(p.node, p.step_id, p.args, p.role);
+        }
     }
     if std::mem::take(&mut ctx.wait_satisfied) {
         // A wait that opened took the signals kept for it and is done: plan again (each
-        // wait opens once, so this ends).
+        // wait opens once, and a conversation's turns are bounded, so this ends).
         return advance(ctx);
     }
 
@@ -222,6 +229,7 @@ fn substitute<'g>(
                 step_id: run.next_step_id(&target.id),
                 args,
                 role,
+                opens_turn: false,
             });
             Ok(NodeState::Active)
         }
@@ -243,6 +251,7 @@ fn waiting<'g>(
             step_id: run.next_step_id(&node.id),
             args: json!({}),
             role: StepRole::Node,
+            opens_turn: false,
         });
         return Ok(NodeState::Active);
     };
@@ -311,11 +320,15 @@ fn progress<'g>(
                     map.entry("tools").or_insert_with(|| graph.tool_specs(node));
                 }
             }
+            if let Some(conversation) = &node.conversation {
+                super::converse::first_call(node, conversation, &mut args);
+            }
             out.push(Proposal {
                 node,
                 step_id: run.next_step_id(&node.id),
                 args,
                 role: StepRole::Node,
+                opens_turn: false,
             });
         }
         return Ok(NodeState::Active);
@@ -324,6 +337,12 @@ fn progress<'g>(
         return Ok(NodeState::Active);
     }
     let output = latest.output.clone().unwrap_or(Value::Null);
+    if let Some(conversation) = &node.conversation {
+        if let Some(state) = super::converse::progress(run, graph, node, conversation, latest, out)?
+        {
+            return Ok(state);
+        }
+    }
     let tool_loop = graph.is_tool_loop(node);
     let requests = if !tool_loop {
         next_steps(&output)
@@ -361,6 +380,7 @@ fn progress<'g>(
                 step_id,
                 args: request.args,
                 role: by.clone(),
+                opens_turn: false,
             });
         }
         return Ok(NodeState::Active);
@@ -392,26 +412,27 @@ fn progress<'g>(
     } else {
         // A tool loop: the conversation so far (the previous call's messages), the
         // model's answer, and one tool message per call, in the order the model asked.
+        // A conversation's call carries only what is new since the previous call, beside
+        // the reference to that call's transcript.
         let mut args = latest.args.clone();
-        let mut messages = args
-            .get("messages")
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default();
+        let mut messages = match node.conversation {
+            Some(_) => Vec::new(),
+            None => args
+                .get("messages")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default(),
+        };
         let results = tool_results(&output, &slots)?;
         match node.model_api() {
             ModelApi::OpenAi => {
-                messages.push(json!({
-                    "role": "assistant",
-                    "content": output.get("content").cloned().unwrap_or(Value::Null),
-                    "tool_calls": output.get("tool_calls").cloned().unwrap_or_else(|| json!([])),
-                }));
+                messages.push(assistant_message(ModelApi::OpenAi, &output));
                 messages.extend(results.into_iter().map(
                     |r| json!({"role": "tool", "tool_call_id": r.call_id, "content": r.content}),
                 ));
             }
             ModelApi::Anthropic => {
-                messages.push(json!({"role": "assistant", "content": assistant_blocks(&output)}));
+                messages.push(assistant_message(ModelApi::Anthropic, &output));
                 let blocks: Vec<Value> = results
                     .into_iter()
                     .map(|r| {
@@ -432,6 +453,9 @@ fn progress<'g>(
         if let Value::Object(map) = &mut args {
             map.insert("messages".into(), Value::Array(messages));
         }
+        if node.conversation.is_some() {
+            super::converse::continue_from(latest, &mut args)?;
+        }
         args
     };
     out.push(Proposal {
@@ -439,6 +463,7 @@ fn progress<'g>(
         step_id: run.next_step_id(&node.id),
         args,
         role: StepRole::Node,
+        opens_turn: false,
     });
     Ok(NodeState::Active)
 }
@@ -603,6 +628,26 @@ fn result_text(step: &Step) -> String {
 /// The assistant message's content blocks of an Anthropic answer: as recorded (`blocks`,
 /// what the model sent, which it must be shown again as it was), else made from the
 /// recorded text and tool calls.
+/// A model's answer as the assistant message of the next call, in `api`'s shape.
+pub(super) fn assistant_message(api: ModelApi, output: &Value) -> Value {
+    match api {
+        ModelApi::OpenAi => {
+            let mut message = json!({
+                "role": "assistant",
+                "content": output.get("content").cloned().unwrap_or(Value::Null),
+            });
+            if let Some(calls) = output
+                .get("tool_calls")
+                .filter(|c| c.as_array().is_some_and(|c| !c.is_empty()))
+            {
+                message["tool_calls"] = calls.clone();
+            }
+            message
+        }
+        ModelApi::Anthropic => json!({"role": "assistant", "content": assistant_blocks(output)}),
+    }
+}
+
 fn assistant_blocks(output: &Value) -> Value {
     if let Some(blocks) = output.get("blocks").filter(|b| b.is_array()) {
         return blocks.clone();
@@ -652,7 +697,7 @@ fn next_steps(output: &Value) -> Vec<Request> {
         .unwrap_or_default()
 }
 
-fn iteration(step_id: &str) -> u32 {
+pub(super) fn iteration(step_id: &str) -> u32 {
     step_id
         .rsplit_once('#')
         .and_then(|(_, n)| n.parse().ok())
@@ -673,25 +718,30 @@ pub(crate) fn render(
     interrupt: Option<&Interrupt>,
     template: &Value,
 ) -> Value {
-    let latest_output =
-        |node: &str, part: &str| -> Option<Value> {
-            if let Some(wait) = run.waits.values().find(|w| {
-                w.node == node && matches!(w.status, WaitStatus::Done | WaitStatus::Expired)
-            }) {
-                // A wait has no args; its output is what it took (`timed_out` when its
-                // deadline passed, its goto substitute's output being the substitute's own).
-                return (part == "output").then(|| wait.output());
-            }
-            let step = run
-                .steps
-                .values()
-                .filter(|s| s.node == node && s.status == StepStatus::Succeeded)
-                .max_by_key(|s| iteration(&s.step_id))?;
-            match part {
-                "args" => Some(step.args.clone()),
-                _ => step.output.clone(),
-            }
-        };
+    let latest_output = |node: &str, part: &str| -> Option<Value> {
+        if let Some(wait) = run.waits.values().find(|w| {
+            w.node == node
+                && matches!(w.status, WaitStatus::Done | WaitStatus::Expired)
+                && !run.is_turn_wait(w)
+        }) {
+            // A wait has no args; its output is what it took (`timed_out` when its
+            // deadline passed, its goto substitute's output being the substitute's own).
+            return (part == "output").then(|| wait.output());
+        }
+        let step = run
+            .steps
+            .values()
+            .filter(|s| s.node == node && s.status == StepStatus::Succeeded)
+            .max_by_key(|s| iteration(&s.step_id))?;
+        match part {
+            "args" => Some(step.args.clone()),
+            // A conversation's output once it ended: its last answer, `turns`, `ended_by`.
+            _ => match crate::converse::ended_by(run, step) {
+                Some(by) => Some(crate::converse::ended_output(step, by)),
+                None => step.output.clone(),
+            },
+        }
+    };
     j::render(template, &|reference| match reference {
         Reference::Input(path) => project(&run.input, path),
         Reference::Step { node, part, path } => {

@@ -6,6 +6,7 @@ mod budget;
 mod cancel;
 mod child;
 mod context;
+mod converse;
 mod forget;
 pub mod fork;
 pub mod reconcile;

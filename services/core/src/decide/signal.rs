@@ -46,15 +46,19 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             ),
         );
     };
-    let Some(wait) = &node.wait else { return };
-    if let Some(reason) = wait.refusal(&command.roles) {
+    if let Some(reason) = refusal(node, &command.roles) {
         return ctx.reject(command, "forbidden", reason);
     }
     if ctx.run().has_signal(signal_id) {
         return duplicate(ctx, command);
     }
-    if let Some(schema) = &wait.schema {
+    if let Some(schema) = node.wait.as_ref().and_then(|w| w.schema.as_ref()) {
         if let Err(why) = signal::validate(schema, payload) {
+            return ctx.reject(command, "invalid_payload", why);
+        }
+    }
+    if node.conversation.is_some() {
+        if let Err(why) = crate::converse::message(payload) {
             return ctx.reject(command, "invalid_payload", why);
         }
     }
@@ -78,7 +82,11 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         take(ctx, &step_id, name, signal_id, payload, &command.principal);
         return advance(ctx);
     }
-    if run.waits.values().any(|w| w.node == node.id) {
+    let ended = match node.conversation {
+        Some(_) => super::converse::has_ended(run, node),
+        None => run.waits.values().any(|w| w.node == node.id),
+    };
+    if ended {
         return ctx.reject(
             command,
             "not_waiting",
@@ -118,6 +126,23 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         },
         None,
     );
+}
+
+/// Why a principal with `roles` may not send `node`'s signal (a wait's, or a
+/// conversation's messages), if they may not.
+fn refusal(node: &Node, roles: &[String]) -> Option<String> {
+    let (name, allowed) = match (&node.wait, &node.conversation) {
+        (Some(wait), _) => return wait.refusal(roles),
+        (None, Some(c)) => (&c.signal, &c.roles),
+        (None, None) => return None,
+    };
+    if allowed.is_empty() || allowed.iter().any(|r| roles.contains(r)) {
+        return None;
+    }
+    Some(format!(
+        "sending signal {name} needs one of the roles {}",
+        allowed.join(", ")
+    ))
 }
 
 /// The same event again (a retry under a new command id): accepted as a duplicate, taken
@@ -200,12 +225,14 @@ pub(crate) fn expire(ctx: &mut Ctx<'_>, step_id: &str) -> Result<(), &'static st
     if wait.status != WaitStatus::Open {
         return Err("wait no longer open");
     }
-    let Some(on_timeout) = ctx
-        .graph()
-        .and_then(|g| g.node(&wait.node))
-        .and_then(|n| n.wait.as_ref())
-        .map(|w| w.on_timeout.clone())
-    else {
+    // A conversation's wait for the next message ends it when its idle deadline passes.
+    let Some(on_timeout) = ctx.graph().and_then(|g| g.node(&wait.node)).and_then(|n| {
+        match (&n.wait, &n.conversation) {
+            (Some(w), _) => Some(w.on_timeout.clone()),
+            (None, Some(_)) => Some(OnWaitTimeout::Continue),
+            (None, None) => None,
+        }
+    }) else {
         return Err("unknown node");
     };
     ctx.emit(

@@ -29,6 +29,7 @@ pub(super) fn validate(graph: &Graph) -> Result<(), InvalidGraph> {
         graph.check_approval(node, &mut problem);
         graph.check_wait(node, &detached, &mut problem);
         graph.check_child(node, &mut problem);
+        graph.check_conversation(node, &detached, &mut problem);
         graph.check_references(node, &detached, &ancestors, &mut problem);
     }
     if problems.is_empty() {
@@ -497,6 +498,111 @@ impl Graph {
                 Some(n) if n.wait.is_some() || n.id == node.id => problem(
                     Some(id),
                     format!("wait.on_timeout goto {target:?} must be a node that calls a tool"),
+                ),
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// A conversation: an `llm` node reached by edges, without an approval of its own (gate
+    /// its tools), whose signal names no other wait, whose turns fit the graph's
+    /// `max_steps`, and whose summary node (if any) is a detached node of its own.
+    fn check_conversation(
+        &self,
+        node: &Node,
+        detached: &BTreeSet<&str>,
+        problem: &mut impl FnMut(Option<&str>, String),
+    ) {
+        use crate::converse::{Context, MAX_TURNS};
+        let Some(conversation) = &node.conversation else {
+            return;
+        };
+        let id = Some(node.id.as_str());
+        if node.tool != "llm" {
+            problem(id, "a conversation is an llm node (tool: llm)".into());
+        }
+        if node.wait.is_some() || node.run.is_some() || node.interrupt_before.is_some() {
+            problem(
+                id,
+                "a conversation neither waits, runs a child nor has an approval of its own (gate its tools)".into(),
+            );
+        }
+        if detached.contains(node.id.as_str()) {
+            problem(
+                id,
+                "a conversation is reached by edges, never as a compensation, request, precheck or goto target".into(),
+            );
+        }
+        if !signal::valid_name(&conversation.signal) {
+            problem(
+                id,
+                format!(
+                    "conversation.signal {:?} must be 1-64 of [A-Za-z0-9_.-]",
+                    conversation.signal
+                ),
+            );
+        }
+        let takers = self
+            .nodes
+            .iter()
+            .filter(|n| {
+                n.wait
+                    .as_ref()
+                    .is_some_and(|w| w.signal == conversation.signal)
+                    || n.conversation
+                        .as_ref()
+                        .is_some_and(|c| c.signal == conversation.signal)
+            })
+            .count();
+        if takers > 1 {
+            problem(
+                id,
+                format!(
+                    "signal {:?} is taken by two nodes; a signal names one wait or conversation",
+                    conversation.signal
+                ),
+            );
+        }
+        if conversation.max_turns == 0 || conversation.max_turns > MAX_TURNS {
+            problem(
+                id,
+                format!("conversation.max_turns must be within 1..={MAX_TURNS}"),
+            );
+        } else if conversation.max_turns > self.max_steps {
+            problem(
+                id,
+                format!(
+                    "conversation.max_turns ({}) is more than the graph's max_steps ({}): every turn is a step",
+                    conversation.max_turns, self.max_steps
+                ),
+            );
+        }
+        if conversation.idle.0 <= 0 {
+            problem(id, "conversation.idle must be positive".into());
+        }
+        if conversation.roles.iter().any(|r| r.trim().is_empty()) {
+            problem(id, "conversation.roles names an empty role".into());
+        }
+        if let Some(stop) = &conversation.stop_tool {
+            if !valid_id(stop) || self.offers(node).iter().any(|o| o == stop) {
+                problem(
+                    id,
+                    format!("conversation.stop_tool {stop:?} must be a tool name of [A-Za-z0-9_-] that the node offers no other tool under"),
+                );
+            }
+        }
+        if conversation.context.last() == Some(0) {
+            problem(id, "conversation.context.last must be at least 1".into());
+        }
+        if let Context::Summary { node: summary, .. } = &conversation.context {
+            match self.node(summary) {
+                None => problem(
+                    id,
+                    format!("conversation.context.summary names unknown node {summary:?}"),
+                ),
+                Some(n) if n.tool != "llm" || n.conversation.is_some() || n.interrupt_before.is_some() => problem(
+                    id,
+                    format!("conversation.context.summary {summary:?} must be an llm node without a conversation or approval"),
                 ),
                 Some(_) => {}
             }
