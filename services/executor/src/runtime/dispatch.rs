@@ -1,6 +1,7 @@
 //! Dispatch: one task per intent — decode, the pre-call commit for guarded classes, the
 //! handler call with its timeout, and the per-operation lock for reconcilable steps.
 
+use super::converse;
 use super::*;
 
 /// What every task of the process shares.
@@ -93,6 +94,16 @@ impl Worker {
                 return;
             }
         };
+        // A conversation's call: the whole conversation stored as its transcript, the
+        // handler given what the model may see.
+        let (call, transcript) = match self.converse(call).await {
+            Ok(prepared) => prepared,
+            Err(error) => {
+                self.report(intent, Err(error), started_at).await;
+                ticket.done();
+                return;
+            }
+        };
         tracing::debug!(class = ?intent.side_effect, "Intent received.");
         if intent.lookup_only {
             // The run is winding down: ask what became of the operation, never call. No
@@ -110,7 +121,10 @@ impl Worker {
         match intent.side_effect {
             SideEffectClass::Pure | SideEffectClass::Idempotent | SideEffectClass::Keyed => {
                 fault(FaultPoint::BeforeCall);
-                let outcome = self.timed_call(&call).await;
+                let outcome = self
+                    .timed_call(&call)
+                    .await
+                    .map(|o| converse::with_transcript(o, transcript));
                 fault(FaultPoint::AfterCall);
                 self.report(intent, outcome, started_at).await;
                 fault(FaultPoint::AfterResult);
@@ -153,7 +167,10 @@ impl Worker {
             _ => None,
         };
         fault(FaultPoint::BeforeCall);
-        let outcome = self.timed_call(&call).await;
+        let outcome = self
+            .timed_call(&call)
+            .await
+            .map(|o| converse::with_transcript(o, transcript));
         fault(FaultPoint::AfterCall);
         self.report(intent, outcome, started_at).await;
         fault(FaultPoint::AfterResult);

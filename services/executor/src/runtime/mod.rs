@@ -74,6 +74,7 @@ use crate::metrics as meter;
 use crate::tracker::PartitionTracker;
 
 mod consume;
+mod converse;
 mod dispatch;
 mod produce;
 
