@@ -333,6 +333,13 @@ async fn every_example_graph_succeeds(gateway: &str, receiver: &str, token: &str
             if let Some(wait) = &node.wait {
                 signals.insert(wait.signal.clone(), example_payload(wait.schema.as_ref()));
             }
+            // A conversation's customer says goodbye, and ends it.
+            if let Some(conversation) = &node.conversation {
+                signals.insert(
+                    conversation.signal.clone(),
+                    json!({"text": "Thanks, goodbye!", "end": true}),
+                );
+            }
         }
         let started: Value = client
             .post(format!("{gateway}/v1/runs"))

@@ -11,6 +11,10 @@
 //! final text answer. Arguments are filled from each tool's JSON-schema parameters:
 //! `"fake-<name>"` for a string, `1` for a number or integer, `true` for a boolean.
 //!
+//! It talks, too (conversations): the script counts only what came after the person's
+//! last message, a later turn's answer is [`REPLY`] and that message, and a message
+//! saying "goodbye" gets a call to [`STOP_TOOL`] when it is offered (never otherwise).
+//!
 //! `usage` is derived from the request (prompt tokens: a quarter of its characters; 12
 //! completion tokens). Every request and the `usage` answered are kept:
 //! `GET /v1/fake/requests` lists them, oldest first, for tests to assert on.
@@ -27,6 +31,11 @@ use serde_json::{json, Value};
 
 /// The text of the scripted final answer.
 pub const FINAL_ANSWER: &str = "Done: both tools answered.";
+/// What a later turn's answer starts with, before the person's message.
+pub const REPLY: &str = "You said: ";
+/// The tool that ends a conversation, as the dev graphs name it.
+pub const STOP_TOOL: &str = "end_conversation";
+
 /// Completion tokens of every answer.
 pub const COMPLETION_TOKENS: u64 = 12;
 
@@ -71,14 +80,20 @@ impl FakeModel {
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        let answered = messages
+        let turn = Turn::of(messages);
+        let answered = messages[turn.since..]
             .iter()
             .filter(|m| m["role"] == "user")
             .filter_map(|m| m["content"].as_array())
             .flatten()
             .filter(|b| b["type"] == "tool_result")
             .count();
-        let (content, stop_reason) = match tools.get(answered).filter(|_| answered < 2) {
+        let (tools, stop) = turn.tools(tools, |t| &t["name"]);
+        let pick = match stop {
+            Some(stop) if turn.goodbye() && answered == 0 => Some(stop),
+            _ => tools.get(answered).filter(|_| answered < 2).cloned(),
+        };
+        let (content, stop_reason) = match pick {
             Some(tool) => {
                 let name = tool["name"].as_str().unwrap_or_default();
                 let input = arguments(&tool["input_schema"]);
@@ -90,7 +105,7 @@ impl FakeModel {
                     "tool_use",
                 )
             }
-            None => (json!([{"type": "text", "text": FINAL_ANSWER}]), "end_turn"),
+            None => (json!([{"type": "text", "text": turn.answer()}]), "end_turn"),
         };
         let input_tokens = request.to_string().len() as u64 / 4;
         let usage = json!({"input_tokens": input_tokens, "output_tokens": COMPLETION_TOKENS});
@@ -124,8 +139,17 @@ impl FakeModel {
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        let answered = messages.iter().filter(|m| m["role"] == "tool").count();
-        let message = match tools.get(answered).filter(|_| answered < 2) {
+        let turn = Turn::of(messages);
+        let answered = messages[turn.since..]
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .count();
+        let (tools, stop) = turn.tools(tools, |t| &t["function"]["name"]);
+        let pick = match stop {
+            Some(stop) if turn.goodbye() && answered == 0 => Some(stop),
+            _ => tools.get(answered).filter(|_| answered < 2).cloned(),
+        };
+        let message = match pick {
             Some(tool) => {
                 let name = tool["function"]["name"].as_str().unwrap_or_default();
                 let arguments = arguments(&tool["function"]["parameters"]);
@@ -139,7 +163,7 @@ impl FakeModel {
                     }],
                 })
             }
-            None => json!({"role": "assistant", "content": FINAL_ANSWER}),
+            None => json!({"role": "assistant", "content": turn.answer()}),
         };
         let prompt_tokens = request.to_string().len() as u64 / 4;
         let usage = json!({
@@ -167,6 +191,68 @@ impl FakeModel {
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
             "usage": usage,
         }))
+    }
+}
+
+/// Where a request's conversation stands: the person's messages, and where the last one is.
+struct Turn {
+    /// Messages from the person (a `user` message that is not tool results).
+    said: usize,
+    /// The index of the person's last message (0 if none).
+    since: usize,
+    last: Option<String>,
+}
+
+impl Turn {
+    fn of(messages: &[Value]) -> Turn {
+        let mut turn = Turn {
+            said: 0,
+            since: 0,
+            last: None,
+        };
+        for (i, message) in messages.iter().enumerate() {
+            if message["role"] != "user" {
+                continue;
+            }
+            let text = match &message["content"] {
+                Value::String(text) => Some(text.clone()),
+                Value::Array(blocks) if !blocks.iter().any(|b| b["type"] == "tool_result") => {
+                    Some(blocks.iter().filter_map(|b| b["text"].as_str()).collect())
+                }
+                _ => None,
+            };
+            if let Some(text) = text {
+                turn.said += 1;
+                turn.since = i;
+                turn.last = Some(text);
+            }
+        }
+        turn
+    }
+
+    fn goodbye(&self) -> bool {
+        self.last
+            .as_deref()
+            .is_some_and(|t| t.to_lowercase().contains("goodbye"))
+    }
+
+    /// The first turn's answer is [`FINAL_ANSWER`]; a later one repeats the message.
+    fn answer(&self) -> String {
+        match (&self.last, self.said) {
+            (Some(text), 2..) => format!("{REPLY}{text}"),
+            _ => FINAL_ANSWER.to_owned(),
+        }
+    }
+
+    /// The offered tools the script calls, and the stop tool if offered.
+    fn tools(
+        &self,
+        tools: Vec<Value>,
+        name: impl Fn(&Value) -> &Value,
+    ) -> (Vec<Value>, Option<Value>) {
+        let (stop, others): (Vec<Value>, Vec<Value>) =
+            tools.into_iter().partition(|t| name(t) == STOP_TOOL);
+        (others, stop.into_iter().next())
     }
 }
 
@@ -280,6 +366,34 @@ mod tests {
         assert_eq!(
             model.exchanges()[2].usage["completion_tokens"],
             COMPLETION_TOKENS
+        );
+    }
+
+    #[test]
+    fn a_later_turn_repeats_the_message_and_goodbye_calls_the_stop_tool() {
+        let model = FakeModel::default();
+        let stop = json!({"type": "function", "function": {"name": STOP_TOOL, "parameters": {"type": "object"}}});
+        let mut request = json!({
+            "model": "fake",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [stop],
+        });
+        let first = model.answer(&request).unwrap();
+        assert_eq!(first["choices"][0]["message"]["content"], FINAL_ANSWER);
+        let messages = request["messages"].as_array_mut().unwrap();
+        messages.push(json!({"role": "assistant", "content": FINAL_ANSWER}));
+        messages.push(json!({"role": "user", "content": "order 7"}));
+        let second = model.answer(&request).unwrap();
+        assert_eq!(
+            second["choices"][0]["message"]["content"],
+            "You said: order 7"
+        );
+        let messages = request["messages"].as_array_mut().unwrap();
+        messages.push(json!({"role": "user", "content": "Goodbye!"}));
+        let last = model.answer(&request).unwrap();
+        assert_eq!(
+            last["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+            STOP_TOOL
         );
     }
 }

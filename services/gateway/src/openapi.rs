@@ -260,7 +260,7 @@ pub fn document() -> Value {
                         "nodes_completed": {"type": "array", "items": {"type": "string"}},
                         "interrupt": {"type": ["object", "null"]},
                         "interrupts": {"type": "array", "items": {"type": "object"}},
-                        "waits": {"type": "array", "items": {"type": "object"}, "description": "The run's waits for signals: step_id, node, signal, many, wanted, expires_at, status (open, done, expired, closed), timed_out, received [{signal_id, payload, sent_by, at}]."},
+                        "waits": {"type": "array", "items": {"type": "object"}, "description": "The run's waits for signals: step_id, node, signal, many, wanted, expires_at, status (open, done, expired, closed), timed_out, received [{signal_id, payload, sent_by, at}], conversation (true: a conversation's wait for the person's next message, after the answer of step step_id)."},
                         "open_waits": {"type": "array", "items": {"type": "string"}, "description": "The names of the signals the run waits for now."},
                         "parent": {"type": ["object", "null"], "description": "For a child run: its parent's run_id, step_id, operation_id and attempt."},
                         "children": {"type": "array", "items": {"type": "object"}, "description": "The child runs this run started (its run: steps): step_id, node, run_id, attempt, status (the step's)."},

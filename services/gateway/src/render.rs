@@ -25,8 +25,10 @@ fn interrupt(i: &Interrupt) -> Value {
 
 /// A wait for a signal, as a reader sees it: its node, signal, status, deadline and
 /// what it took so far.
-fn wait(w: &sortie_core::state::Wait) -> Value {
+fn wait(state: &RunState, w: &sortie_core::state::Wait) -> Value {
     json!({
+        // A conversation's wait for the next message: the answer it follows is a step.
+        "conversation": state.is_turn_wait(w),
         "step_id": w.step_id,
         "node": w.node,
         "signal": w.signal,
@@ -82,7 +84,7 @@ fn common(state: &RunState) -> serde_json::Map<String, Value> {
         "steps": state.steps.values().collect::<Vec<_>>(),
         "interrupt": open.first(),
         "interrupts": open,
-        "waits": state.waits.values().map(wait).collect::<Vec<_>>(),
+        "waits": state.waits.values().map(|w| wait(state, w)).collect::<Vec<_>>(),
         "parent": state.parent,
         "children": children(state),
         "open_waits": state.open_waits().map(|w| w.signal.as_str()).collect::<Vec<_>>(),
