@@ -134,6 +134,36 @@ impl From<OnWaitTimeout> for OnWaitTimeoutRepr {
     }
 }
 
+/// Why a principal with `roles` may not send the signal `node` takes (a waiting node's,
+/// or a conversation's messages), if they may not. The fold's rule, which the gateway
+/// applies too before it publishes.
+pub fn refusal(node: &crate::graph::Node, roles: &[String]) -> Option<String> {
+    let (name, allowed) = match (&node.wait, &node.conversation) {
+        (Some(wait), _) => return wait.refusal(roles),
+        (None, Some(c)) => (&c.signal, &c.roles),
+        (None, None) => return None,
+    };
+    if allowed.is_empty() || allowed.iter().any(|r| roles.contains(r)) {
+        return None;
+    }
+    Some(format!(
+        "sending signal {name} needs one of the roles {}",
+        allowed.join(", ")
+    ))
+}
+
+/// Why `payload` is no signal `node` takes: it fails the wait's schema, or it is no
+/// conversation message ([`crate::converse::message`]).
+pub fn check_payload(node: &crate::graph::Node, payload: &Value) -> Result<(), String> {
+    if let Some(schema) = node.wait.as_ref().and_then(|w| w.schema.as_ref()) {
+        validate(schema, payload)?;
+    }
+    if node.conversation.is_some() {
+        crate::converse::message(payload)?;
+    }
+    Ok(())
+}
+
 /// Whether `name` is a valid signal name: 1-64 of `[A-Za-z0-9_.-]`.
 pub fn valid_name(name: &str) -> bool {
     !name.is_empty()

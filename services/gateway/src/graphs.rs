@@ -107,17 +107,18 @@ impl Catalog {
         graph.node(node).map(|n| graph.is_tool_loop(n))
     }
 
-    /// The wait of the graph version for signal `name`: `Some(None)` when the version
-    /// is known here and waits for no such signal, `None` when the version is not known.
-    pub fn signal_wait(
+    /// The node of the graph version that takes signal `name` (a waiting node, or a
+    /// conversation): `Some(None)` when the version is known here and takes no such
+    /// signal, `None` when the version is not known.
+    pub fn signal_taker(
         &self,
         graph_id: &str,
         version: u32,
         name: &str,
-    ) -> Option<Option<sortie_core::signal::SignalWait>> {
+    ) -> Option<Option<sortie_core::Node>> {
         let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
         let graph = graphs.get(graph_id, Some(version))?;
-        Some(graph.waiting_for(name).and_then(|n| n.wait.clone()))
+        Some(graph.waiting_for(name).cloned())
     }
 
     /// The correlation label of the graph (its latest version for `None`): `Some(None)`

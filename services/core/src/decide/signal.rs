@@ -46,21 +46,14 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             ),
         );
     };
-    if let Some(reason) = refusal(node, &command.roles) {
+    if let Some(reason) = signal::refusal(node, &command.roles) {
         return ctx.reject(command, "forbidden", reason);
     }
     if ctx.run().has_signal(signal_id) {
         return duplicate(ctx, command);
     }
-    if let Some(schema) = node.wait.as_ref().and_then(|w| w.schema.as_ref()) {
-        if let Err(why) = signal::validate(schema, payload) {
-            return ctx.reject(command, "invalid_payload", why);
-        }
-    }
-    if node.conversation.is_some() {
-        if let Err(why) = crate::converse::message(payload) {
-            return ctx.reject(command, "invalid_payload", why);
-        }
+    if let Err(why) = signal::check_payload(node, payload) {
+        return ctx.reject(command, "invalid_payload", why);
     }
     let run = ctx.run();
     if run.ending.is_some() {
@@ -126,23 +119,6 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         },
         None,
     );
-}
-
-/// Why a principal with `roles` may not send `node`'s signal (a wait's, or a
-/// conversation's messages), if they may not.
-fn refusal(node: &Node, roles: &[String]) -> Option<String> {
-    let (name, allowed) = match (&node.wait, &node.conversation) {
-        (Some(wait), _) => return wait.refusal(roles),
-        (None, Some(c)) => (&c.signal, &c.roles),
-        (None, None) => return None,
-    };
-    if allowed.is_empty() || allowed.iter().any(|r| roles.contains(r)) {
-        return None;
-    }
-    Some(format!(
-        "sending signal {name} needs one of the roles {}",
-        allowed.join(", ")
-    ))
 }
 
 /// The same event again (a retry under a new command id): accepted as a duplicate, taken

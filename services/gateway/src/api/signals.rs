@@ -156,21 +156,19 @@ async fn send(
     limits::payload("payload", &payload)?;
     if let Some(run) = known_run(app, caller, &run_id)? {
         let (graph, version) = (&run.state.graph_id, run.state.graph_version);
-        match app.inner.graphs.signal_wait(graph, version, &name) {
+        match app.inner.graphs.signal_taker(graph, version, &name) {
             Some(None) => {
                 return Err(ApiError::from_reject(
                     "unknown_signal",
                     &format!("graph {graph}@{version} waits for no signal named {name}"),
                 ))
             }
-            Some(Some(wait)) => {
-                if let Some(reason) = wait.refusal(&caller.roles) {
+            Some(Some(node)) => {
+                if let Some(reason) = sortie_core::signal::refusal(&node, &caller.roles) {
                     return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
                 }
-                if let Some(schema) = &wait.schema {
-                    sortie_core::signal::validate(schema, &payload)
-                        .map_err(|why| ApiError::from_reject("invalid_payload", &why))?;
-                }
+                sortie_core::signal::check_payload(&node, &payload)
+                    .map_err(|why| ApiError::from_reject("invalid_payload", &why))?;
             }
             None => {} // the version is not known here yet: the reducer answers
         }
