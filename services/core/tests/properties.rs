@@ -105,6 +105,31 @@ edges:
   - {from: w2, to: done}
   - {from: w3, to: done}
 "#,
+    // A conversation (its messages are signal s1, from the sender role) with a tool, a
+    // stop tool and a summary every turn, between a compensable call and the end.
+    r#"
+id: chat
+version: 1
+max_steps: 30
+nodes:
+  - {id: a, tool: http, side_effect: keyed, compensate_with: undo, timeout: 5s}
+  - id: talk
+    tool: llm
+    side_effect: pure
+    timeout: 5s
+    args: {messages: [{role: user, content: hi}]}
+    config: {base_url: "http://m/v1", model: m}
+    may_request: [look]
+    tools: [look]
+    conversation: {signal: s1, roles: [sender], max_turns: 4, idle: 1h, context: {last: 1, summary: sum}, stop_tool: stop}
+  - {id: look, tool: echo, side_effect: pure, timeout: 5s}
+  - {id: sum, tool: llm, side_effect: pure, timeout: 5s, config: {base_url: "http://m/v1", model: m}}
+  - {id: undo, tool: http, side_effect: keyed}
+  - {id: done, tool: echo, side_effect: pure, args: {how: $steps.talk.output.ended_by}}
+edges:
+  - {from: a, to: talk}
+  - {from: talk, to: done}
+"#,
 ];
 
 fn graphs() -> Graphs {
@@ -169,6 +194,7 @@ fn action() -> impl Strategy<Value = Action> {
 
 /// A run driven through the fold, recording every input (with the graphs) and effect.
 struct Sim {
+    graph: String,
     graphs: Graphs,
     state: Option<RunState>,
     now: i64,
@@ -181,6 +207,7 @@ struct Sim {
 impl Sim {
     fn new(graph: &str, input: serde_json::Value) -> Sim {
         let mut sim = Sim {
+            graph: graph.into(),
             graphs: graphs(),
             state: None,
             now: 1_000,
@@ -248,6 +275,24 @@ impl Sim {
 
     fn report_attempt(&mut self, step_id: &str, attempt: u32, outcome: StepOutcome) {
         let step = self.run().steps[step_id].clone();
+        // A model's success as an executor reports it: an answer with its transcript,
+        // now and then a tool call or the stop tool.
+        let outcome = match outcome {
+            StepOutcome::Succeeded { .. } if step.tool == "llm" => {
+                let sha = format!("{:064x}", self.inputs.len());
+                let calls = match self.inputs.len() % 7 {
+                    0 => json!([{"id": "s", "function": {"name": "stop", "arguments": "{}"}}]),
+                    1 => json!([{"id": "l", "function": {"name": "look", "arguments": "{}"}}]),
+                    _ => json!([]),
+                };
+                StepOutcome::Succeeded {
+                    output: json!({"content": "ok", "tool_calls": calls, "transcript":
+                        {"$blob": format!("sortie-blob:t/r/{sha}"), "sha256": sha, "size": 2,
+                         "media_type": "application/json"}}),
+                }
+            }
+            other => other,
+        };
         self.now += 1;
         self.feed(Input::StepReport(StepReport {
             operation_id: step.operation_id.clone(),
@@ -399,10 +444,12 @@ impl Sim {
                 sender,
                 ok,
             } => {
-                let payload = if *ok {
-                    json!({"ok": true})
-                } else {
-                    json!({"no": 1})
+                let payload = match (*ok, self.graph == "chat") {
+                    (true, false) => json!({"ok": true}),
+                    (false, false) => json!({"no": 1}),
+                    (true, true) if *id == 0 => json!({"end": true}),
+                    (true, true) => json!({"text": format!("message {id}")}),
+                    (false, true) => json!({"text": 7}),
                 };
                 let roles = if *sender {
                     vec!["sender".into()]
@@ -411,7 +458,11 @@ impl Sim {
                 };
                 self.command(
                     CommandBody::SignalRun {
-                        name: format!("s{name}"),
+                        // The conversation's messages, most of the time, in its graph.
+                        name: match (self.graph == "chat", *name) {
+                            (true, 0..=2) => "s1".into(),
+                            _ => format!("s{name}"),
+                        },
                         signal_id: format!("sig{id}"),
                         payload,
                     },
@@ -457,6 +508,22 @@ impl Sim {
             let in_flight = self.in_flight();
             if let Some(step) = in_flight.first() {
                 self.report(&step.clone(), StepOutcome::Succeeded { output: json!({}) });
+                continue;
+            }
+            // The person answers a conversation before its idle deadline (the actions
+            // let it pass, now and then).
+            let talking = self.graph == "chat" && self.run().open_waits().next().is_some();
+            if talking {
+                let id = format!("drained{}", self.n);
+                self.command(
+                    CommandBody::SignalRun {
+                        name: "s1".into(),
+                        signal_id: id,
+                        payload: json!({"text": "more"}),
+                    },
+                    "svc",
+                    vec!["sender".into()],
+                );
                 continue;
             }
             let next_due = self.run().timers.values().min().copied();
@@ -542,7 +609,7 @@ proptest! {
 
     #[test]
     fn the_fold_is_deterministic_event_sourced_and_terminates(
-        graph in prop_oneof![Just("mixed"), Just("gate"), Just("order"), Just("waits")],
+        graph in prop_oneof![Just("mixed"), Just("gate"), Just("order"), Just("waits"), Just("chat")],
         ask in any::<bool>(),
         actions in proptest::collection::vec(action(), 0..40),
         silent in 0usize..6,
