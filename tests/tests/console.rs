@@ -17,11 +17,13 @@
 //! went red; with the binding restored it passes.
 //!
 //! A run that waits for a signal takes it from the run page's form, after the page showed
-//! a payload the wait's schema refuses.
+//! a payload the wait's schema refuses. A person talks with a conversation from its run
+//! page's message box, and ends it there.
 //!
 //! Screenshots of the inbox (an approver's, and a viewer's after a refusal), a run page,
-//! a run page's open wait, the runs list and the operator page go to `docs/console-*.png` when
-//! `SORTIE_SCREENSHOTS=docs`, otherwise to the test's directory.
+//! a run page's open wait, a conversation's message box, the runs list and the operator
+//! page go to `docs/console-*.png` when `SORTIE_SCREENSHOTS=docs`, otherwise to the
+//! test's directory.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -1065,4 +1067,297 @@ async fn a_parent_run_page_links_its_child_and_the_child_its_parent() {
             LONG,
         )
         .await;
+}
+
+/// A conversation on the fake model (OpenAI chat completions, no tools: every answer is
+/// text): the person talks with `chat` turn after turn; `close` echoes how it ended and
+/// after how many turns. With `roles`, only a principal holding one may send a message.
+fn chat_graph(id: &str, model: &str, roles: &[&str]) -> Value {
+    let mut conversation = json!({"signal": "message", "max_turns": 10});
+    if !roles.is_empty() {
+        conversation["roles"] = json!(roles);
+    }
+    json!({
+        "id": id,
+        "version": 1,
+        "max_steps": 20,
+        "nodes": [
+            {
+                "id": "chat", "tool": "llm", "side_effect": "pure",
+                "args": {"messages": [{"role": "user", "content": "$input.question"}], "temperature": 0},
+                "config": {"base_url": format!("{model}/v1"), "model": "fake-agent"},
+                "timeout": "10s",
+                "conversation": conversation
+            },
+            {
+                "id": "close", "tool": "echo", "side_effect": "pure",
+                "args": {"ended_by": "$steps.chat.output.ended_by", "turns": "$steps.chat.output.turns"}
+            }
+        ],
+        "edges": [{"from": "chat", "to": "close"}]
+    })
+}
+
+/// A person talks with a conversation from its run page: the open wait for the next
+/// message is a message box (not the JSON form) showing the model's last answer; an empty
+/// message is refused in the page and not sent; a message is taken, the model answers it
+/// and the conversation section reads the person's message between the two answers; "End
+/// conversation" ends it, and the step after the conversation sees it ended by the person
+/// after 2 turns (checked on the HTTP API). On a conversation whose messages need a role
+/// she does not hold, the box shows the gateway's refusal.
+///
+/// The executor and gateway run with a blob store: a conversation keeps its transcript
+/// there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_talks_with_a_conversation_from_its_run_page() {
+    use sortie_devkit::model::{FINAL_ANSWER, REPLY};
+    let fake = sortie_devkit::model::FakeModel::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let model_url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(sortie_devkit::model::serve(
+        listener,
+        fake.clone(),
+        std::future::pending::<()>(),
+    ));
+    let stack = Stack::start("console-talk", &[]).await;
+    stack
+        .publish(&chat_graph("talk", &model_url, &[]).to_string())
+        .await;
+    stack
+        .publish(&chat_graph("guarded_talk", &model_url, &["customer"]).to_string())
+        .await;
+    let blobs = stack.dir.join("blobs");
+    std::fs::create_dir_all(&blobs).expect("blob dir");
+    let store = format!("file://{}", blobs.display());
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor_process("executor", &["default"], &["--blob-store", &store]);
+    let (_gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            &[ALICE],
+            &["--blob-store", &store],
+        )
+        .await;
+    let client = reqwest::Client::new();
+    let start = |graph: &'static str, run_id: &'static str| {
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            let answer = client
+                .post(format!("{url}/v1/runs"))
+                .bearer_auth("tok-alice")
+                .json(&json!({"graph_id": graph, "run_id": run_id, "input": {"question": "Hello"}}))
+                .send()
+                .await
+                .expect("the gateway answers");
+            assert_eq!(answer.status().as_u16(), 201, "{:?}", answer.text().await);
+            sortie_tests::wait_until("the conversation to wait for a message", LONG, || async {
+                run_status(&client, &url, run_id).await == "waiting_signal"
+            })
+            .await;
+            let run = get_run(&client, &url, run_id).await;
+            assert_eq!(run["open_waits"], json!(["message"]), "{run:#}");
+            let open: Vec<_> = run["waits"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|w| w["status"] == "open")
+                .collect();
+            assert_eq!(open.len(), 1, "{run:#}");
+            assert_eq!(open[0]["conversation"], true, "{run:#}");
+        }
+    };
+    start("talk", "talk-1").await;
+
+    let browser = Browser::start(&stack.dir.join("chromedriver.log"), 1280, 1000).await;
+    sign_in(&browser, &url, "tok-alice").await;
+    browser.goto(&format!("{url}/ui/#/runs/talk-1")).await;
+    let card = "#run-waits .conversation-wait[data-signal='message']";
+    let text = format!("{card} textarea.message-text");
+    let send = format!("{card} button.send-message");
+    let shown = browser
+        .wait_text("the message box", card, LONG, |t| t.contains(FINAL_ANSWER))
+        .await;
+    assert!(
+        shown.contains("Your message") && shown.contains("End conversation"),
+        "{shown}"
+    );
+    assert!(
+        browser.all("#run-waits .signal-form").await.is_empty(),
+        "a conversation's wait has no JSON payload form"
+    );
+
+    // An empty message: said in the page, nothing sent.
+    browser.click(&send, SHORT).await;
+    let refused = browser
+        .wait_text(
+            "the empty message to be refused",
+            &format!("{card} .message-result .message-refusal.code-empty"),
+            SHORT,
+            |t| !t.is_empty(),
+        )
+        .await;
+    assert!(refused.contains("empty"), "{refused}");
+    assert_eq!(run_status(&client, &url, "talk-1").await, "waiting_signal");
+    assert_eq!(
+        fake.exchanges().len(),
+        1,
+        "the model answered the opening only"
+    );
+
+    browser.type_into(&text, "Where is order 7?", SHORT).await;
+    assert!(
+        browser.all(&format!("{card} .code-empty")).await.is_empty(),
+        "writing clears the empty message's refusal"
+    );
+    browser
+        .screenshot(&screenshot_path(&stack, "message-box"))
+        .await;
+    browser.click(&send, SHORT).await;
+    let taken = browser
+        .wait_text(
+            "the message's answer (or a refusal)",
+            &format!("#run-messages .message-answer, {card} .message-refusal"),
+            LONG,
+            |t| !t.is_empty(),
+        )
+        .await;
+    assert!(taken.starts_with("Your message was taken"), "{taken}");
+    let said = format!("{REPLY}Where is order 7?");
+    browser
+        .wait_text("the model's reply", "#conversation-list", LONG, |t| {
+            t.contains(&said)
+        })
+        .await;
+    // The next turn's box shows the reply, empty and ready.
+    browser
+        .wait_text("the next turn's box", card, LONG, |t| t.contains(&said))
+        .await;
+    let turns = browser.all("#conversation-list > li").await.len();
+    let mut read = Vec::new();
+    for i in 1..=turns {
+        let turn = format!("#conversation-list > li:nth-child({i})");
+        let who = browser
+            .text(&format!("{turn} .who"))
+            .await
+            .unwrap_or_default()
+            .to_lowercase();
+        let body = browser
+            .text(&format!("{turn} .turn-body"))
+            .await
+            .unwrap_or_default();
+        read.push(format!(
+            "{who}: {}",
+            body.lines().next().unwrap_or_default()
+        ));
+    }
+    assert_eq!(
+        read,
+        [
+            "user: Hello".to_owned(),
+            format!("model: {FINAL_ANSWER}"),
+            "user: Where is order 7?".to_owned(),
+            format!("model: {said}"),
+        ],
+        "the conversation in order"
+    );
+    browser
+        .wait_text("the message's signal", "#signals-list", SHORT, |t| {
+            t.contains("signal message msg-")
+        })
+        .await;
+    browser
+        .screenshot(&screenshot_path(&stack, "conversation-turns"))
+        .await;
+
+    browser
+        .click(&format!("{card} button.end-conversation"), SHORT)
+        .await;
+    sortie_tests::wait_until(
+        "the conversation to end and the run to succeed",
+        LONG,
+        || async { run_status(&client, &url, "talk-1").await == "succeeded" },
+    )
+    .await;
+    let run = get_run(&client, &url, "talk-1").await;
+    let close: Vec<_> = run["steps"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["node"] == "close")
+        .collect();
+    assert_eq!(close.len(), 1, "{run:#}");
+    assert_eq!(
+        close[0]["args"],
+        json!({"ended_by": "person", "turns": 2}),
+        "{run:#}"
+    );
+    assert_eq!(run["open_waits"], json!([]), "{run:#}");
+    browser
+        .wait_for(
+            "the run page to show succeeded",
+            "#run-status [data-status='succeeded']",
+            LONG,
+        )
+        .await;
+    browser
+        .wait_text(
+            "the end in the conversation",
+            "#conversation-list",
+            LONG,
+            |t| t.contains("(ends the conversation)"),
+        )
+        .await;
+    assert!(
+        browser.all(card).await.is_empty(),
+        "the message box is gone"
+    );
+    assert_eq!(fake.exchanges().len(), 2, "ending calls the model no more");
+    let second = fake.exchanges()[1].request["messages"].to_string();
+    assert!(
+        second.contains(FINAL_ANSWER) && second.contains("Where is order 7?"),
+        "the model saw the conversation so far: {second}"
+    );
+
+    // A conversation whose messages need the role `customer`: the box shows the refusal.
+    start("guarded_talk", "talk-2").await;
+    browser.goto(&format!("{url}/ui/#/runs/talk-2")).await;
+    browser
+        .wait_text("the guarded message box", card, LONG, |t| {
+            t.contains(FINAL_ANSWER)
+        })
+        .await;
+    browser.type_into(&text, "Hi", SHORT).await;
+    browser.click(&send, SHORT).await;
+    let refused = browser
+        .wait_text(
+            "the role's refusal",
+            &format!("{card} .message-result .message-refusal"),
+            LONG,
+            |t| !t.is_empty(),
+        )
+        .await;
+    assert!(
+        refused.starts_with("Not sent (forbidden)") && refused.contains("customer"),
+        "{refused}"
+    );
+    assert_eq!(
+        browser
+            .all(&format!("{card} button.send-message:disabled"))
+            .await
+            .len(),
+        0,
+        "the buttons work again after the refusal"
+    );
+    assert_eq!(run_status(&client, &url, "talk-2").await, "waiting_signal");
+
+    let errors = browser.console_errors().await;
+    assert!(
+        errors
+            .iter()
+            .all(|e| !e.contains("Content Security Policy")),
+        "the console breaks its own policy: {errors:?}"
+    );
 }

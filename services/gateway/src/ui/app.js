@@ -590,8 +590,10 @@ function runPage(main, runId) {
       }))));
   }
 
-  // One card per open wait, kept across redraws so a payload being written survives the
-  // run's events (the cards are re-attached only when the set of open waits changes).
+  // One card per open wait, kept across redraws so a payload or a message being written
+  // survives the run's events (the cards are re-attached only when the set of open waits
+  // changes). A conversation's wait for the person's next message gets a message box;
+  // any other wait the form for a JSON payload.
   const waitCards = new Map();
   function renderWaits() {
     const open = run.open_waits && run.open_waits.length
@@ -601,15 +603,101 @@ function runPage(main, runId) {
     }
     if (!open.length) { clear(waits); return; }
     const cards = open.map((w) => {
-      if (!waitCards.has(w.step_id)) waitCards.set(w.step_id, waitCard(w));
+      if (!waitCards.has(w.step_id)) waitCards.set(w.step_id, w.conversation ? messageCard(w) : waitCard(w));
       const card = waitCards.get(w.step_id);
       card.update(w);
       return card.node;
     });
     const shown = Array.from(waits.querySelectorAll(":scope > .wait"));
     if (shown.length !== cards.length || shown.some((n, i) => n !== cards[i])) {
-      fill(waits, el("h2", { text: "Waiting for signals" }), cards);
+      const heading = open.every((w) => w.conversation) ? "Waiting for a message" : "Waiting for signals";
+      fill(waits, el("h2", { text: heading }), cards);
     }
+  }
+
+  /** The message box of a conversation that waits for the person's next message: the
+   * model's last answer, a text to send as `{text}`, or the end of the conversation. */
+  function messageCard(wait) {
+    const name = wait.signal;
+    const facts = el("dl", { class: "facts" });
+    const answered = el("div", { class: "last-answer" });
+    const text = el("textarea", { class: "message-text", rows: "3",
+      "aria-label": `Your message to ${wait.node}`,
+      placeholder: "Write your message (Ctrl+Enter sends it)" });
+    const send = el("button", { type: "submit", class: "primary send-message", text: "Send" });
+    const end = el("button", { type: "button", class: "end-conversation", text: "End conversation" });
+    const result = el("div", { class: "message-result" });
+    const form = el("form", { class: "message-form" },
+      el("h3", { text: "Your message" }), text,
+      el("div", { class: "actions" }, send, end),
+      result);
+    // Writing clears the page's own "the message is empty" (a gateway's refusal stays).
+    text.addEventListener("input", () => {
+      if (result.querySelector(".code-empty")) clear(result);
+    });
+    text.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) {
+        event.preventDefault();
+        form.requestSubmit();
+      }
+    });
+    form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      const said = text.value.trim();
+      if (!said) {
+        result.replaceChildren(notice("error", "Not sent: the message is empty. Write something, or end the conversation.",
+          { class: "notice error message-refusal code-empty" }));
+        text.focus();
+        return;
+      }
+      deliver({ text: said }, "Your message");
+    });
+    end.addEventListener("click", () => deliver({ end: true }, "The end of the conversation"));
+
+    async function deliver(payload, what) {
+      // A fresh id per message: a retried request is a duplicate, never a second message.
+      const body = { payload, signal_id: freshId("msg") };
+      send.disabled = true;
+      end.disabled = true;
+      result.replaceChildren(notice("info", "Sending…"));
+      try {
+        const answer = await api("POST",
+          `/v1/runs/${encodeURIComponent(runId)}/signals/${encodeURIComponent(name)}`, body);
+        const how = {
+          taken: payload.end ? "taken: the conversation ends" : "taken: the model answers next",
+          kept: "kept: the conversation takes it when it waits for the next message",
+          duplicate: "a duplicate: it was taken already; nothing changed",
+        }[answer.signal] || answer.signal;
+        const said = `${what} was ${how}. The run is ${answer.status.replace(/_/g, " ")}.`;
+        fill(messages, notice("ok", said, { class: `notice ok message-answer signal-${answer.signal}` }));
+        result.replaceChildren(notice("ok", said));
+        text.value = "";
+      } catch (e) {
+        result.replaceChildren(notice("error", `Not sent (${e.code}): ${e.message}`,
+          { class: `notice error message-refusal code-${e.code}` }));
+      } finally {
+        send.disabled = false;
+        end.disabled = false;
+      }
+      refresh();
+    }
+
+    const node = el("article", { class: "card wait conversation-wait", "data-signal": name, "data-step": wait.step_id },
+      el("h3", {}, "Conversation with ", el("strong", { class: "mono", text: wait.node }),
+        el("span", { class: "muted", text: ` · signal ${name}` })),
+      answered, facts, form);
+    function update(w) {
+      const last = turns.filter((t) => t.kind === "model" && t.step_id === w.step_id && t.text).pop();
+      if (last) {
+        fill(answered, el("span", { class: "who who-model", text: "model" }),
+          el("div", { class: "turn-text", text: last.text }));
+      } else {
+        clear(answered);
+      }
+      fill(facts,
+        fact("Waits until", w.expires_at ? `${when(w.expires_at)} (${relative(w.expires_at)})` : "no deadline"));
+    }
+    return { node, update };
   }
 
   function waitCard(wait) {
@@ -784,6 +872,13 @@ function conversationView(entries) {
       el("div", { class: "turn-body" }, ...body),
       el("span", { class: "muted small when", text: when(e.at) }));
   }));
+}
+
+/** A fresh random id (`<prefix>-<uuid>`); crypto.randomUUID needs a secure context. */
+function freshId(prefix) {
+  if (typeof crypto.randomUUID === "function") return `${prefix}-${crypto.randomUUID()}`;
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return `${prefix}-${Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("")}`;
 }
 
 function fact(name, value) {
