@@ -179,6 +179,7 @@ impl Story {
         let s = self.state.as_ref().expect("run").steps[step].clone();
         self.at += 1_000;
         self.feed(Input::StepReport(StepReport {
+            spent: None,
             operation_id: s.operation_id.clone(),
             attempt: s.attempt,
             tenant: "acme".into(),

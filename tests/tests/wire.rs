@@ -121,6 +121,7 @@ async fn undecodable_bytes_give_typed_dead_letter_reasons() -> anyhow::Result<()
 
     // A valid StepResult read where a RunCommand is expected.
     let result = StepResult {
+        spend: None,
         operation_id: "op_1".into(),
         attempt: 1,
         tenant: "acme".into(),

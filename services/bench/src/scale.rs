@@ -63,6 +63,7 @@ pub fn finished_run(graph: &Graph, payload_bytes: usize) -> anyhow::Result<RunSt
             return Ok(state);
         };
         let report = Input::StepReport(StepReport {
+            spent: None,
             operation_id: intent.operation_id.clone(),
             attempt: intent.attempt,
             tenant: intent.tenant.clone(),

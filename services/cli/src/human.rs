@@ -444,6 +444,30 @@ impl Timeline {
                 RED,
                 format!("no signal before the deadline ({on_timeout})"),
             ),
+            EventBody::BudgetReserved {
+                step_id,
+                child_run_id,
+                limits,
+            } => (
+                self.node_of(step_id),
+                "reserved",
+                DIM,
+                format!(
+                    "for child {child_run_id}: {}",
+                    serde_json::to_string(limits).unwrap_or_default()
+                ),
+            ),
+            EventBody::BudgetSettled { step_id, spent } => (
+                self.node_of(step_id),
+                "settled",
+                DIM,
+                format!(
+                    "the child spent {} tokens, ${:.4}, {} tool calls",
+                    spent.tokens(),
+                    spent.cost_usd,
+                    spent.tool_calls
+                ),
+            ),
         };
         let line = format!(
             "{}  {:<18} {} {}",

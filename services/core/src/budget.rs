@@ -95,6 +95,37 @@ pub struct Limits {
     pub wall_time: Option<Millis>,
 }
 
+impl Limits {
+    /// These limits, each no higher than `cap`'s (a limit `cap` lacks stays as asked; one
+    /// these lack is `cap`'s: a child never gets more than is left).
+    pub fn capped_by(&self, cap: &Limits) -> Limits {
+        fn min<T: PartialOrd>(a: Option<T>, b: Option<T>) -> Option<T> {
+            match (a, b) {
+                (Some(a), Some(b)) => Some(if b < a { b } else { a }),
+                (a, b) => a.or(b),
+            }
+        }
+        Limits {
+            tokens: min(self.tokens, cap.tokens),
+            cost_usd: min(self.cost_usd, cap.cost_usd),
+            tool_calls: min(self.tool_calls, cap.tool_calls),
+            wall_time: min(self.wall_time, cap.wall_time),
+        }
+    }
+
+    /// Each count limit divided among `parts` children (a wall time is not divided: each
+    /// child's runs from its own start).
+    pub fn share(&self, parts: u64) -> Limits {
+        let parts = parts.max(1);
+        Limits {
+            tokens: self.tokens.map(|t| t / parts),
+            cost_usd: self.cost_usd.map(|c| c / parts as f64),
+            tool_calls: self.tool_calls.map(|t| t / parts),
+            wall_time: self.wall_time,
+        }
+    }
+}
+
 impl Budget {
     /// What is left of this budget after `spend`, with the same prices: the most a child
     /// run started now may spend ([`crate::child`]).
@@ -285,6 +316,47 @@ impl Usage {
 impl Spend {
     pub fn is_zero(&self) -> bool {
         self == &Spend::default()
+    }
+
+    /// Adds what a child run spent (saturating; a cost stays finite).
+    pub fn add(&mut self, other: &Spend) {
+        self.prompt_tokens = self.prompt_tokens.saturating_add(other.prompt_tokens);
+        self.completion_tokens = self
+            .completion_tokens
+            .saturating_add(other.completion_tokens);
+        self.cost_usd = (self.cost_usd + other.cost_usd).min(f64::MAX);
+        self.llm_calls = self.llm_calls.saturating_add(other.llm_calls);
+        self.tool_calls = self.tool_calls.saturating_add(other.tool_calls);
+    }
+
+    /// This spend with the budget `reserved` for children in flight counted as spent:
+    /// what the run's limits are held to.
+    pub fn with_reserved<'r>(&self, reserved: impl IntoIterator<Item = &'r Limits>) -> Spend {
+        let mut out = self.clone();
+        for limits in reserved {
+            out.prompt_tokens = out.prompt_tokens.saturating_add(limits.tokens.unwrap_or(0));
+            out.cost_usd = (out.cost_usd + limits.cost_usd.unwrap_or(0.0)).min(f64::MAX);
+            out.tool_calls = out
+                .tool_calls
+                .saturating_add(limits.tool_calls.unwrap_or(0));
+        }
+        out
+    }
+
+    /// Whether every count is one a child run's report may carry: token counts and tool
+    /// calls up to their limits' maxima, a finite cost from 0 to [`MAX_COST_USD`].
+    pub fn check(&self) -> Result<(), String> {
+        for (name, n, max) in [
+            ("prompt_tokens", self.prompt_tokens, MAX_TOKEN_LIMIT),
+            ("completion_tokens", self.completion_tokens, MAX_TOKEN_LIMIT),
+            ("llm_calls", self.llm_calls, MAX_TOOL_CALL_LIMIT),
+            ("tool_calls", self.tool_calls, MAX_TOOL_CALL_LIMIT),
+        ] {
+            if n > max {
+                return Err(format!("spend.{name} is {n}; at most {max} is allowed"));
+            }
+        }
+        check_amount("spend.cost_usd", self.cost_usd, MAX_COST_USD)
     }
 
     pub fn tokens(&self) -> u64 {

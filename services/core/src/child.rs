@@ -26,14 +26,19 @@ pub const CHILD_PREFIX: &str = "sub_";
 /// The principal a parent's commands to its children are issued as: `run:<parent id>`.
 pub const PARENT_PRINCIPAL: &str = "run:";
 
-/// `run: {graph, version}` on a node: the graph its child runs (pinned, or the latest when
-/// the child starts); the node's `args` are the child's input.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `run: {graph, version, budget}` on a node: the graph its child runs (pinned, or the
+/// latest when the child starts); the node's `args` are the child's input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChildRun {
     pub graph: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<u32>,
+    /// The most the child may spend (each limit capped by what the parent has left);
+    /// absent: an even share of what the parent has left among the children started
+    /// together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::budget::Limits>,
 }
 
 /// Who started a child run: its parent's run, step, operation and attempt.

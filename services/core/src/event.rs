@@ -68,7 +68,10 @@ impl Event {
             EventBody::CancelRequested { reason, .. } => *reason = None,
             EventBody::SignalReceived { payload, .. }
             | EventBody::SignalBuffered { payload, .. } => *payload = Value::Null,
-            EventBody::SignalWaitOpened { .. } | EventBody::SignalWaitExpired { .. } => {}
+            EventBody::SignalWaitOpened { .. }
+            | EventBody::SignalWaitExpired { .. }
+            | EventBody::BudgetReserved { .. }
+            | EventBody::BudgetSettled { .. } => {}
             EventBody::CommandAccepted { .. }
             | EventBody::CommandRejected { .. }
             | EventBody::StepStarted { .. }
@@ -293,6 +296,20 @@ pub enum EventBody {
         step_id: String,
         on_timeout: String,
     },
+    /// A child run's share of the run's budget was set aside as step `step_id` started
+    /// it: what the run may still spend (and give its other children) excludes it until
+    /// the child ends. The child was started with `limits` as its budget.
+    BudgetReserved {
+        step_id: String,
+        child_run_id: String,
+        limits: crate::budget::Limits,
+    },
+    /// The child run of step `step_id` ended: its reservation is released and what it
+    /// spent (its children's spend included) is charged to this run.
+    BudgetSettled {
+        step_id: String,
+        spent: crate::budget::Spend,
+    },
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -338,6 +355,8 @@ impl EventBody {
             EventBody::SignalReceived { .. } => "SignalReceived",
             EventBody::SignalBuffered { .. } => "SignalBuffered",
             EventBody::SignalWaitExpired { .. } => "SignalWaitExpired",
+            EventBody::BudgetReserved { .. } => "BudgetReserved",
+            EventBody::BudgetSettled { .. } => "BudgetSettled",
         }
     }
 }

@@ -62,6 +62,7 @@ pub fn evolve(state: Option<RunState>, event: &Event) -> Option<RunState> {
                 forgotten: None,
                 waits: Default::default(),
                 early_signals: Vec::new(),
+                reserved: Default::default(),
                 parent: parent.clone(),
             };
             if let Some(fork) = forked_from {
@@ -521,6 +522,15 @@ fn apply_body(state: &mut RunState, event: &Event) {
             sent_by: sent_by.clone(),
             at: event.at,
         }),
+        EventBody::BudgetReserved {
+            step_id, limits, ..
+        } => {
+            state.reserved.insert(step_id.clone(), limits.clone());
+        }
+        EventBody::BudgetSettled { step_id, spent } => {
+            state.reserved.remove(step_id);
+            state.spend.add(spent);
+        }
         EventBody::SignalWaitExpired {
             step_id,
             on_timeout,

@@ -150,6 +150,10 @@ impl CommandBody {
 /// An executor's report on one attempt of an operation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepReport {
+    /// For a child run's report to its parent's step: what the child spent, settled
+    /// against the parent's budget ([`crate::child`]). `None` from executors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spent: Option<crate::budget::Spend>,
     pub operation_id: String,
     pub attempt: u32,
     pub tenant: String,

@@ -194,7 +194,11 @@ impl Event {
             EventBody::RunStatusChanged { output, .. } => each(output, f),
             EventBody::SignalReceived { payload, .. }
             | EventBody::SignalBuffered { payload, .. } => f(payload),
-            EventBody::SignalWaitOpened { .. } | EventBody::SignalWaitExpired { .. } => {}
+            // Budgets are counts, not payloads: never sealed.
+            EventBody::SignalWaitOpened { .. }
+            | EventBody::SignalWaitExpired { .. }
+            | EventBody::BudgetReserved { .. }
+            | EventBody::BudgetSettled { .. } => {}
             EventBody::CommandAccepted { .. }
             | EventBody::CommandRejected { .. }
             | EventBody::StepStarted { .. }

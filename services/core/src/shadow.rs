@@ -323,6 +323,7 @@ fn input_of(state: Option<&RunState>, group: &[Event], graphs: &Graphs) -> Optio
     let state = state?;
     let report = |step_id: &str, attempt: u32, outcome: StepOutcome| {
         Some(Input::StepReport(StepReport {
+            spent: None,
             operation_id: first.operation_id.clone()?,
             attempt,
             tenant: first.tenant.clone(),

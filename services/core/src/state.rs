@@ -78,6 +78,10 @@ pub struct RunState {
     /// [`crate::signal::MAX_EARLY_SIGNALS`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub early_signals: Vec<EarlySignal>,
+    /// The budget set aside for child runs in flight, by the step that started each
+    /// (`BudgetReserved`, released by `BudgetSettled`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub reserved: BTreeMap<String, crate::budget::Limits>,
     /// A child run's parent: its end is reported to the parent's step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<crate::child::ParentLink>,

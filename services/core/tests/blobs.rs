@@ -68,6 +68,7 @@ fn run_once() -> (Vec<Value>, RunState) {
     // `read` answers with its document stored by reference (as the executor reports it).
     let output_ref = reference("t", "r", &json!({"stored": true}));
     let report = Input::StepReport(StepReport {
+        spent: None,
         operation_id: read.operation_id.clone(),
         attempt: 1,
         tenant: "t".into(),

@@ -37,6 +37,38 @@ nodes:
   - {id: search, tool: echo, side_effect: pure, args: {q: $input.topic}}
 "#;
 
+/// The planner of [`PLANNER`], its researchers thinking with a model (charged).
+const SPENDER: &str = r#"
+id: spender
+version: 1
+nodes:
+  - {id: plan, tool: echo, side_effect: pure, may_request: [research]}
+  - id: research
+    run: {graph: thinker}
+    args: {topic: $input.topic}
+  - {id: summary, tool: echo, side_effect: pure, args: {findings: $steps.plan.output.results}}
+edges:
+  - {from: plan, to: summary}
+"#;
+
+/// [`SPENDER`] whose researchers ask for a budget of their own.
+const CAPPED: &str = r#"
+id: capped
+version: 1
+nodes:
+  - {id: plan, tool: echo, side_effect: pure, may_request: [research]}
+  - id: research
+    run: {graph: thinker, budget: {tokens: 200, tool_calls: 5}}
+    args: {topic: $input.topic}
+"#;
+
+const THINKER: &str = r#"
+id: thinker
+version: 1
+nodes:
+  - {id: think, tool: llm, side_effect: pure, args: {messages: [{role: user, content: $input.topic}]}}
+"#;
+
 const ORPHAN: &str = r#"
 id: orphan
 version: 1
@@ -65,7 +97,9 @@ struct World {
 impl World {
     fn new() -> World {
         let mut graphs = Graphs::new();
-        for text in [PLANNER, RESEARCHER, LOCKED, ORPHAN] {
+        for text in [
+            PLANNER, RESEARCHER, LOCKED, ORPHAN, SPENDER, THINKER, CAPPED,
+        ] {
             graphs.insert(Graph::parse(text).unwrap()).unwrap();
         }
         World {
@@ -131,6 +165,7 @@ impl World {
         for (run_id, step_id, operation_id, attempt) in std::mem::take(&mut self.intents) {
             self.at += 1;
             self.queue.push_back(Input::StepReport(StepReport {
+                spent: None,
                 operation_id,
                 attempt,
                 tenant: "acme".into(),
@@ -344,4 +379,193 @@ fn a_child_that_cannot_start_fails_its_parents_step() {
         "{ghost:?}"
     );
     assert!(world.children().is_empty());
+}
+
+/// A parent with a budget gives its children, started together, equal shares of what it
+/// has left (`BudgetReserved`, the child's own budget), holds that share as spent while
+/// they run, and when each ends releases it and charges what the child spent
+/// (`BudgetSettled`, from the child's report). Seen red: with the share not divided among
+/// the children started together, the first child was given everything left.
+#[test]
+fn children_share_what_the_parent_has_left_and_their_spend_is_settled() {
+    use sortie_core::budget::{Budget, Limits, Price};
+    let mut world = World::new();
+    let budget = Budget {
+        limits: Limits {
+            tokens: Some(3_000),
+            cost_usd: Some(0.3),
+            ..Limits::default()
+        },
+        prices: [(
+            "m".to_owned(),
+            Price {
+                input_per_1k: 0.1,
+                output_per_1k: 0.1,
+            },
+        )]
+        .into(),
+    };
+    world.command("run_s", "start-s", budgeted("spender", budget.clone()));
+    world.settle();
+    world.answer(plan_output);
+    let events = world.settle();
+    let parent = &world.runs["run_s"];
+    assert_eq!(parent.reserved.len(), 3, "{:?}", parent.reserved);
+    for share in parent.reserved.values() {
+        assert_eq!(share.tokens, Some(1_000));
+        assert!((share.cost_usd.unwrap() - 0.1).abs() < 1e-9);
+    }
+    let reserved = events
+        .iter()
+        .filter(|e| matches!(e.body, EventBody::BudgetReserved { .. }))
+        .count();
+    assert_eq!(reserved, 3);
+    for child in world.children() {
+        let limits = &child.budget.as_ref().expect("a child's budget").limits;
+        assert_eq!(limits.tokens, Some(1_000), "{}", child.run_id);
+    }
+
+    // Each child's model call spends 500 tokens (0.05 USD); their ends settle.
+    world.answer(|_| {
+        json!({"content": "found", "model": "m",
+               "usage": {"prompt_tokens": 400, "completion_tokens": 100}})
+    });
+    let events = world.settle();
+    let settled: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::BudgetSettled { spent, .. } => Some(spent.tokens()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(settled, [500, 500, 500]);
+    let parent = &world.runs["run_s"];
+    assert!(parent.reserved.is_empty(), "{:?}", parent.reserved);
+    assert_eq!(parent.spend.tokens(), 1_500);
+    assert!((parent.spend.cost_usd - 0.15).abs() < 1e-9);
+    assert_eq!(parent.spend.llm_calls, 3);
+    // The planner reads its children's results, then summarizes.
+    for _ in 0..2 {
+        world.answer(|_| json!({}));
+        world.settle();
+    }
+    assert_eq!(world.runs["run_s"].status, RunStatus::Succeeded);
+}
+
+/// Retention and deletion: a child is forgotten with its parent and never before it. A
+/// child arms no retention timer of its own; an operator's `ForgetRun` for a child is
+/// refused (`bad_state`, naming the parent); forgetting the parent sends each child a
+/// `ForgetRun` from the parent, which the child takes. Seen red: with the parent's
+/// `forget_children` skipped, the children kept their payloads after the parent was
+/// forgotten.
+#[test]
+fn children_are_forgotten_with_their_parent_and_never_before_it() {
+    let mut world = World::new();
+    world.command(
+        "run_p",
+        "start-p",
+        start("planner", json!({"topic": "sea"})),
+    );
+    world.settle();
+    world.answer(plan_output);
+    world.settle();
+    world.answer(|step| json!({"found": step}));
+    world.settle();
+    for _ in 0..2 {
+        world.answer(plan_output);
+        world.settle();
+    }
+    assert_eq!(world.runs["run_p"].status, RunStatus::Succeeded);
+    let children: Vec<String> = world.children().iter().map(|c| c.run_id.clone()).collect();
+    assert_eq!(children.len(), 3);
+    for child in world.children() {
+        assert!(
+            child.timers.is_empty(),
+            "a child arms no retention: {:?}",
+            child.timers
+        );
+    }
+
+    // An operator cannot forget a child on its own.
+    world.at += 1;
+    world.queue.push_back(Input::Command(Command {
+        command_id: "forget-child".into(),
+        tenant: "acme".into(),
+        run_id: children[0].clone(),
+        principal: "user:ops".into(),
+        roles: vec!["operator".into()],
+        groups: vec![],
+        at: world.at,
+        body: CommandBody::ForgetRun { reason: None },
+    }));
+    let events = world.settle();
+    assert!(
+        events.iter().any(|e| matches!(&e.body,
+        EventBody::CommandRejected { code, reason, .. }
+            if code == "bad_state" && reason.contains("run_p"))),
+        "{events:#?}"
+    );
+    assert!(world.runs[&children[0]].forgotten.is_none());
+
+    // Forgetting the parent forgets every child.
+    world.at += 1;
+    world.queue.push_back(Input::Command(Command {
+        command_id: "forget-parent".into(),
+        tenant: "acme".into(),
+        run_id: "run_p".into(),
+        principal: "user:ops".into(),
+        roles: vec!["operator".into()],
+        groups: vec![],
+        at: world.at,
+        body: CommandBody::ForgetRun {
+            reason: Some("a deletion request".into()),
+        },
+    }));
+    world.settle();
+    assert!(world.runs["run_p"].forgotten.is_some());
+    for child in &children {
+        let state = &world.runs[child];
+        let forgotten = state.forgotten.as_ref().expect("the child was forgotten");
+        assert!(forgotten.reason.contains("run_p"), "{}", forgotten.reason);
+        assert_eq!(state.input, Value::Null);
+    }
+}
+
+/// A start of `graph` with `budget`.
+fn budgeted(graph: &str, budget: sortie_core::budget::Budget) -> CommandBody {
+    CommandBody::StartRun {
+        graph_id: graph.into(),
+        graph_version: None,
+        input: json!({"topic": "sea"}),
+        labels: BTreeMap::new(),
+        budget: Some(budget),
+        fork: None,
+        parent: None,
+    }
+}
+
+/// A node's `run.budget` is what its child gets, capped by what the parent has left.
+#[test]
+fn a_node_asks_for_its_childs_budget_within_what_is_left() {
+    use sortie_core::budget::{Budget, Limits};
+    let mut world = World::new();
+    let budget = Budget {
+        limits: Limits {
+            tokens: Some(3_000),
+            tool_calls: Some(4),
+            ..Limits::default()
+        },
+        prices: Default::default(),
+    };
+    world.command("run_c", "start-c", budgeted("capped", budget));
+    world.settle();
+    world.answer(plan_output);
+    world.settle();
+    let parent = &world.runs["run_c"];
+    // The plan's three requests are tool calls: one left of four.
+    assert_eq!(parent.spend.tool_calls, 3);
+    let shares: Vec<&Limits> = parent.reserved.values().collect();
+    assert_eq!(shares.len(), 3);
+    assert_eq!(shares[0].tokens, Some(200), "as asked, under what is left");
+    assert_eq!(shares[0].tool_calls, Some(1), "capped by what is left");
 }

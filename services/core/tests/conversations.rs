@@ -149,6 +149,7 @@ impl Run {
     fn succeed(&mut self, intent: &Intent, output: Value) {
         self.at += 1;
         self.input(Input::StepReport(StepReport {
+            spent: None,
             operation_id: intent.operation_id.clone(),
             attempt: intent.attempt,
             tenant: "t".into(),

@@ -79,6 +79,7 @@ fn expected_interrupt(amount: i64) -> (String, String) {
 fn read_done(graphs: &Graphs, state: &RunState, amount: i64) -> (Vec<Effect>, RunState) {
     let op = state.steps["read#1"].operation_id.clone();
     let report = Input::StepReport(StepReport {
+        spent: None,
         operation_id: op,
         attempt: 1,
         tenant: "t".into(),

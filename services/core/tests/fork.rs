@@ -57,6 +57,7 @@ fn start(run_id: &str, at: i64, input: Value, fork: Option<ForkSource>) -> Input
 fn succeed(state: &RunState, step: &str, at: i64, output: Value) -> Input {
     let s = &state.steps[step];
     Input::StepReport(StepReport {
+        spent: None,
         operation_id: s.operation_id.clone(),
         attempt: s.attempt,
         tenant: "acme".into(),

@@ -152,6 +152,7 @@ impl Run {
         self.at += 10;
         let s = self.state().steps[step].clone();
         self.feed(Input::StepReport(StepReport {
+            spent: None,
             operation_id: s.operation_id.clone(),
             attempt: s.attempt,
             tenant: "acme".into(),
@@ -166,6 +167,7 @@ impl Run {
         self.at += 10;
         let s = self.state().steps[step].clone();
         self.feed(Input::StepReport(StepReport {
+            spent: None,
             operation_id: s.operation_id.clone(),
             attempt: s.attempt,
             tenant: "acme".into(),

@@ -95,6 +95,7 @@ fn an_output_too_large_to_keep_fails_its_step_and_the_run_with_the_reason() {
         .unwrap();
     let step = state.steps.values().next().unwrap().clone();
     let report = Input::StepReport(StepReport {
+        spent: None,
         operation_id: step.operation_id.clone(),
         attempt: 1,
         tenant: "t".into(),

@@ -138,6 +138,7 @@ impl Run {
     fn succeed(&mut self, intent: &Intent, output: Value) {
         self.at += 1;
         self.input(Input::StepReport(StepReport {
+            spent: None,
             operation_id: intent.operation_id.clone(),
             attempt: intent.attempt,
             tenant: "t".into(),
@@ -328,6 +329,7 @@ impl Run {
     fn report(&mut self, intent: &Intent, outcome: StepOutcome) {
         self.at += 1;
         self.input(Input::StepReport(StepReport {
+            spent: None,
             operation_id: intent.operation_id.clone(),
             attempt: intent.attempt,
             tenant: "t".into(),

@@ -295,6 +295,7 @@ impl Sim {
         };
         self.now += 1;
         self.feed(Input::StepReport(StepReport {
+            spent: None,
             operation_id: step.operation_id.clone(),
             attempt,
             tenant: "t".into(),

@@ -78,6 +78,7 @@ impl Run {
         self.at += 1;
         let step = self.state.as_ref().unwrap().steps.values().next().unwrap();
         let report = StepReport {
+            spent: None,
             operation_id: step.operation_id.clone(),
             attempt: step.attempt,
             tenant: "t".into(),

@@ -62,6 +62,7 @@ fn finished(graph: &str, graphs: &Graphs) -> (RunState, Vec<sortie_core::Event>)
     let state = started.state.unwrap();
     let step = state.steps.values().next().unwrap().clone();
     let report = Input::StepReport(StepReport {
+        spent: None,
         operation_id: step.operation_id.clone(),
         attempt: step.attempt,
         tenant: "t".into(),

@@ -91,6 +91,7 @@ impl Run {
         let step = self.run().steps[step_id].clone();
         self.at += 1;
         self.input(Input::StepReport(StepReport {
+            spent: None,
             operation_id: step.operation_id.clone(),
             attempt: step.attempt,
             tenant: "t".into(),

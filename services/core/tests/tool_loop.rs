@@ -114,6 +114,7 @@ impl Run {
     fn succeed(&mut self, intent: &Intent, output: Value) {
         self.at += 1;
         let report = Input::StepReport(StepReport {
+            spent: None,
             operation_id: intent.operation_id.clone(),
             attempt: intent.attempt,
             tenant: "t".into(),

@@ -410,6 +410,7 @@ async fn schema_ids(target: &Target) -> anyhow::Result<(u32, u32, u32)> {
         .encode(
             &topics.step_results(),
             &w::StepResult {
+                spend: None,
                 operation_id: "op".into(),
                 attempt: 1,
                 tenant: "t".into(),

@@ -334,6 +334,7 @@ fn result(rng: &mut Rng, ctx: &Context) -> Hostile {
         retry_after_ms: [None, Some(-5), Some(i64::MAX)][rng.below(3)],
     };
     let result = w::StepResult {
+        spend: None,
         operation_id: id(rng, "op"),
         attempt: [1, 0, -1, i32::MAX][rng.below(4)],
         tenant: ctx.tenant.clone(),

@@ -204,6 +204,7 @@ mod corpus {
 
     fn results() -> Entries {
         let result = |status, output: Option<&str>, error: Option<w::StepError>| w::StepResult {
+            spend: None,
             operation_id: "op_1".into(),
             attempt: 1,
             tenant: "acme".into(),

@@ -304,7 +304,24 @@ pub fn report_from_wire(result: w::StepResult, at: i64) -> Result<StepReport, In
             message: error.message,
         },
     };
+    // A child run's spend (the reducer writes it in a child's report): bounded like a
+    // budget, or the record is refused.
+    let spent = match &result.spend {
+        None => None,
+        Some(text) => {
+            let refused = || Invalid::new("spend is not a run's spend (a JSON object)".to_owned());
+            let value: Value = serde_json::from_str(text).map_err(|_| refused())?;
+            if !value.is_object() {
+                return Err(refused());
+            }
+            let spent: sortie_core::budget::Spend =
+                serde_json::from_value(value).map_err(|_| refused())?;
+            spent.check().map_err(Invalid::new)?;
+            Some(spent)
+        }
+    };
     Ok(StepReport {
+        spent,
         operation_id: result.operation_id,
         attempt,
         tenant: result.tenant,
@@ -692,6 +709,21 @@ pub fn event_to_wire(event: &Event) -> w::RunEvent {
             step_id: step_id.clone(),
             on_timeout: on_timeout.clone(),
         }),
+        EventBody::BudgetReserved {
+            step_id,
+            child_run_id,
+            limits,
+        } => w::EventBody::BudgetReserved(w::BudgetReserved {
+            step_id: step_id.clone(),
+            child_run_id: child_run_id.clone(),
+            limits: serde_json::to_string(limits).unwrap_or_default(),
+        }),
+        EventBody::BudgetSettled { step_id, spent } => {
+            w::EventBody::BudgetSettled(w::BudgetSettled {
+                step_id: step_id.clone(),
+                spent: serde_json::to_string(spent).unwrap_or_default(),
+            })
+        }
     };
     w::RunEvent {
         tenant: event.tenant.clone(),
@@ -863,6 +895,17 @@ pub fn event_from_wire(event: w::RunEvent) -> Result<Event, Invalid> {
             step_id: e.step_id,
             on_timeout: e.on_timeout,
         },
+        w::EventBody::BudgetReserved(e) => EventBody::BudgetReserved {
+            step_id: e.step_id,
+            child_run_id: e.child_run_id,
+            limits: serde_json::from_str(&e.limits)
+                .map_err(|_| Invalid::new("limits is not a budget's limits".to_owned()))?,
+        },
+        w::EventBody::BudgetSettled(e) => EventBody::BudgetSettled {
+            step_id: e.step_id,
+            spent: serde_json::from_str(&e.spent)
+                .map_err(|_| Invalid::new("spent is not a spend".to_owned()))?,
+        },
     };
     Ok(Event {
         tenant: event.tenant,
@@ -936,6 +979,42 @@ mod tests {
     use super::*;
     use sortie_core::{apply, Effect, Graph, Graphs, Input};
 
+    /// A child's report carries its spend; one out of bounds (a forged record) is
+    /// refused, and the spend survives the trip to the wire and back.
+    #[test]
+    fn a_childs_spend_is_bounded_and_round_trips() {
+        let report = StepReport {
+            spent: Some(sortie_core::budget::Spend {
+                prompt_tokens: 400,
+                completion_tokens: 100,
+                cost_usd: 0.05,
+                llm_calls: 1,
+                tool_calls: 2,
+            }),
+            operation_id: "op".into(),
+            attempt: 1,
+            tenant: "t".into(),
+            run_id: "r".into(),
+            step_id: "research#1".into(),
+            outcome: sortie_core::StepOutcome::Succeeded {
+                output: serde_json::json!({}),
+            },
+            at: 5,
+        };
+        let wire = crate::outbound::report_to_wire(&report, "reducer");
+        assert_eq!(report_from_wire(wire.clone(), 5).expect("decodes"), report);
+        for forged in [
+            r#"{"cost_usd": -1}"#,
+            r#"{"prompt_tokens": 18446744073709551615}"#,
+            r#"{"cost_usd": "lots"}"#,
+            "[]",
+        ] {
+            let mut bad = wire.clone();
+            bad.spend = Some(forged.into());
+            assert!(report_from_wire(bad, 5).is_err(), "{forged}");
+        }
+    }
+
     /// Every event of a realistic run survives the trip to the wire and back, so an
     /// auditor folding decoded events gets exactly the reducer's state.
     #[test]
@@ -968,6 +1047,7 @@ mod tests {
         let state = applied.state.clone().expect("state");
         let op = state.steps["a#1"].operation_id.clone();
         let report = Input::StepReport(StepReport {
+            spent: None,
             operation_id: op,
             attempt: 1,
             tenant: "t".into(),

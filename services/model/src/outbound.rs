@@ -156,5 +156,9 @@ pub fn report_to_wire(report: &StepReport, executor: &str) -> w::StepResult {
         executor: executor.to_owned(),
         started_at: report.at,
         finished_at: Some(report.at),
+        spend: report
+            .spent
+            .as_ref()
+            .map(|s| serde_json::to_string(s).unwrap_or_default()),
     }
 }

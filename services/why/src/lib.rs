@@ -1054,6 +1054,7 @@ edges:
         let s = state.clone().expect("state");
         let prepare = &s.steps["prepare#1"];
         let done = Input::StepReport(StepReport {
+            spent: None,
             operation_id: prepare.operation_id.clone(),
             attempt: 1,
             tenant: "acme".into(),

@@ -198,6 +198,9 @@ pub struct StepResult {
     pub executor: String,
     pub started_at: Millis,
     pub finished_at: Option<Millis>,
+    /// A child run's spend, in its report to its parent (JSON); `None` from executors.
+    #[serde(default)]
+    pub spend: Option<String>,
 }
 
 impl Record for StepResult {
@@ -263,6 +266,23 @@ pub enum EventBody {
     SignalReceived(SignalReceived),
     SignalBuffered(SignalBuffered),
     SignalWaitExpired(SignalWaitExpired),
+    BudgetReserved(BudgetReserved),
+    BudgetSettled(BudgetSettled),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetReserved {
+    pub step_id: String,
+    pub child_run_id: String,
+    /// JSON.
+    pub limits: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetSettled {
+    pub step_id: String,
+    /// JSON.
+    pub spent: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

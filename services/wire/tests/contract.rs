@@ -264,6 +264,7 @@ fn intents_results_states_graphs_and_dead_letters_round_trip() {
         StepStatus::Unknown,
     ] {
         round_trip(StepResult {
+            spend: None,
             operation_id: "op-1".into(),
             attempt: 1,
             tenant: "acme".into(),
@@ -482,6 +483,15 @@ fn every_event_kind_round_trips() {
         EventBody::SignalWaitExpired(sortie_wire::records::SignalWaitExpired {
             step_id: "delivered#1".into(),
             on_timeout: "goto".into(),
+        }),
+        EventBody::BudgetReserved(sortie_wire::records::BudgetReserved {
+            step_id: "research#1".into(),
+            child_run_id: "sub_0123".into(),
+            limits: r#"{"tokens":1000}"#.into(),
+        }),
+        EventBody::BudgetSettled(sortie_wire::records::BudgetSettled {
+            step_id: "research#1".into(),
+            spent: r#"{"prompt_tokens":400,"completion_tokens":100,"cost_usd":0.05,"llm_calls":1,"tool_calls":0}"#.into(),
         }),
     ];
     let schema: Json = serde_json::from_str(RecordKind::RunEvent.schema_text()).expect("json");

@@ -7,6 +7,7 @@ use super::*;
 /// A successful result for an intent, echoing its args as output.
 pub fn succeed(intent: &w::StepIntent) -> Option<w::StepResult> {
     Some(w::StepResult {
+        spend: None,
         operation_id: intent.operation_id.clone(),
         attempt: intent.attempt,
         tenant: intent.tenant.clone(),

@@ -73,6 +73,8 @@ pub(crate) fn advance(ctx: &mut Ctx<'_>) {
         super::budget::Verdict::Go => {}
         super::budget::Verdict::Hold => return hold(ctx),
     }
+    ctx.children_to_start = proposals.iter().filter(|p| p.node.run.is_some()).count() as u64;
+    ctx.requests_to_dispatch = new_tool_calls;
     for p in proposals {
         if p.opens_turn {
             super::converse::open(ctx, p.node, p.step_id);

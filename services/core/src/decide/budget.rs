@@ -37,7 +37,9 @@ pub(crate) fn check(ctx: &mut Ctx<'_>, proposals: usize, new_tool_calls: u64) ->
         return Verdict::Go;
     }
     let elapsed = ctx.at - run.created_at;
-    let Some(what) = budget::exceeded(limits, &run.spend, new_tool_calls, elapsed) else {
+    // What children in flight hold counts as spent until they end.
+    let held = run.spend.with_reserved(run.reserved.values());
+    let Some(what) = budget::exceeded(limits, &held, new_tool_calls, elapsed) else {
         return Verdict::Go;
     };
     let Some(graph) = ctx.graph() else {

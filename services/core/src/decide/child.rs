@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use super::Ctx;
 use crate::{
+    budget::Budget,
     event::EventBody,
     input::{Command, CommandBody, StepOutcome, StepReport},
     status::RunStatus,
@@ -30,20 +31,64 @@ impl Ctx<'_> {
             attempt,
         };
         let child_id = link.child_id(&self.tenant);
+        let budget = self.reserve_for_child(child, step_id, &child_id);
         let body = CommandBody::StartRun {
             graph_id: child.graph.clone(),
             graph_version: child.version,
             input: input.clone(),
             labels: Default::default(),
-            budget: self
-                .run()
-                .budget
-                .as_ref()
-                .map(|b| b.remaining(&self.run().spend)),
+            budget,
             fork: None,
             parent: Some(link),
         };
         self.send_child("start", child_id, body);
+    }
+
+    /// The budget a child started now gets, set aside (`BudgetReserved`) until it ends:
+    /// the node's `run.budget` capped by what this run has left — its limits less what it
+    /// spent and what its other children in flight hold — or else an equal share of what
+    /// is left among the children this plan starts, so children started together never
+    /// exceed what the run had left. A run without a budget reserves nothing (its child
+    /// gets the node's `run.budget`, if any).
+    fn reserve_for_child(
+        &mut self,
+        child: &crate::child::ChildRun,
+        step_id: &str,
+        child_id: &str,
+    ) -> Option<Budget> {
+        let parts = self.children_to_start.max(1);
+        self.children_to_start = self.children_to_start.saturating_sub(1);
+        let run = self.run();
+        let Some(budget) = run.budget.as_ref() else {
+            // A run without a budget holds nothing back: the node's own cap, if any.
+            return child.budget.clone().map(|limits| Budget {
+                limits,
+                prices: Default::default(),
+            });
+        };
+        let mut held = run.spend.with_reserved(run.reserved.values());
+        // The plan's requested steps not dispatched yet (this one among them) are tool
+        // calls the run will have made.
+        held.tool_calls = held.tool_calls.saturating_add(self.requests_to_dispatch);
+        let left = budget.remaining(&held);
+        let even = left.limits.share(parts);
+        let limits = match &child.budget {
+            Some(asked) => asked.capped_by(&left.limits),
+            None => even,
+        };
+        let share = Budget {
+            limits,
+            prices: left.prices,
+        };
+        self.emit(
+            EventBody::BudgetReserved {
+                step_id: step_id.to_owned(),
+                child_run_id: child_id.to_owned(),
+                limits: share.limits.clone(),
+            },
+            None,
+        );
+        Some(share)
     }
 
     /// A command from this run to its child `child_id`, under the derived command id
@@ -79,6 +124,32 @@ impl Ctx<'_> {
         }
     }
 
+    /// Forgets every child this run started (it was forgotten itself: `reason`): each
+    /// attempt's child is sent a `ForgetRun`, whose id is derived, so a re-fold sends the
+    /// same one. A run is forgotten only once it ended, and it ends only after each of
+    /// its children reported its end, so every child has ended too. (An attempt whose
+    /// start was refused has no run: its `ForgetRun` is answered `unknown_run`.)
+    pub(crate) fn forget_children(&mut self, reason: &str) {
+        let children: Vec<String> = self
+            .run()
+            .steps
+            .values()
+            .filter(|s| s.tool == crate::child::CHILD_TOOL)
+            .flat_map(|s| {
+                (1..=s.attempt).map(|attempt| {
+                    crate::child::child_run_id(&self.tenant, &self.run_id, &s.operation_id, attempt)
+                })
+            })
+            .collect();
+        for child_id in children {
+            let reason = Some(format!(
+                "its parent run {} was forgotten: {reason}",
+                self.run_id
+            ));
+            self.send_child("forget", child_id, CommandBody::ForgetRun { reason });
+        }
+    }
+
     /// A child's start that was refused (no run began) fails its parent's step for good,
     /// with the refusal's code and reason: a parent never waits on a child that will not
     /// run. Only for a link that derives the start's run id: a forged one names no parent.
@@ -105,6 +176,7 @@ impl Ctx<'_> {
             return;
         };
         self.reports.push(StepReport {
+            spent: None,
             operation_id: parent.operation_id.clone(),
             attempt: parent.attempt,
             tenant: command.tenant.clone(),
@@ -147,6 +219,7 @@ impl Ctx<'_> {
             }
         };
         self.reports.push(StepReport {
+            spent: Some(run.spend.clone()),
             operation_id: parent.operation_id,
             attempt: parent.attempt,
             tenant: self.tenant.clone(),

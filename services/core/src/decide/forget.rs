@@ -4,11 +4,14 @@
 //! payloads from the state, tombstones the step results and records who asked, so the
 //! gateway, the reducer and the views agree the run is forgotten. Needs the operator role;
 //! a run still going is refused (cancel it first: forgetting must not race its steps).
+//! A run's children are forgotten with it (each sent a `ForgetRun` from the run, which a
+//! child takes from its parent only), so a child is never forgotten before its parent.
 
 use super::{reconcile::OPERATOR_ROLE, Ctx};
 use crate::{
     event::EventBody,
     input::{Command, CommandBody},
+    limits::shown_id,
 };
 
 pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
@@ -22,7 +25,22 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
             format!("run {} does not exist", command.run_id),
         );
     };
-    if !command.roles.iter().any(|r| r == OPERATOR_ROLE) {
+    // A child run is forgotten with its parent, by its parent, never before it.
+    let from_parent = match &run.parent {
+        Some(parent) => {
+            if command.principal != format!("{}{}", crate::child::PARENT_PRINCIPAL, parent.run_id) {
+                let reason = format!(
+                    "run {} is a child of run {}: it is forgotten with its parent; delete the parent",
+                    shown_id(&command.run_id),
+                    shown_id(&parent.run_id)
+                );
+                return ctx.reject(command, "bad_state", reason);
+            }
+            true
+        }
+        None => false,
+    };
+    if !from_parent && !command.roles.iter().any(|r| r == OPERATOR_ROLE) {
         return ctx.reject(
             command,
             "forbidden",
@@ -45,5 +63,11 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         Some(reason) if !reason.trim().is_empty() => format!("deleted: {reason}"),
         _ => format!("deleted by {}", command.principal),
     };
-    ctx.emit(EventBody::RunForgotten { reason }, None);
+    ctx.emit(
+        EventBody::RunForgotten {
+            reason: reason.clone(),
+        },
+        None,
+    );
+    ctx.forget_children(&reason);
 }

@@ -200,6 +200,7 @@ fn over_limit(
         if matches!(report.outcome, StepOutcome::Succeeded { .. }) {
             // The output cannot be kept: the step failed, and its node's policy decides.
             let failed = Input::StepReport(StepReport {
+                spent: None,
                 outcome: StepOutcome::Failed {
                     retryable: false,
                     code: "too_large".into(),
@@ -359,6 +360,12 @@ pub(crate) struct Ctx<'g> {
     /// A wait opened during this input and took every signal it wanted from those kept
     /// for it: `advance` plans again.
     pub(crate) wait_satisfied: bool,
+    /// Child runs still to start in the plan being proposed: the budget left is shared
+    /// among them ([`Ctx::start_child`]).
+    pub(crate) children_to_start: u64,
+    /// Agent-requested steps of that plan not dispatched yet: each will be a tool call,
+    /// so a child's share leaves room for them.
+    pub(crate) requests_to_dispatch: u64,
 }
 
 impl<'g> Ctx<'g> {
@@ -385,6 +392,8 @@ impl<'g> Ctx<'g> {
             commands: Vec::new(),
             reports: Vec::new(),
             wait_satisfied: false,
+            children_to_start: 0,
+            requests_to_dispatch: 0,
         }
     }
 
@@ -532,11 +541,12 @@ impl<'g> Ctx<'g> {
         if !current.can_become(status) {
             return;
         }
-        // A finished run of a graph with a retention is forgotten that long after.
+        // A finished run of a graph with a retention is forgotten that long after; a
+        // child run with its parent.
         let forget_at = self
             .graph()
             .and_then(|g| g.retention)
-            .filter(|_| status.is_terminal())
+            .filter(|_| status.is_terminal() && self.run().parent.is_none())
             .map(|retention| self.at.saturating_add(retention.0));
         self.emit(
             EventBody::RunStatusChanged {
@@ -665,7 +675,11 @@ impl<'g> Ctx<'g> {
         let timeout_at = node.timeout.map(|t| self.at + t.0);
         if let Some(child) = &node.run {
             self.start_child(child, &step_id, &operation_id, attempt, &args);
-        } else {
+        }
+        if attempt == 1 && matches!(role, StepRole::Requested { .. }) {
+            self.requests_to_dispatch = self.requests_to_dispatch.saturating_sub(1);
+        }
+        if node.run.is_none() {
             self.intents.push(Intent {
                 operation_id: operation_id.clone(),
                 attempt,

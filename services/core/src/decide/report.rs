@@ -34,6 +34,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, report: &StepReport) -> Result<(), &'sta
     if !step.status.is_in_flight() && !late_but_definite {
         return Err("step already settled");
     }
+    settle_child(ctx, &step, report);
     match &report.outcome {
         StepOutcome::Started => {
             if step.status == StepStatus::Started {
@@ -170,4 +171,30 @@ pub(crate) fn unknown(ctx: &mut Ctx<'_>, step: &Step, message: String, timed_out
             );
         }
     }
+}
+
+/// A child run's end (its report to the step that started it): the budget set aside for
+/// it is released and what it spent is charged (`BudgetSettled`). A report without a
+/// spend is a start the child's fold refused (nothing ran); a spend out of bounds is
+/// charged as the whole share, the most the child could have spent. (A run started before
+/// reservations has none to settle.)
+fn settle_child(ctx: &mut Ctx<'_>, step: &Step, report: &StepReport) {
+    if step.tool != crate::child::CHILD_TOOL || matches!(report.outcome, StepOutcome::Started) {
+        return;
+    }
+    let Some(share) = ctx.run().reserved.get(&step.step_id) else {
+        return;
+    };
+    let spent = match &report.spent {
+        None => crate::budget::Spend::default(),
+        Some(spent) if spent.check().is_ok() => spent.clone(),
+        Some(_) => crate::budget::Spend::default().with_reserved([share]),
+    };
+    ctx.emit(
+        EventBody::BudgetSettled {
+            step_id: step.step_id.clone(),
+            spent,
+        },
+        Some(step.operation_id.clone()),
+    );
 }

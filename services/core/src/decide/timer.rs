@@ -138,5 +138,6 @@ fn forget(ctx: &mut Ctx<'_>) -> Result<(), &'static str> {
         },
         None,
     );
+    ctx.forget_children("retention");
     Ok(())
 }

@@ -626,6 +626,9 @@ impl Graph {
             }
             return;
         };
+        if let Some(Err(why)) = child.budget.as_ref().map(|b| b.check()) {
+            problem(Some(&node.id), format!("run.budget: {why}"));
+        }
         if !valid_id(&child.graph) {
             problem(
                 Some(id),

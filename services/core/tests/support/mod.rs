@@ -284,6 +284,14 @@ pub fn summary(event: &Event) -> String {
             step_id,
             on_timeout,
         } => format!("SignalWaitExpired {step_id} {on_timeout}"),
+        EventBody::BudgetReserved {
+            step_id,
+            child_run_id,
+            ..
+        } => format!("BudgetReserved {step_id} {child_run_id}"),
+        EventBody::BudgetSettled { step_id, spent } => {
+            format!("BudgetSettled {step_id} {}", spent.tokens())
+        }
     }
 }
 
@@ -425,6 +433,7 @@ fn inputs(s: &Scenario, n: usize, step: &Step, state: Option<&RunState>) -> Vec<
             other => panic!("unknown outcome {other}"),
         };
         return vec![Input::StepReport(StepReport {
+            spent: None,
             operation_id: st
                 .map(|x| x.operation_id.clone())
                 .unwrap_or_else(|| "op_missing".into()),

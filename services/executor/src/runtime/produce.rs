@@ -48,6 +48,7 @@ impl Worker {
         started_at: i64,
     ) -> w::StepResult {
         w::StepResult {
+            spend: None,
             operation_id: intent.operation_id.clone(),
             attempt: intent.attempt,
             tenant: intent.tenant.clone(),

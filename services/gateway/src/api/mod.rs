@@ -622,7 +622,8 @@ struct DeleteQuery {
 /// every topic, in every retained segment and backup, no longer open anywhere — then a
 /// `ForgetRun` drops them from its state and tombstones its step results, as when a
 /// retention passes. Its history (ids, statuses, hashes) stays, and still verifies.
-/// Needs the operator role; a run still going is 409 (cancel it first). Idempotent.
+/// Needs the operator role; a run still going is 409 (cancel it first), and so is a child
+/// run (it is forgotten with its parent, which sends it a `ForgetRun`). Idempotent.
 async fn delete_run(
     State(app): State<AppState>,
     caller: Caller,
@@ -641,6 +642,17 @@ async fn delete_run(
             format!(
                 "run {run_id} is {}; cancel it before deleting it",
                 run.state.status.as_str()
+            ),
+        ));
+    }
+    // Refused before its key is destroyed: a child is forgotten with its parent.
+    if let Some(parent) = &run.state.parent {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "bad_state",
+            format!(
+                "run {run_id} is a child of run {}: it is forgotten with its parent; delete the parent",
+                parent.run_id
             ),
         ));
     }
