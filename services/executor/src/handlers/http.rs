@@ -59,7 +59,7 @@ impl StepHandler for Http {
             request = request.header(name, value);
         }
         match request.send().await {
-            Ok(response) => classify(response).await,
+            Ok(response) => classify(response, call.side_effect).await,
             Err(error) => Err(transport_error(&error)),
         }
     }
@@ -192,6 +192,37 @@ mod tests {
                 StatusCode::OK.into_response()
             }
         }
+    }
+
+    /// A receiver that answers 200 and never stops writing (a hostile or broken one): the
+    /// step fails `answer_too_large` once the body passes the cap — for good for a `keyed`
+    /// call, unknown for an `unsafe` one (it happened) — and the rest is never read. Seen
+    /// red: with the cap skipped (and a 1 s timeout, so the machine survives it), the
+    /// body was read until the timeout cut it, `body_lost`.
+    #[tokio::test]
+    async fn an_endless_answer_is_cut_at_the_cap() {
+        async fn endless() -> impl IntoResponse {
+            let chunk = axum::body::Bytes::from(vec![b'x'; 1 << 20]);
+            let stream =
+                futures::stream::repeat_with(move || Ok::<_, std::io::Error>(chunk.clone()));
+            axum::body::Body::from_stream(stream)
+        }
+        let base = serve(Router::new().route("/endless", post(endless))).await;
+        let config = serde_json::json!({"url": format!("{base}/endless")});
+        let mut keyed = call(config, Duration::from_secs(60));
+        let error = Http::new(crate::handlers::http_client())
+            .call(&keyed)
+            .await
+            .expect_err("refused");
+        assert_eq!(error.code(), "answer_too_large");
+        assert!(!error.is_retryable());
+        assert!(!matches!(error, HandlerError::Unknown { .. }));
+        keyed.side_effect = SideEffectClass::Unsafe;
+        let error = Http::new(crate::handlers::http_client())
+            .call(&keyed)
+            .await
+            .expect_err("refused");
+        assert!(matches!(error, HandlerError::Unknown { .. }), "{error:?}");
     }
 
     #[tokio::test]

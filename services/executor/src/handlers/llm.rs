@@ -114,7 +114,7 @@ impl StepHandler for Llm {
             };
         }
         let response = match request.send().await {
-            Ok(response) => classify(response).await?,
+            Ok(response) => classify(response, call.side_effect).await?,
             Err(error) => return Err(transport_error(&error)),
         };
         if anthropic {

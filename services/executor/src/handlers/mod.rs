@@ -59,11 +59,45 @@ fn transport_error(error: &reqwest::Error) -> HandlerError {
     }
 }
 
+/// The most of a successful answer's body an `http` or `llm` step reads: a receiver that
+/// answers without end must not grow the executor (every tenant's calls on its queue run
+/// in it). An answer this large is stored by reference, if kept at all.
+pub const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
+/// The most of a failed answer's body read (its message keeps 500 characters).
+const MAX_ERROR_BYTES: usize = 64 * 1024;
+
+/// Why a body was not read whole.
+enum Unread {
+    /// It was longer than the cap.
+    TooLarge,
+    Lost(reqwest::Error),
+}
+
+/// Reads at most `max` bytes of `response`'s body, chunk by chunk: a longer body is
+/// refused as soon as it passes the cap, without reading the rest.
+async fn read_capped(mut response: reqwest::Response, max: usize) -> Result<Vec<u8>, Unread> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(Unread::Lost)? {
+        if body.len() + chunk.len() > max {
+            return Err(Unread::TooLarge);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 /// A response's status, classified: 2xx is `Ok(body)` (JSON when it parses), 429 and 5xx
 /// are retryable failures (429 with its `Retry-After`), other statuses are permanent.
 /// A body that cannot be read after a 2xx is an unknown outcome: the receiver acted but
-/// its answer is lost.
-async fn classify(response: reqwest::Response) -> Result<Value, HandlerError> {
+/// its answer is lost. A 2xx body over [`MAX_ANSWER_BYTES`] is not read on: the step
+/// fails `answer_too_large`, for good where the call may be made again (`pure`,
+/// `idempotent`, `keyed`) and as an unknown outcome where it happened and must not be
+/// repeated blindly (`reconcilable`, `unsafe`), as an output past the record's shape is.
+async fn classify(
+    response: reqwest::Response,
+    class: sortie_wire::records::SideEffectClass,
+) -> Result<Value, HandlerError> {
+    use sortie_wire::records::SideEffectClass;
     let status = response.status();
     let retry_after = response
         .headers()
@@ -71,18 +105,43 @@ async fn classify(response: reqwest::Response) -> Result<Value, HandlerError> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(Duration::from_secs);
-    let body = response.text().await;
+    let max = if status.is_success() {
+        MAX_ANSWER_BYTES
+    } else {
+        MAX_ERROR_BYTES
+    };
+    let body = read_capped(response, max).await;
     if status.is_success() {
-        let text = body.map_err(|e| {
-            HandlerError::unknown(
-                "body_lost",
-                format!("the receiver answered {status} but its body was lost: {e}"),
-            )
-        })?;
+        let bytes = match body {
+            Ok(bytes) => bytes,
+            Err(Unread::Lost(e)) => {
+                return Err(HandlerError::unknown(
+                    "body_lost",
+                    format!("the receiver answered {status} but its body was lost: {e}"),
+                ))
+            }
+            Err(Unread::TooLarge) => {
+                let message = format!(
+                    "the receiver answered {status} with a body over {MAX_ANSWER_BYTES} bytes; it was not read"
+                );
+                return Err(match class {
+                    SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+                        HandlerError::unknown("answer_too_large", message)
+                    }
+                    _ => HandlerError::permanent("answer_too_large", message),
+                });
+            }
+        };
+        let text = String::from_utf8_lossy(&bytes);
         return Ok(serde_json::from_str(&text)
             .unwrap_or_else(|_| serde_json::json!({"status": status.as_u16(), "body": text})));
     }
-    let text = body.unwrap_or_default();
+    // A failure's body is read for its message only: what a longer one holds is cut.
+    let text = match body {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(Unread::TooLarge) => "(a body over 64 KiB, not read)".to_owned(),
+        Err(Unread::Lost(_)) => String::new(),
+    };
     let message = format!("{status}: {}", truncate(&text, 500));
     Err(if status.as_u16() == 429 {
         HandlerError::Retryable {
