@@ -47,9 +47,19 @@ pub const BUDGET_NODE: &str = "$budget";
 /// The tool whose outputs are charged: the built-in chat-completions handler.
 pub const LLM_TOOL: &str = "llm";
 
-/// The spend rules new runs are folded with (`RunStarted.rules`): 0 — histories written
-/// before the field — charges usage from any output; 1 charges `llm` steps only.
-pub const RULES: u32 = 1;
+/// The rules new runs are decided and folded with (`RunStarted.rules`): 0 — histories
+/// written before the field — charges usage from any output; 1 charges `llm` steps only;
+/// 2 also arms a step timer of [`GUARDED_TIMEOUT`] for an `unsafe` or `reconcilable` step
+/// whose node sets no `timeout` (see `decide`), so an attempt whose executor died after
+/// its pre-call commit never holds its run for good. A run keeps the rules it started
+/// with: an older run's next decisions are made as they always were.
+pub const RULES: u32 = 2;
+
+/// The step timer of an `unsafe` or `reconcilable` step whose node sets no `timeout`
+/// (rules 2): past it, an attempt not heard of is an unknown outcome (an operator, or a
+/// status lookup, settles it). Longer than any executor's default call timeout should be:
+/// a guarded call that may legitimately run longer sets its own `timeout`.
+pub const GUARDED_TIMEOUT: crate::duration::Millis = crate::duration::Millis(15 * 60 * 1000);
 
 /// Most prompt (or completion) tokens one model call may report: far past any model's
 /// context, small enough that no sum of a run's calls comes near `u64`.

@@ -672,7 +672,16 @@ impl<'g> Ctx<'g> {
         let Some(graph) = self.graph() else { return };
         let operation_id =
             ids::operation_id(&self.tenant, &self.run_id, &step_id, &node.tool, &args);
-        let timeout_at = node.timeout.map(|t| self.at + t.0);
+        // A guarded step always has a timer (rules 2): its pre-call commit means a lost
+        // attempt is never redelivered, so only the timer notices it.
+        let guarded = matches!(
+            node.side_effect,
+            crate::SideEffect::Unsafe | crate::SideEffect::Reconcilable
+        );
+        let timeout = node.timeout.or_else(|| {
+            (guarded && self.run().rules >= 2).then_some(crate::budget::GUARDED_TIMEOUT)
+        });
+        let timeout_at = timeout.map(|t| self.at + t.0);
         if let Some(child) = &node.run {
             self.start_child(child, &step_id, &operation_id, attempt, &args);
         }
