@@ -17,10 +17,16 @@
 //!   the parent's partition is SIGKILLed and the child's signal sent at once, so the
 //!   child's end reaches a partition that is changing hands; the parent takes it once
 //!   and calls the ledger once after it.
+//! - `audit_why_follows_a_child_to_the_parent_step_that_started_it_and_back`: `sortie
+//!   audit why` on an operation of a child run verifies its `parent` link (the id the
+//!   link derives, the start issued as the parent and signed by the reducer's key, the
+//!   parent's dispatch of that operation read from the parent's history) and prints the
+//!   command that follows it upward; on the parent's operation, its `child` link names
+//!   the child; the gateway answers the same over HTTP from its view.
 
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 use sortie_core::{EventBody, RunState, RunStatus};
 use sortie_tests::stack::{check_history, command, start_run, Stack};
 use sortie_wire::records as w;
@@ -344,4 +350,172 @@ async fn a_child_that_ends_while_its_parents_reducer_dies_reports_once() {
             after.args
         );
     }
+}
+
+/// A parent that starts one researcher.
+const SOLO: &str = r#"
+id: solo
+version: 1
+nodes:
+  - {id: delegate, run: {graph: researcher}, args: {topic: tides}}
+"#;
+
+/// `sortie audit why <operation> --json` on this stack: whether it exited 0, the chain,
+/// and its stderr.
+async fn audit_why(stack: &Stack, operation: &str, extra: &[&str]) -> (bool, Value, String) {
+    let output = tokio::process::Command::new(sortie_tests::stack::sortie_bin())
+        .args([
+            "audit",
+            "why",
+            operation,
+            "--json",
+            "--bootstrap-servers",
+            &stack.bootstrap,
+            "--registry-url",
+            &stack.registry.url,
+            "--prefix",
+            &stack.prefix,
+        ])
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run sortie audit why");
+    (
+        output.status.success(),
+        serde_json::from_slice(&output.stdout).unwrap_or(Value::Null),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+fn why_link<'a>(chain: &'a Value, name: &str) -> &'a Value {
+    chain["links"]
+        .as_array()
+        .and_then(|links| links.iter().find(|l| l["link"] == name))
+        .unwrap_or(&Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_why_follows_a_child_to_the_parent_step_that_started_it_and_back() {
+    let stack = Stack::start("children-why", &[SOLO]).await;
+    let ledger = stack.ledger_process("ledger", "keyed").await;
+    stack.publish(&researcher(&ledger.url)).await;
+    let service = Signer::generate("svc-test").expect("key");
+    let reducer_key = Signer::generate("reducer").expect("key");
+    let acme = ["acme".to_owned()];
+    let keyring = stack.write_keyring(&[
+        service.entry(
+            "svc:test",
+            &acme,
+            &["approver".into(), "operator".into()],
+            false,
+        ),
+        reducer_key.entry("reducer", &acme, &[], true),
+    ]);
+    let ring = keyring.to_str().expect("path").to_owned();
+    let key_file = stack.dir.join("reducer.key");
+    std::fs::write(&key_file, reducer_key.to_file()).expect("key file");
+    let _reducer = stack.reducer_with(
+        "0",
+        &[
+            "--keyring",
+            &ring,
+            "--require-signatures",
+            "--signing-key",
+            key_file.to_str().expect("path"),
+        ],
+    );
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    let run = "solo-1".to_owned();
+    stack
+        .send_signed(&start_run(&run, "solo", "{}"), &service)
+        .await;
+    let states = stack
+        .wait_for_states("the parent ends", std::slice::from_ref(&run), LONG, |s| {
+            s.status.is_terminal()
+        })
+        .await;
+    assert_eq!(
+        states[&run].status,
+        RunStatus::Succeeded,
+        "{:?}",
+        states[&run]
+    );
+    let child = children_of(&states, &run)[0].clone();
+    let search = child
+        .steps
+        .values()
+        .next()
+        .expect("a step")
+        .operation_id
+        .clone();
+    let delegate = states[&run]
+        .steps
+        .values()
+        .next()
+        .expect("a step")
+        .operation_id
+        .clone();
+
+    // The child's operation: every link holds, the parent's among them.
+    let (ok, chain, stderr) = audit_why(
+        &stack,
+        &search,
+        &["--run", &child.run_id, "--keyring", &ring],
+    )
+    .await;
+    assert!(ok, "{stderr}\n{chain:#}");
+    let parent = why_link(&chain, "parent");
+    assert_eq!(parent["status"], "verified", "{chain:#}");
+    let facts = &parent["facts"];
+    assert_eq!(facts["run_id"], json!(run));
+    assert_eq!(facts["operation_id"], json!(delegate));
+    assert_eq!(facts["derived_run_id"], json!(child.run_id));
+    assert_eq!(facts["started_by"], "run:solo-1");
+    assert_eq!(facts["start_command"]["key_id"], "reducer", "{chain:#}");
+    assert!(
+        facts["start_command"]["record"]["offset"].is_i64(),
+        "{chain:#}"
+    );
+    assert_eq!(facts["dispatch"]["tool"], "$run");
+    let follow = format!("sortie audit why {delegate} --run {run}");
+    assert_eq!(facts["follow"], json!(follow));
+
+    // Followed upward: the parent's operation names the child.
+    let (ok, chain, stderr) =
+        audit_why(&stack, &delegate, &["--run", &run, "--keyring", &ring]).await;
+    assert!(ok, "{stderr}\n{chain:#}");
+    let down = why_link(&chain, "child");
+    assert_eq!(down["status"], "verified", "{chain:#}");
+    assert_eq!(down["facts"]["runs"][0]["run_id"], json!(child.run_id));
+    assert!(why_link(&chain, "parent").is_null());
+
+    // The gateway answers the same, the parent's history read from its view.
+    let (_gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            &["acme:user:auditor::tok-auditor"],
+            &["--keyring", &ring],
+        )
+        .await;
+    let over_http: Value = sortie_tests::wait_for("the gateway's chain", LONG, || async {
+        let answer = reqwest::Client::new()
+            .get(format!(
+                "{url}/v1/runs/{}/operations/{search}/why",
+                child.run_id
+            ))
+            .bearer_auth("tok-auditor")
+            .send()
+            .await
+            .ok()?;
+        if answer.status().as_u16() != 200 {
+            return None;
+        }
+        let chain: Value = answer.json().await.ok()?;
+        (why_link(&chain, "parent")["facts"]["dispatch"] != Value::Null).then_some(chain)
+    })
+    .await;
+    assert_eq!(over_http["verified"], true, "{over_http:#}");
+    assert_eq!(why_link(&over_http, "parent")["status"], "verified");
+    assert_eq!(ledger.snapshot().await.effects(&search), 1);
 }

@@ -18,7 +18,9 @@ enum Sub {
     Replay(Replay),
     /// Why did this side effect happen? The authorization chain of one operation, each
     /// link verified: the effect, its step and arguments, the signed approvals that
-    /// released it, the proposal, the model's tool call, the signed graph version. Exits
+    /// released it, the proposal, the model's tool call, the signed graph version; the
+    /// child run a `$run` operation started, and for an operation of a child run the
+    /// parent's step that started it (with the command that follows it upward). Exits
     /// non-zero when a link is broken or cannot be checked.
     Why(WhyArgs),
 }
@@ -162,17 +164,29 @@ async fn why(args: WhyArgs) -> anyhow::Result<()> {
         .map(sortie_wire::signing::Keyring::load)
         .transpose()?;
     let operation = args.operation_id.clone();
-    let work = tokio::task::spawn_blocking(move || {
-        audit::why(
+    let work = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let found = audit::why(
             &kafka,
             &topics,
-            codec,
+            codec.clone(),
             &runtime,
             &operation,
             args.run.as_deref(),
             keyring.as_ref(),
             keys.as_ref(),
-        )
+        )?;
+        let Some(mut found) = found else {
+            return Ok(None);
+        };
+        // An operation of a child run: the parent's history (none: no such run) completes
+        // the `parent` link.
+        if let Some(parent) = found.chain.parent().map(|p| p.run_id.clone()) {
+            let histories = audit::histories(&kafka, &topics, &codec, &runtime)?;
+            found
+                .chain
+                .check_parent(histories.get(&parent).map_or(&[][..], Vec::as_slice));
+        }
+        Ok(Some(found))
     });
     let found =
         crate::progress::during("audit why: reading the history, graphs and commands", work)

@@ -321,9 +321,15 @@ fn input_of(state: Option<&RunState>, group: &[Event], graphs: &Graphs) -> Optio
         }));
     }
     let state = state?;
+    // A child's end opens its version with the settlement of its budget: the report is
+    // the step event after it, with the spend it charged.
+    let (first, spent) = match &first.body {
+        EventBody::BudgetSettled { spent, .. } => (group.get(1)?, Some(spent.clone())),
+        _ => (first, None),
+    };
     let report = |step_id: &str, attempt: u32, outcome: StepOutcome| {
         Some(Input::StepReport(StepReport {
-            spent: None,
+            spent: spent.clone(),
             operation_id: first.operation_id.clone()?,
             attempt,
             tenant: first.tenant.clone(),

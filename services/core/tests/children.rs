@@ -342,11 +342,22 @@ fn a_child_id_is_taken_only_as_its_parent_derives_it() {
         "c2",
         child_start("researcher", json!({}), Some(forged.clone())),
     );
-    // A graph that limits who starts its runs cannot be a child.
+    // A graph that limits who starts its runs cannot be a child (even from its parent).
     world.command(
         &forged.child_id("acme"),
         "c3",
-        child_start("locked", json!({}), Some(forged)),
+        child_start("locked", json!({}), Some(forged.clone())),
+    );
+    if let Some(Input::Command(c)) = world.queue.back_mut() {
+        c.principal = "run:run_p".into();
+    }
+    // The id its link derives, taken by anyone but the parent run: an operation id can be
+    // computed ahead from the arguments, so only the parent may start its child. Seen red:
+    // before the principal check in `child_refusal`, this start was accepted.
+    world.command(
+        &forged.child_id("acme"),
+        "c4",
+        child_start("researcher", json!({}), Some(forged)),
     );
     let events = world.settle();
     let codes: Vec<&str> = events
@@ -356,7 +367,14 @@ fn a_child_id_is_taken_only_as_its_parent_derives_it() {
             _ => None,
         })
         .collect();
-    assert_eq!(codes, ["bad_run_id", "bad_run_id", "forbidden"]);
+    assert_eq!(
+        codes,
+        ["bad_run_id", "bad_run_id", "forbidden", "forbidden"]
+    );
+    assert!(
+        events.iter().any(|e| matches!(&e.body,
+        EventBody::CommandRejected { reason, .. } if reason.contains("started by its parent run")))
+    );
     assert!(world.runs.is_empty());
 }
 

@@ -170,10 +170,7 @@ fn a_run_under_older_rules_decides_as_it_did() {
             _ => None,
         })
         .collect();
-    let older = events
-        .iter()
-        .fold(None, evolve)
-        .unwrap();
+    let older = events.iter().fold(None, evolve).unwrap();
     assert_eq!(older.rules, 1);
     let done = Input::StepReport(StepReport {
         spent: None,

@@ -2,7 +2,9 @@
 //! side effect (`sortie_why`), each link verified — from the view's history of the run
 //! (its hashes checked again over the sealed form), the graph table (read with the
 //! keyring: the publisher's signature), and the commands that carried the approvals,
-//! looked up on `sortie.commands` and checked against the keyring (`--keyring`).
+//! looked up on `sortie.commands` and checked against the keyring (`--keyring`). For an
+//! operation of a child run, the parent's history in the view completes the `parent`
+//! link (the parent dispatched the operation that started the child).
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -42,7 +44,7 @@ pub(crate) async fn why(
     let topic = sortie_wire::Topics::new(app.config().prefix.clone()).commands();
     let (codec, partitions) = app.codec();
     let runtime = tokio::runtime::Handle::current();
-    let chain = tokio::task::spawn_blocking(move || {
+    let mut chain = tokio::task::spawn_blocking(move || {
         let mut commands =
             sortie_why::KafkaCommands::open(&kafka, topic, partitions, codec, runtime)?;
         Ok::<_, String>(sortie_why::why(sortie_why::Inputs {
@@ -80,9 +82,30 @@ pub(crate) async fn why(
             ),
         ));
     }
+    if let Some(parent) = chain.parent().map(|p| p.run_id.clone()) {
+        if let Some(history) = parent_history(&app, &caller, &parent) {
+            chain.check_parent(&history);
+        }
+    }
     serde_json::to_value(&chain)
         .map(Json)
         .map_err(|e| ApiError::internal(e.to_string()))
+}
+
+/// The history of a child's parent run as the view holds it: empty when the view holds
+/// no such run of the caller's tenant (the `parent` link is then broken: no run of the
+/// tenant started the child), `None` when it cannot be read now (the link stays
+/// unchecked).
+fn parent_history(
+    app: &AppState,
+    caller: &Caller,
+    run_id: &str,
+) -> Option<Vec<sortie_core::Event>> {
+    match app.view().store.run(run_id) {
+        Ok(Some(run)) if run.state.tenant == caller.tenant => history(app, run_id).ok(),
+        Ok(_) => Some(Vec::new()),
+        Err(_) => None,
+    }
 }
 
 /// A client's id as an error shows it: at most 64 characters.

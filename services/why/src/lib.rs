@@ -16,7 +16,15 @@
 //! 5. **proposal** — what the approvers saw, its hash recomputed;
 //! 6. **request** — for a step an agent asked for, the model's answer (the asking step's
 //!    output, its hash) and the tool call in it that names this node with these
-//!    arguments.
+//!    arguments;
+//! 7. **child** — for an operation that starts a child run (tool `$run`), the child run
+//!    each attempt started, its id derived, to follow the chain downward;
+//! 8. **parent** — for any operation of a child run, the parent's run, step, operation
+//!    and attempt that started the child: the child's id derived from them, its start
+//!    issued as the parent and signed, and (given the parent's history,
+//!    [`Chain::check_parent`]) the parent's dispatch of that operation as a child run;
+//!    with the command that follows the chain upward (`sortie audit why <op> --run
+//!    <parent>`). See [`family`].
 //!
 //! A link is `verified`, `broken` (named, with why) or `unchecked` (the proof is not at
 //! hand: sealed arguments without the run's keys, no keyring, a command past the topic's
@@ -42,6 +50,10 @@ use sortie_kafka::KafkaConfig;
 use sortie_wire::records as w;
 use sortie_wire::signing::{Claim, Keyring};
 use sortie_wire::{partition_for, Codec};
+
+pub mod family;
+
+pub use family::{follow_child, follow_parent};
 
 /// How one link stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -75,6 +87,33 @@ pub struct Chain {
     /// Every link verified.
     pub verified: bool,
     pub links: Vec<Link>,
+    /// For a chain in a child run: what its `parent` link holds before the parent's
+    /// history is given ([`Chain::check_parent`]).
+    #[serde(skip)]
+    parent: Option<family::ParentCheck>,
+}
+
+impl Chain {
+    /// The parent's run, step, operation and attempt that started this chain's run, for
+    /// a child run: the run whose history [`Chain::check_parent`] takes.
+    pub fn parent(&self) -> Option<&sortie_core::child::ParentLink> {
+        self.parent.as_ref().map(|p| &p.parent)
+    }
+
+    /// Completes the `parent` link with the parent run's history as the caller read it
+    /// (in order; an empty one when the parent run has none there): the parent must have
+    /// dispatched the operation, at the attempt, as the step that started this child run,
+    /// to tool `$run`. Without it the link stays `unchecked`. Pure, as [`why`].
+    pub fn check_parent(&mut self, parent_history: &[Event]) {
+        let Some(check) = &self.parent else { return };
+        let checked = family::parent_link(check, Some(parent_history));
+        for link in &mut self.links {
+            if link.link == "parent" {
+                *link = checked.clone();
+            }
+        }
+        self.verified = self.links.iter().all(|l| l.status == Status::Verified);
+    }
 }
 
 /// A command record found on `sortie.commands`.
@@ -195,6 +234,7 @@ pub fn why(inputs: Inputs<'_>) -> Chain {
         tenant: tenant.clone(),
         verified: false,
         links: Vec::new(),
+        parent: None,
     };
     chain.links.push(history_link(history, seal));
     let state = history.iter().fold(None, sortie_core::evolve);
@@ -275,6 +315,25 @@ pub fn why(inputs: Inputs<'_>) -> Chain {
 
     // The graph version.
     let graph_key = format!("{}@{}", state.graph_id, state.graph_version);
+    // The child runs a `$run` operation started: the chain downward.
+    if tool == sortie_core::child::CHILD_TOOL {
+        let started = family::Started {
+            tenant: &tenant,
+            run_id: &run_id,
+            operation_id: inputs.operation_id,
+            node,
+            attempts: dispatches
+                .iter()
+                .filter_map(|e| match &e.body {
+                    EventBody::StepDispatched { attempt, .. } => Some(*attempt),
+                    _ => None,
+                })
+                .collect(),
+        };
+        chain
+            .links
+            .push(family::child_link(&started, inputs.graph, &graph_key));
+    }
     let graph_node = inputs.graph.and_then(|g| g.node(node));
     let (mut problems, mut unchecked) = (Vec::new(), Vec::new());
     match (inputs.graph, graph_node) {
@@ -355,6 +414,12 @@ pub fn why(inputs: Inputs<'_>) -> Chain {
                 args,
             },
         ));
+    }
+
+    // The parent step that started this run, for a child: the chain upward.
+    chain.parent = family::parent_check(history, inputs.keyring, commands);
+    if let Some(check) = &chain.parent {
+        chain.links.push(family::parent_link(check, None));
     }
     finish(chain)
 }
@@ -484,17 +549,26 @@ fn approval_links(
                 _ => None,
             })
             .unwrap_or(event.at);
+        let says = |body: &w::CommandBody| match body {
+            w::CommandBody::ResumeRun(resume) => {
+                resume.interrupt_id == *interrupt_id
+                    && resume.proposal_hash == *proposal_hash
+                    && resume.decision == w::Decision::Approve
+            }
+            _ => false,
+        };
         let (signature, record) = signed_command(
             commands,
             keyring,
             &event.run_id,
             &command_id,
             sent_at,
-            Decision {
+            Expected {
                 tenant: &event.tenant,
-                interrupt_id,
-                proposal_hash,
-                decided_by,
+                principal: decided_by,
+                noun: "decision",
+                verb: "decided",
+                says: &says,
             },
         );
         match &signature {
@@ -508,12 +582,8 @@ fn approval_links(
             "at": sent_at,
             "final": is_final,
             "proposal_hash": proposal_hash,
-            "key_id": match &signature { Signature::Verified(key) => Some(key.clone()), _ => None },
-            "signature": match &signature {
-                Signature::Verified(_) => "verified",
-                Signature::Broken(_) => "broken",
-                Signature::Unchecked(_) => "unchecked",
-            },
+            "key_id": signature.facts().0,
+            "signature": signature.facts().1,
             "record": record,
         }));
     }
@@ -572,29 +642,45 @@ fn approval_links(
     vec![approval, proposal]
 }
 
-/// What a decision's command must say.
-struct Decision<'a> {
-    tenant: &'a str,
-    interrupt_id: &'a str,
-    proposal_hash: &'a str,
-    decided_by: &'a str,
+/// What the command behind an event of the history must say.
+pub(crate) struct Expected<'a> {
+    pub(crate) tenant: &'a str,
+    /// Its issuer.
+    pub(crate) principal: &'a str,
+    /// What the history names (`decision`, `start`) and what the command did (`decided`,
+    /// `started`), for the problems.
+    pub(crate) noun: &'a str,
+    pub(crate) verb: &'a str,
+    /// Whether its body is the one the history says.
+    pub(crate) says: &'a dyn Fn(&w::CommandBody) -> bool,
 }
 
-enum Signature {
+pub(crate) enum Signature {
     Verified(String),
     Broken(String),
     Unchecked(String),
 }
 
-/// Finds the command that carried a decision and checks it says what the history says
-/// and that its signature holds.
-fn signed_command(
+impl Signature {
+    /// The signature's facts: the key that signed it, and how it stands.
+    pub(crate) fn facts(&self) -> (Option<&str>, &'static str) {
+        match self {
+            Signature::Verified(key) => (Some(key.as_str()), "verified"),
+            Signature::Broken(_) => (None, "broken"),
+            Signature::Unchecked(_) => (None, "unchecked"),
+        }
+    }
+}
+
+/// Finds the command behind an event of the history (a decision, a child's start) and
+/// checks it says what the history says and that its signature holds.
+pub(crate) fn signed_command(
     commands: &mut dyn Commands,
     keyring: Option<&Keyring>,
     run_id: &str,
     command_id: &str,
     at: i64,
-    decision: Decision<'_>,
+    expected: Expected<'_>,
 ) -> (Signature, Value) {
     let record = match commands.find(run_id, command_id, at) {
         Found::Record(record) => record,
@@ -609,7 +695,8 @@ fn signed_command(
         Found::Missing => {
             return (
                 Signature::Broken(format!(
-                    "no command {command_id} on sortie.commands carries it (the history names a decision nobody sent)"
+                    "no command {command_id} on sortie.commands carries it (the history names a {} nobody sent)",
+                    expected.noun
                 )),
                 Value::Null,
             )
@@ -623,23 +710,15 @@ fn signed_command(
     };
     let facts = json!({"partition": record.partition, "offset": record.offset});
     let command = &record.command;
-    let says = match &command.body {
-        w::CommandBody::ResumeRun(resume) => {
-            resume.interrupt_id == decision.interrupt_id
-                && resume.proposal_hash == decision.proposal_hash
-                && resume.decision == w::Decision::Approve
-        }
-        _ => false,
-    };
-    if !says
-        || command.issuer.principal != decision.decided_by
-        || command.tenant != decision.tenant
+    if !(expected.says)(&command.body)
+        || command.issuer.principal != expected.principal
+        || command.tenant != expected.tenant
         || command.run_id != run_id
     {
         return (
             Signature::Broken(format!(
-                "command {command_id} at offset {} does not say what the history says it decided",
-                record.offset
+                "command {command_id} at offset {} does not say what the history says it {}",
+                record.offset, expected.verb
             )),
             facts,
         );
@@ -977,6 +1056,33 @@ fn summary(link: &Link) -> String {
             s(&f["model"]),
             s(&f["output_sha256"]),
             s(&f["tool_call"]["id"])
+        ),
+        "child" => {
+            let runs: Vec<String> = f["runs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|r| format!("{} (attempt {})", s(&r["run_id"]), s(&r["attempt"])))
+                .collect();
+            let follow = f["runs"]
+                .as_array()
+                .and_then(|r| r.last())
+                .map_or_else(|| "-".to_owned(), |r| s(&r["follow"]));
+            format!(
+                "started child run {} of graph {}; follow: {follow}",
+                runs.join(", "),
+                s(&f["graph"])
+            )
+        }
+        "parent" => format!(
+            "a child of run {}, step {} ({} attempt {}), started by {} (signature {}); follow: {}",
+            s(&f["run_id"]),
+            s(&f["step_id"]),
+            s(&f["operation_id"]),
+            s(&f["attempt"]),
+            s(&f["started_by"]),
+            s(&f["start_command"]["signature"]),
+            s(&f["follow"])
         ),
         _ => f.to_string(),
     }

@@ -15,10 +15,11 @@
 //!   approval given in the source approved the source's arguments, seen by the source's
 //!   approver; the fork's may differ (a patched input drops the approver's edits and
 //!   payload), so nothing gated runs in a fork without an approval given in the fork;
-//! - unsettled `keyed`, `reconcilable` and `unsafe` steps (gated or not) wait for an
-//!   operator (`NeedsOperator`, keeping the source's operation id to look it up): the
-//!   source may have performed them after the checkpoint, and under a new operation id
-//!   the receiver could not recognise a repeat;
+//! - unsettled `keyed`, `reconcilable` and `unsafe` steps (gated or not), and child runs
+//!   in flight, wait for an operator (`NeedsOperator`, keeping the source's operation id
+//!   to look it up): the source may have performed them after the checkpoint (a child its
+//!   own side effects), and under a new operation id the receiver could not recognise a
+//!   repeat;
 //! - interrupts whose outcome is history (rejected, expired, superseded, or approved with
 //!   their step settled) as they were; an open interrupt, or an approval whose call had
 //!   not settled (its precheck or the call itself still to come), is not carried — its
@@ -142,14 +143,17 @@ pub(crate) fn plan(source: &RunState, graph: &Graph) -> Plan {
         }
         let node = graph.node(&step.node);
         match node {
-            Some(node) if repeatable(node.side_effect) && gated(node, &step.role) => {
-                let args = proposed_args(&step.step_id).unwrap_or_else(|| step.args.clone());
-                again(&node.id, &step.step_id, &step.role, args);
-            }
-            Some(node) if repeatable(node.side_effect) => {
-                let mut step = Step::clone(step);
-                step.side_effect = node.side_effect;
-                redispatch.push(step);
+            // A child run in flight may have acted (its own keyed or unsafe steps): a
+            // fresh child would act again, so it waits for an operator like a keyed step.
+            Some(node) if repeatable(node.side_effect) && node.run.is_none() => {
+                if gated(node, &step.role) {
+                    let args = proposed_args(&step.step_id).unwrap_or_else(|| step.args.clone());
+                    again(&node.id, &step.step_id, &step.role, args);
+                } else {
+                    let mut step = Step::clone(step);
+                    step.side_effect = node.side_effect;
+                    redispatch.push(step);
+                }
             }
             _ => {
                 let mut waiting = Step::clone(step);

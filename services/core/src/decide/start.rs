@@ -198,7 +198,8 @@ fn correlation_refusal(
 }
 
 /// Why `command` may not start a child run, or a run under a child's id: a `sub_` id is
-/// taken only by a start whose parent link derives it (in the start's own tenant), and a
+/// taken only by a start its parent run sends whose parent link derives it (in the
+/// start's own tenant), and a
 /// child's graph must leave `access` open — its start and cancel come from the parent
 /// run, which holds no roles of its own.
 fn child_refusal(
@@ -218,6 +219,16 @@ fn child_refusal(
         Some(link) if link.child_id(&command.tenant) != command.run_id => Some((
             "bad_run_id",
             "a child run's id is the one its parent link derives".to_owned(),
+        )),
+        // Only the parent starts its child: an operation id can be computed ahead from
+        // its arguments, so anyone could otherwise take the child's id first.
+        Some(link) if command.principal != format!("{}{}", crate::child::PARENT_PRINCIPAL, link.run_id) => Some((
+            "forbidden",
+            format!(
+                "a child run is started by its parent run ({}{}) only",
+                crate::child::PARENT_PRINCIPAL,
+                crate::limits::shown_id(&link.run_id)
+            ),
         )),
         Some(_) if !graph.access.start.is_empty() || !graph.access.cancel.is_empty() => Some((
             "forbidden",
