@@ -288,7 +288,10 @@ fn example_input(text: &str) -> Value {
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect();
-        if !name.is_empty() {
+        // A manager's group: the dev user is in `managers` (members-only gates).
+        if name == "manager" {
+            input.insert(name, Value::String("managers".into()));
+        } else if !name.is_empty() {
             input.insert(name.clone(), Value::String(format!("example-{name}")));
         }
     }

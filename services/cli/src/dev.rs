@@ -438,7 +438,9 @@ async fn serve(
         ],
     )?;
     let gateway_dir = data_dir.join("gateway").display().to_string();
-    let dev_token = format!("dev:dev-user:approver,operator:{token}");
+    // The dev user is an approver in the group `managers`: the onboarding example's
+    // laptop gate admits only the hire's manager's group (`$input.manager`).
+    let dev_token = format!("dev:dev-user:approver,operator,@managers:{token}");
     let budgets = repo_file("topology/budgets.yaml")?.display().to_string();
     stack.spawn(
         "gateway",
