@@ -281,6 +281,13 @@ async fn a_run_starts_completes_and_its_history_reads_back_in_pages() {
         "{first} {second}"
     );
     assert_eq!(first["run_id"], second["run_id"]);
+    // Derived from the key in the form the reducer checks: no other tenant takes it first.
+    assert!(
+        first["run_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("key_")),
+        "{first}"
+    );
     assert_eq!(first["command_id"], "order-7-start");
     assert_eq!(second["duplicate"], true);
 

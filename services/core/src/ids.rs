@@ -40,6 +40,20 @@ pub fn correlated_run_id(tenant: &str, graph_id: &str, label: &str, value: &str)
     format!("{CORRELATED_PREFIX}{}", &digest[..32])
 }
 
+/// The prefix of a run id derived from a start's `Idempotency-Key` ([`keyed_run_id`]).
+pub const KEYED_PREFIX: &str = "key_";
+
+/// The run id the gateway gives a start without a run id that carries an
+/// `Idempotency-Key` (which becomes the start's command id): `key_` and 32 hex digits of
+/// SHA-256 over a domain tag, the tenant and the key, so a retry names the same run. The
+/// reducer takes a `key_` id only from a start whose own tenant and command id derive it:
+/// nobody can take the id of another tenant's start before it is sent by guessing its key,
+/// and within a tenant the same key is the same request.
+pub fn keyed_run_id(tenant: &str, key: &str) -> String {
+    let digest = json::sha256_hex(&["sortie.keyed-run.v1", tenant, key]);
+    format!("{KEYED_PREFIX}{}", &digest[..32])
+}
+
 /// Checkpoint id of a run's state at a version.
 pub fn checkpoint_id(run_id: &str, version: i64) -> String {
     format!("ckpt_{run_id}_{version}")

@@ -153,3 +153,33 @@ fn the_owner_still_gets_its_answers() {
         }
     ));
 }
+
+/// Issue 57: a run id derived from a start's `Idempotency-Key` (`key_…`) is taken only by
+/// a start whose own tenant and command id (the key) derive it, so another tenant that
+/// guesses the key cannot take the id first and have the owner's start refused. Seen red:
+/// with the check in `decide/start.rs` skipped, the other tenant's start under the
+/// victim's derived id was accepted.
+#[test]
+fn a_keyed_run_id_is_taken_only_by_the_start_that_derives_it() {
+    use sortie_core::ids::keyed_run_id;
+    let graphs = graphs();
+    let victims = keyed_run_id("acme", "order-7-start");
+    let with_id = |tenant: &str, key: &str, run_id: &str| {
+        let mut input = start(tenant, key);
+        if let Input::Command(c) = &mut input {
+            c.run_id = run_id.into();
+        }
+        input
+    };
+    // Another tenant, guessing the key, names the victim's id: refused, nothing started.
+    let squat = apply(None, &with_id("globex", "order-7-start", &victims), &graphs);
+    assert!(squat.state.is_none());
+    assert!(events(&squat.effects).iter().any(|e| matches!(&e.body,
+        EventBody::CommandRejected { code, .. } if code == "bad_run_id")));
+    // Any `key_` id that the command id does not derive: refused.
+    let made_up = apply(None, &with_id("acme", "other-key", &victims), &graphs);
+    assert!(made_up.state.is_none());
+    // The owner's start: taken.
+    let owner = apply(None, &with_id("acme", "order-7-start", &victims), &graphs);
+    assert_eq!(owner.state.unwrap().run_id, victims);
+}

@@ -71,6 +71,15 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     if let Some(reason) = correlation_refusal(command, graph, labels, fork.is_some()) {
         return ctx.reject(command, "bad_run_id", reason);
     }
+    if command.run_id.starts_with(crate::ids::KEYED_PREFIX)
+        && crate::ids::keyed_run_id(&command.tenant, &command.command_id) != command.run_id
+    {
+        let reason = format!(
+            "run ids starting {} are derived from the start's Idempotency-Key (its command id); choose another",
+            crate::ids::KEYED_PREFIX
+        );
+        return ctx.reject(command, "bad_run_id", reason);
+    }
     if let Some((code, reason)) = child_refusal(command, graph, parent.as_ref()) {
         return ctx.reject(command, code, reason);
     }

@@ -307,10 +307,16 @@ async fn start_run(
             ))
         }
         // A retried start without a run id must name the same run, or the reducer (which
-        // deduplicates per run) would start a second one.
+        // deduplicates per run) would start a second one. The id is derived from the key in
+        // a form the reducer checks (`key_`), so nobody takes it first by guessing the key;
+        // a retry of a start made before that form keeps its older id.
         (None, Some(key)) => {
             let digest = sortie_core::json::sha256_hex(&[&caller.tenant, key]);
-            format!("run_{}", &digest[..26])
+            let older = format!("run_{}", &digest[..26]);
+            match known_run(&app, &caller, &older) {
+                Ok(Some(_)) => older,
+                _ => sortie_core::ids::keyed_run_id(&caller.tenant, key),
+            }
         }
         (None, None) => format!("run_{}", Ulid::generate()),
     };
