@@ -95,6 +95,13 @@ pub enum Error {
         server: String,
         source: sortie_mcp::Error,
     },
+    /// An MCP server's auth names a variable that is no secret (`SORTIE_SECRET_…`).
+    #[error("{key}: MCP server {server}: auth.env {env} is not a secret variable (SORTIE_SECRET_<tenant>__<NAME>); it is not read")]
+    McpSecretName {
+        key: String,
+        server: String,
+        env: String,
+    },
     /// The environment variable an MCP server's auth names is not set for the publisher.
     #[error("{key}: MCP server {server} needs the environment variable {env} (its auth) to list its tools")]
     McpSecret {
@@ -221,6 +228,15 @@ pub async fn pin(graph: &Graph) -> Result<Graph, Error> {
         };
         let mut headers = Vec::new();
         if let Some(auth) = &server.auth {
+            // Only a secret variable is ever sent (`sortie_core::secret`): a graph file must
+            // not make its publisher send `HOME` or a cloud key to the graph's own URL.
+            if !auth.env.starts_with(sortie_core::secret::PREFIX) {
+                return Err(Error::McpSecretName {
+                    key: key.clone(),
+                    server: server.name.clone(),
+                    env: auth.env.clone(),
+                });
+            }
             let secret = std::env::var(&auth.env).map_err(|_| Error::McpSecret {
                 key: key.clone(),
                 server: server.name.clone(),

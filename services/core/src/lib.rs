@@ -28,6 +28,7 @@ pub mod json;
 pub mod limits;
 pub mod mcp;
 pub mod seal;
+pub mod secret;
 pub mod shadow;
 pub mod signal;
 pub mod state;

@@ -64,7 +64,7 @@ pub struct McpServer {
     pub pinned: Option<Pinned>,
 }
 
-/// `auth: {header: Authorization, env: SHOP_MCP_TOKEN, scheme: Bearer}`: the header's
+/// `auth: {header: Authorization, env: SORTIE_SECRET_acme__SHOP_MCP_TOKEN, scheme: Bearer}`: the header's
 /// value is `<scheme> <value of $env>` (or the value alone without a scheme).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -334,6 +334,8 @@ pub(crate) fn check(
                     None,
                     format!("{what}: auth.env must name an environment variable (the secret is never in the graph)"),
                 );
+            } else if let Some(why) = crate::secret::prefix_refusal("auth.env", &auth.env) {
+                problem(None, format!("{what}: {why}"));
             }
             if auth.scheme.as_ref().is_some_and(|s| !valid_name(s, 32)) {
                 problem(

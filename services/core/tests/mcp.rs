@@ -22,7 +22,7 @@ version: 1
 mcp_servers:
   - name: shop
     url: http://shop.example/mcp
-    auth: {header: Authorization, scheme: Bearer, env: SHOP_TOKEN}
+    auth: {header: Authorization, scheme: Bearer, env: SORTIE_SECRET_t__SHOP_TOKEN}
     tools:
       lookup_order: {side_effect: pure}
       refund:
@@ -219,7 +219,7 @@ fn an_anthropic_agent_calls_pinned_mcp_tools_as_steps_and_the_money_tool_waits()
     assert_eq!(
         lookup.config,
         json!({"server": "shop", "tool": "lookup_order", "url": "http://shop.example/mcp",
-               "auth": {"header": "Authorization", "scheme": "Bearer", "env": "SHOP_TOKEN"}}),
+               "auth": {"header": "Authorization", "scheme": "Bearer", "env": "SORTIE_SECRET_t__SHOP_TOKEN"}}),
         "the secret's name travels, never the secret"
     );
     run.succeed(&lookup, mcp_result("Order 7: 30 EUR."));
@@ -535,8 +535,14 @@ fn mcp_graphs_are_checked_where_they_are_defined() {
     }));
     assert!(problems(GRAPH, many).contains("at most 128"));
     // A secret in the graph is not a thing: auth names an environment variable.
-    let secret = GRAPH.replace("env: SHOP_TOKEN", "env: \"Bearer abc.def\"");
+    let secret = GRAPH.replace(
+        "env: SORTIE_SECRET_t__SHOP_TOKEN",
+        "env: \"Bearer abc.def\"",
+    );
     assert!(problems(&secret, listed()).contains("auth.env"));
+    // Only a secret variable: never the executor's own (HOME, a cloud key).
+    let home = GRAPH.replace("env: SORTIE_SECRET_t__SHOP_TOKEN", "env: HOME");
+    assert!(problems(&home, listed()).contains("SORTIE_SECRET_"));
     // A plain mcp node names a declared server and a tool, and nothing else.
     let plain = GRAPH.replace(
         "  - id: done\n",

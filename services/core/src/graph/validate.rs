@@ -205,6 +205,12 @@ impl Graph {
                         );
                     }
                 }
+                if let Some(name) = node.config.get("api_key_env") {
+                    let name = name.as_str().unwrap_or_default();
+                    if let Some(why) = crate::secret::prefix_refusal("config.api_key_env", name) {
+                        problem(Some(&node.id), why);
+                    }
+                }
             }
             if let Some(schema) = &node.input_schema {
                 if !schema.is_object() {

@@ -14,7 +14,7 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::{classify, config, transport_error};
+use super::{classify, config, secret_allowed, transport_error};
 use crate::handler::{Call, HandlerError, StepHandler};
 
 /// A node's `config` for the `llm` tool.
@@ -101,6 +101,7 @@ impl StepHandler for Llm {
             .timeout(call.timeout)
             .header("Idempotency-Key", &call.operation_id);
         if let Some(name) = &config.api_key_env {
+            secret_allowed(&call.tenant, name)?;
             let key = std::env::var(name).map_err(|_| {
                 HandlerError::permanent(
                     "bad_config",

@@ -42,7 +42,7 @@ pub struct Mcp;
 impl StepHandler for Mcp {
     async fn call(&self, call: &Call) -> Result<Value, HandlerError> {
         let config: McpConfig = config("mcp", &call.config)?;
-        let endpoint = endpoint(&config)?;
+        let endpoint = endpoint(&config, &call.tenant)?;
         let arguments = match &call.args {
             Value::Object(map) => map.clone(),
             Value::Null => serde_json::Map::new(),
@@ -80,9 +80,10 @@ impl StepHandler for Mcp {
 }
 
 /// The server's endpoint, its auth header's value read from this process's environment.
-fn endpoint(config: &McpConfig) -> Result<sortie_mcp::Endpoint, HandlerError> {
+fn endpoint(config: &McpConfig, tenant: &str) -> Result<sortie_mcp::Endpoint, HandlerError> {
     let mut headers = Vec::new();
     if let Some(auth) = &config.auth {
+        super::secret_allowed(tenant, &auth.env)?;
         let secret = std::env::var(&auth.env).map_err(|_| {
             HandlerError::permanent(
                 "bad_config",
@@ -173,12 +174,40 @@ mod tests {
             url: "http://127.0.0.1:1/mcp".into(),
             auth: Some(sortie_core::mcp::McpAuth {
                 header: "Authorization".into(),
-                env: "SORTIE_TEST_UNSET_MCP_SECRET".into(),
+                env: "SORTIE_SECRET_acme__UNSET_MCP_SECRET".into(),
                 scheme: Some("Bearer".into()),
             }),
         };
-        let error = endpoint(&config).expect_err("unset");
+        let error = endpoint(&config, "acme").expect_err("unset");
         assert_eq!(error.code(), "bad_config");
-        assert!(error.message().contains("SORTIE_TEST_UNSET_MCP_SECRET"));
+        assert!(error
+            .message()
+            .contains("SORTIE_SECRET_acme__UNSET_MCP_SECRET"));
+    }
+
+    /// A graph names only its own tenant's secrets: `HOME`, a cloud key or another
+    /// tenant's token is refused before anything is read or sent. Seen red: with the
+    /// check skipped, `HOME` was read and would have gone out as the bearer token.
+    #[test]
+    fn a_variable_outside_the_tenants_secrets_is_refused() {
+        for (tenant, env) in [
+            ("acme", "HOME"),
+            ("acme", "AWS_SECRET_ACCESS_KEY"),
+            ("acme", "SORTIE_SECRET_globex__SHOP_TOKEN"),
+        ] {
+            let config = McpConfig {
+                server: "shop".into(),
+                tool: "refund".into(),
+                url: "http://127.0.0.1:1/mcp".into(),
+                auth: Some(sortie_core::mcp::McpAuth {
+                    header: "Authorization".into(),
+                    env: env.into(),
+                    scheme: Some("Bearer".into()),
+                }),
+            };
+            let error = endpoint(&config, tenant).expect_err("refused");
+            assert_eq!(error.code(), "secret_forbidden", "{env}");
+            assert!(!error.is_retryable());
+        }
     }
 }

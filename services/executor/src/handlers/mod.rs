@@ -36,6 +36,15 @@ fn config<T: serde::de::DeserializeOwned>(tool: &str, config: &Value) -> Result<
         .map_err(|e| HandlerError::permanent("bad_config", format!("{tool} config: {e}")))
 }
 
+/// Refuses a secret variable the step's tenant may not read ([`sortie_core::secret`]):
+/// for good, before anything is read or sent.
+fn secret_allowed(tenant: &str, name: &str) -> Result<(), HandlerError> {
+    match sortie_core::secret::refusal(tenant, name) {
+        Some(why) => Err(HandlerError::permanent("secret_forbidden", why)),
+        None => Ok(()),
+    }
+}
+
 /// The outcome of a request that could not produce a response.
 ///
 /// - could not connect: nothing was sent, so the attempt is a retryable failure;
