@@ -140,6 +140,17 @@ pub struct Args {
         default_value_t = 32
     )]
     max_streams_per_tenant: usize,
+    /// Connections held at once; one more is closed as it is accepted.
+    #[arg(long, env = "SORTIE__GATEWAY__MAX_CONNECTIONS", default_value_t = 4096)]
+    max_connections: usize,
+    /// How long a client may take to send a request's headers before its connection is
+    /// closed (slow or silent sockets).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__HEADER_READ_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    header_read_timeout_ms: u64,
     /// YAML file of spend budgets: `default` and per-`tenants` limits (tokens, cost_usd,
     /// tool_calls, wall_time) and `prices` per model (input_per_1k, output_per_1k, USD).
     #[arg(long, env = "SORTIE__GATEWAY__BUDGETS_FILE")]
@@ -184,6 +195,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         threshold: args.blob_threshold,
     });
     config.max_streams_per_tenant = args.max_streams_per_tenant;
+    config.max_connections = args.max_connections;
+    config.header_read_timeout = std::time::Duration::from_millis(args.header_read_timeout_ms);
     config.fault = args.fault;
     config.signing_key = args.signing_key;
     config.keyring = args.keyring;

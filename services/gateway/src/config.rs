@@ -68,6 +68,13 @@ pub struct GatewayConfig {
     /// is refused 429 `too_many_streams` until a stream closes.
     #[serde(default = "default_max_streams")]
     pub max_streams_per_tenant: usize,
+    /// Connections held at once; one more is closed as it is accepted.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// How long a client may take to send a request's headers before its connection is
+    /// closed (slow or silent sockets).
+    #[serde(default = "default_header_read_timeout", with = "millis")]
+    pub header_read_timeout: Duration,
     /// Die on purpose at this point (crash tests only; never set by default).
     #[serde(default)]
     pub fault: Option<crate::fault::FaultPoint>,
@@ -154,6 +161,14 @@ fn default_answer_timeout() -> Duration {
 
 fn default_max_body() -> usize {
     256 * 1024
+}
+
+fn default_max_connections() -> usize {
+    4096
+}
+
+fn default_header_read_timeout() -> Duration {
+    Duration::from_secs(10)
 }
 
 fn default_max_streams() -> usize {
@@ -275,6 +290,8 @@ impl GatewayConfig {
             read_wait_timeout: default_answer_timeout(),
             max_body_bytes: default_max_body(),
             max_streams_per_tenant: default_max_streams(),
+            max_connections: default_max_connections(),
+            header_read_timeout: default_header_read_timeout(),
             fault: None,
             budgets: Budgets::default(),
             signing_key: None,

@@ -23,6 +23,7 @@ mod limits;
 pub mod metrics;
 mod openapi;
 mod render;
+pub mod serve;
 pub mod store;
 mod ui;
 pub mod view;
@@ -48,14 +49,17 @@ pub async fn serve(
     let app = router(state.clone());
     let stopping = state.clone();
     tracing::info!(addr = ?listener.local_addr().ok(), "The gateway is serving.");
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            tracing::info!("Shutting down: closing event streams and the view.");
-            // Live streams end when the view stops, so the graceful shutdown can finish.
-            stopping.stop().await;
-        })
-        .await;
+    let limits = serve::ServeLimits {
+        max_connections: state.config().max_connections,
+        header_read_timeout: state.config().header_read_timeout,
+    };
+    let served = serve::serve(listener, app, limits, async move {
+        shutdown.await;
+        tracing::info!("Shutting down: closing event streams and the view.");
+        // Live streams end when the view stops, so the graceful shutdown can finish.
+        stopping.stop().await;
+    })
+    .await;
     state.stop().await;
     served.map_err(Error::Serve)
 }

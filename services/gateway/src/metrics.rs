@@ -35,6 +35,8 @@ pub const COMMANDS_PUBLISHED: &str = "sortie_gateway_commands_published_total";
 pub const QUARANTINED_RUNS: &str = "sortie_gateway_view_quarantined_runs";
 /// Graph records refused for their signature since the process started (gauge).
 pub const GRAPHS_UNTRUSTED: &str = "sortie_gateway_graph_records_untrusted";
+/// Connections closed as they were accepted: the gateway held `--max-connections`.
+pub const CONNECTIONS_REFUSED: &str = "sortie_gateway_connections_refused_total";
 
 /// Explicit buckets: without them the exporter renders histograms as summaries.
 pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[(
@@ -64,10 +66,18 @@ pub fn describe() {
         QUARANTINED_RUNS,
         "Runs the gateway's view could not read, fold or store and set aside (their reads answer run_unreadable); every other run is served."
     );
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Connections closed as they were accepted because the gateway held --max-connections."
+    );
     describe_gauge!(
         GRAPHS_UNTRUSTED,
         "Graph records refused for their signature (unsigned where signatures are required, or one that does not hold) since the process started."
     );
+}
+
+pub(crate) fn connection_refused() {
+    counter!(CONNECTIONS_REFUSED).increment(1);
 }
 
 pub(crate) fn graphs_untrusted(count: usize) {
