@@ -50,6 +50,11 @@ pub struct ParentLink {
     pub attempt: u32,
 }
 
+/// The principal a run's commands to its children are issued as: `run:<run id>`.
+pub fn parent_principal(parent_run: &str) -> String {
+    format!("{PARENT_PRINCIPAL}{parent_run}")
+}
+
 /// The id of the child run a parent's `operation_id` starts at `attempt`, in `tenant`:
 /// `sub_` and 32 hex digits of SHA-256 over the four (each followed by 0x1f). The same
 /// attempt always names the same child (a re-fold sends the same start); another attempt

@@ -18,7 +18,7 @@
 //! [ADR 0028]: ../../../docs/adr/0028-a-child-run-is-a-step-whose-result-crosses-partitions.md
 
 use serde_json::{json, Value};
-use sortie_core::child::{child_run_id, ParentLink, CHILD_TOOL, PARENT_PRINCIPAL};
+use sortie_core::child::{child_run_id, ParentLink, CHILD_TOOL};
 use sortie_core::{Event, EventBody, Graph};
 use sortie_wire::records as w;
 use sortie_wire::signing::Keyring;
@@ -129,7 +129,7 @@ pub(crate) fn parent_check(
             "run {run_id} is not the child run its parent link derives ({derived}): no parent step started it"
         ));
     }
-    let principal = format!("{PARENT_PRINCIPAL}{}", parent.run_id);
+    let principal = sortie_core::child::parent_principal(&parent.run_id);
     if *started_by != principal {
         problems.push(format!(
             "run {run_id} was started by {started_by}, not by its parent ({principal})"

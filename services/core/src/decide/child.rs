@@ -98,7 +98,7 @@ impl Ctx<'_> {
             command_id: format!("{what}-{child_id}"),
             tenant: self.tenant.clone(),
             run_id: child_id,
-            principal: format!("{}{}", crate::child::PARENT_PRINCIPAL, self.run_id),
+            principal: crate::child::parent_principal(&self.run_id),
             roles: Vec::new(),
             groups: Vec::new(),
             at: self.at,

@@ -196,18 +196,7 @@ pub(super) fn open(ctx: &mut Ctx<'_>, node: &Node, answered: String) {
         .find(|e| e.signal == conversation.signal)
         .cloned();
     if let Some(early) = kept {
-        let current = ctx.command_id.replace(early.command_id.clone());
-        ctx.emit(
-            EventBody::SignalReceived {
-                step_id: answered,
-                signal: early.signal,
-                signal_id: early.signal_id,
-                payload: early.payload,
-                sent_by: early.sent_by,
-            },
-            None,
-        );
-        ctx.command_id = current;
+        super::signal::take_kept(ctx, &answered, early);
         ctx.wait_satisfied = true;
     }
 }

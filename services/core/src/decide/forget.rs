@@ -28,7 +28,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     // A child run is forgotten with its parent, by its parent, never before it.
     let from_parent = match &run.parent {
         Some(parent) => {
-            if command.principal != format!("{}{}", crate::child::PARENT_PRINCIPAL, parent.run_id) {
+            if command.principal != crate::child::parent_principal(&parent.run_id) {
                 let reason = format!(
                     "run {} is a child of run {}: it is forgotten with its parent; delete the parent",
                     shown_id(&command.run_id),

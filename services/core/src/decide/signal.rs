@@ -180,17 +180,23 @@ pub(crate) fn open(ctx: &mut Ctx<'_>, node: &Node, step_id: String, role: &StepR
         .cloned()
         .collect();
     for early in kept {
-        let current = ctx.command_id.replace(early.command_id.clone());
-        take(
-            ctx,
-            &step_id,
-            &early.signal,
-            &early.signal_id,
-            &early.payload,
-            &early.sent_by,
-        );
-        ctx.command_id = current;
+        take_kept(ctx, &step_id, early);
     }
+}
+
+/// Takes a signal kept for a wait not open then into the wait `step_id`, recorded under
+/// the command that carried it.
+pub(crate) fn take_kept(ctx: &mut Ctx<'_>, step_id: &str, early: EarlySignal) {
+    let current = ctx.command_id.replace(early.command_id.clone());
+    take(
+        ctx,
+        step_id,
+        &early.signal,
+        &early.signal_id,
+        &early.payload,
+        &early.sent_by,
+    );
+    ctx.command_id = current;
 }
 
 /// A wait's deadline passed while it was open: `on_timeout` decides.

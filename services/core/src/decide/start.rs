@@ -231,12 +231,11 @@ fn child_refusal(
         )),
         // Only the parent starts its child: an operation id can be computed ahead from
         // its arguments, so anyone could otherwise take the child's id first.
-        Some(link) if command.principal != format!("{}{}", crate::child::PARENT_PRINCIPAL, link.run_id) => Some((
+        Some(link) if command.principal != crate::child::parent_principal(&link.run_id) => Some((
             "forbidden",
             format!(
-                "a child run is started by its parent run ({}{}) only",
-                crate::child::PARENT_PRINCIPAL,
-                crate::limits::shown_id(&link.run_id)
+                "a child run is started by its parent run ({}) only",
+                crate::child::parent_principal(&crate::limits::shown_id(&link.run_id))
             ),
         )),
         Some(_) if !graph.access.start.is_empty() || !graph.access.cancel.is_empty() => Some((
