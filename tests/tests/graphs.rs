@@ -645,3 +645,156 @@ async fn a_forged_graph_is_ignored_by_reducer_and_gateway() {
     let body = started.text().await.unwrap_or_default();
     assert_eq!(status, 422, "{body}");
 }
+
+/// Issue #57 item 1: graphs belong to a tenant. A publisher key scoped to tenant `globex`
+/// signs `gated@2` without its gate as globex's own graph (as any writer of the topic
+/// could produce it), and the same ungated `gated@2` as every tenant's. The reducer and
+/// gateway take the first into globex's namespace only and refuse the second (a global
+/// graph needs a key for `*`): `acme`'s unpinned start still runs the gated `gated@1` and
+/// waits for approval, `acme` cannot pin `@2` (422 at the gateway, `unknown_graph` at the
+/// fold), and `globex`'s start runs its own version, pinned as `globex/gated`. Publishing
+/// through the library with a key the keyring does not allow for the graph's tenant is
+/// refused before anything is written. Seen red with `Graphs::resolve` taking the latest
+/// version of the id in any namespace (the flat table of before): acme's run succeeded
+/// on the ungated version, its refund unapproved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_graph_never_reaches_another_tenant() {
+    use sortie_core::{EventBody, RunStatus};
+    use sortie_tests::stack::{start_run, succeed, Stack};
+    use sortie_wire::signing::{Keyring, Signer};
+    const LONG: Duration = Duration::from_secs(90);
+    let stack = Stack::start("graphs-tenants", &[sortie_tests::GATED]).await;
+    let service = Signer::generate("svc-1").expect("key");
+    let globex = Signer::generate("globex-pub").expect("key");
+    let mut publisher = globex.entry("svc:globex", &["globex".to_owned()], &[], false);
+    publisher.publisher = true;
+    let keyring = stack.write_keyring(&[
+        service.entry(
+            "svc:test",
+            &["acme".to_owned(), "globex".to_owned()],
+            &["approver".to_owned(), "operator".to_owned()],
+            false,
+        ),
+        publisher.clone(),
+    ]);
+    let ring = keyring.to_str().expect("path");
+    let _reducer = stack.reducer_with("0", &["--keyring", ring, "--require-signatures"]);
+    let executor = stack.executor("default", succeed);
+    let (_gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            &["acme:user:alice:approver:tok-alice"],
+            &["--keyring", ring, "--require-signatures"],
+        )
+        .await;
+
+    let ungated = || {
+        let text = sortie_tests::GATED.replace("version: 1", "version: 2").replace(
+            "    interrupt_before: {reason: refunds need a human, required_role: approver, timeout: 24h}\n",
+            "",
+        );
+        Graph::parse(&text).expect("a valid graph")
+    };
+    let mut owned = ungated();
+    owned.owner = Some("globex".into());
+    assert_eq!(owned.key(), "globex/gated@2");
+    forge(&stack, &owned, "svc:globex", Some(&globex)).await;
+    forge(&stack, &ungated(), "svc:globex", Some(&globex)).await;
+    // The library refuses to write what readers with this keyring would refuse.
+    let trust = graphs::Trust {
+        keyring: Keyring::parse(&std::fs::read_to_string(&keyring).expect("keyring"))
+            .expect("keyring parses"),
+        require: true,
+    };
+    let mut global_v3 = ungated();
+    global_v3.version = 3;
+    let refused = graphs::publish_signed(
+        &stack.kafka,
+        &stack.codec,
+        &stack.topics,
+        &global_v3,
+        "svc:globex",
+        NOW,
+        Some(&globex),
+        Some(&trust),
+    )
+    .await;
+    assert!(
+        matches!(&refused, Err(graphs::Error::Signing(why)) if why.contains("every tenant")),
+        "{refused:?}"
+    );
+
+    let mut acme = start_run("run-acme", "gated", r#"{"amount": 5}"#);
+    acme.tenant = "acme".into();
+    stack.send_signed(&acme, &service).await;
+    let mut theirs = start_run("run-globex", "gated", r#"{"amount": 5}"#);
+    theirs.tenant = "globex".into();
+    stack.send_signed(&theirs, &service).await;
+    let states = stack
+        .wait_for_states(
+            "both starts",
+            &["run-acme".to_owned(), "run-globex".to_owned()],
+            LONG,
+            |s| s.status == RunStatus::WaitingApproval || s.status == RunStatus::Succeeded,
+        )
+        .await;
+    let (acme_run, globex_run) = (&states["run-acme"], &states["run-globex"]);
+    assert_eq!(
+        acme_run.status,
+        RunStatus::WaitingApproval,
+        "acme's gate held"
+    );
+    assert_eq!(
+        (acme_run.graph_id.as_str(), acme_run.graph_version),
+        ("gated", 1)
+    );
+    assert_eq!(
+        (globex_run.graph_id.as_str(), globex_run.graph_version),
+        ("globex/gated", 2)
+    );
+    let refunds: Vec<String> = executor
+        .seen
+        .lock()
+        .expect("seen")
+        .iter()
+        .filter(|i| i.node == "refund")
+        .map(|i| i.run_id.clone())
+        .collect();
+    assert_eq!(
+        refunds,
+        ["run-globex"],
+        "only globex's own ungated run refunded"
+    );
+
+    // acme cannot pin globex's version, at the fold...
+    let mut pinned = start_run("run-acme-2", "gated", r#"{"amount": 5}"#);
+    pinned.tenant = "acme".into();
+    if let sortie_wire::records::CommandBody::StartRun(start) = &mut pinned.body {
+        start.graph_version = Some(2);
+    }
+    stack.send_signed(&pinned, &service).await;
+    let code = sortie_tests::wait_for("the answer to acme's start on @2", LONG, || async {
+        stack.events().await.get("run-acme-2").and_then(|history| {
+            history.iter().find_map(|e| match &e.body {
+                EventBody::CommandRejected { code, .. } => Some(code.clone()),
+                EventBody::CommandAccepted { .. } => Some("accepted".to_owned()),
+                _ => None,
+            })
+        })
+    })
+    .await;
+    assert_eq!(code, "unknown_graph");
+    // ...and at the gateway.
+    for graph_id in ["gated", "globex/gated"] {
+        let started = reqwest::Client::new()
+            .post(format!("{url}/v1/runs"))
+            .bearer_auth("tok-alice")
+            .json(&serde_json::json!({"graph_id": graph_id, "graph_version": 2, "input": {"amount": 5}}))
+            .send()
+            .await
+            .expect("POST /v1/runs");
+        let status = started.status().as_u16();
+        let body = started.text().await.unwrap_or_default();
+        assert_eq!(status, 422, "{graph_id}: {body}");
+    }
+}

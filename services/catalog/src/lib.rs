@@ -1,7 +1,9 @@
 //! The graph registry (SPEC §4.1): publishing mission graphs to `sortie.graphs` and the
 //! global table every reducer and gateway builds from it.
 //!
-//! `sortie.graphs` is compacted and keyed `graph_id@version`. Versions are immutable: a
+//! `sortie.graphs` is compacted and keyed `graph_id@version`, or `tenant/graph_id@version`
+//! for a graph that belongs to one tenant (the record's `tenant`; see
+//! `sortie_core::Graphs` for how starts resolve them). Versions are immutable: a
 //! publisher reads the table first and refuses a different definition for a version that
 //! exists, and the table keeps the first definition it reads for a version and skips any
 //! later, different one. The table reads every partition from the beginning,
@@ -199,7 +201,7 @@ pub fn definition_record(
     Ok(GraphDefinition {
         graph_id: graph.id.clone(),
         version,
-        tenant: None,
+        tenant: graph.owner.clone(),
         definition_hash: definition_hash(&definition),
         definition,
         published_by: published_by.to_owned(),
@@ -387,7 +389,7 @@ pub async fn publish_signed(
         }
     };
     let mut table = Table {
-        trust,
+        trust: trust.clone(),
         ..Table::default()
     };
     for message in &messages {
@@ -407,7 +409,7 @@ pub async fn publish_signed(
     }
     if let Some(existing) = table.publications.get(&key) {
         let same = existing.definition_hash == record.definition_hash
-            || table.graphs.get(&graph.id, Some(graph.version)) == Some(graph);
+            || table.graphs.get(&graph.pinned_id(), Some(graph.version)) == Some(graph);
         return if same {
             Ok(Published::AlreadyPublished)
         } else {
@@ -425,8 +427,23 @@ pub async fn publish_signed(
     let remaining = deadline.saturating_duration_since(Instant::now());
     let mut record = FutureRecord::to(&topic).key(&key).payload(&payload);
     if let Some(signer) = signer {
+        let signed = signer.headers(&payload);
+        if let Some(trust) = &trust {
+            // What readers holding this keyring would refuse is not published: a key that
+            // may not publish for the graph's tenant fails here, not silently at every reader.
+            let pairs = signed.iter().map(|(k, v)| (*k, Some(v.as_slice())));
+            if let Err(reason) =
+                trust
+                    .keyring
+                    .check_graph(pairs, &payload, graph.owner.as_deref(), published_by)
+            {
+                return Err(Error::Signing(format!(
+                    "readers with this keyring would refuse {key}: {reason}"
+                )));
+            }
+        }
         let mut headers = OwnedHeaders::new();
-        for (name, value) in signer.headers(&payload) {
+        for (name, value) in signed {
             headers = headers.insert(Header {
                 key: name,
                 value: Some(&value),
@@ -559,8 +576,14 @@ impl Table {
         if definition_hash(&record.definition) != record.definition_hash {
             return Err("its definition_hash is not the SHA-256 of its definition".into());
         }
-        let graph = Graph::parse(&record.definition)
+        let mut graph = Graph::parse(&record.definition)
             .map_err(|e| format!("its definition is refused: {e}"))?;
+        // A tenant's graph lives in that tenant's namespace (`Graphs`); the signature was
+        // checked for that tenant.
+        if let Some(tenant) = &record.tenant {
+            sortie_core::limits::check_id("tenant", tenant)?;
+        }
+        graph.owner = record.tenant.clone();
         if let Some(server) = graph.unpinned_mcp_servers().first() {
             // The fold would offer the model none of the server's tools: a version is
             // published pinned, by `publish`, or not at all.
@@ -579,7 +602,7 @@ impl Table {
         if graph.key() != key {
             return Err(format!("it is keyed {key:?} instead of {:?}", graph.key()));
         }
-        if let Some(existing) = self.graphs.get(&graph.id, Some(graph.version)) {
+        if let Some(existing) = self.graphs.get(&graph.pinned_id(), Some(graph.version)) {
             return if existing == &graph {
                 Ok(None)
             } else {

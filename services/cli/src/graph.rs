@@ -49,6 +49,11 @@ enum Action {
         /// (reducers that require signatures, as `sortie dev` does, refuse such graphs).
         #[arg(long, conflicts_with = "signing_key")]
         unsigned: bool,
+        /// Publish the graphs as this tenant's own: only its runs start them, and no other
+        /// tenant's graph of the same id is touched (the signing key must be a publisher
+        /// for the tenant). Without it, the graphs are every tenant's (a key for `*`).
+        #[arg(long)]
+        tenant: Option<String>,
     },
     /// List every published graph version.
     List {
@@ -69,9 +74,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             mut signing_key,
             mut keyring,
             unsigned,
+            tenant,
         } => {
             // Every file is validated before anything is published.
-            let loaded = load(&files)?;
+            let mut loaded = load(&files)?;
+            if let Some(tenant) = &tenant {
+                sortie_core::limits::check_id("--tenant", tenant).map_err(anyhow::Error::msg)?;
+                for graph in &mut loaded {
+                    graph.owner = Some(tenant.clone());
+                }
+            }
             if signing_key.is_none() && !unsigned {
                 // `sortie dev` requires signed graphs: next to its data, sign as it does.
                 let dev = std::path::Path::new(DEV_KEYS);

@@ -32,12 +32,17 @@ enum Sub {
 
 #[derive(Debug, clap::Args)]
 struct Shadow {
-    /// A published graph version, `id@version`, e.g. `refund@2`.
+    /// A published graph version, `id@version`, e.g. `refund@2` (`tenant/id@version`
+    /// for a tenant's own graph).
     #[arg(long, conflicts_with = "graph_file")]
     graph: Option<String>,
     /// A graph file not yet published.
     #[arg(long)]
     graph_file: Option<PathBuf>,
+    /// The tenant whose graph the --graph-file is (as `graph publish --tenant` would
+    /// publish it); without, it stands for the graph of every tenant.
+    #[arg(long, requires = "graph_file")]
+    tenant: Option<String>,
     /// Only this run.
     #[arg(long)]
     run: Option<String>,
@@ -56,8 +61,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Handle::current();
     let candidate_file = match &shadow_args.graph_file {
         Some(path) => {
-            let graph =
+            let mut graph =
                 sortie_catalog::load_file(path).with_context(|| path.display().to_string())?;
+            graph.owner = shadow_args.tenant.clone();
             // A candidate offering MCP tools is judged with the tools its servers list now,
             // pinned as publishing it would pin them.
             Some(
@@ -107,7 +113,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 continue;
             };
             let graphs = match &candidate {
-                Some(c) if c.id != graph_id => continue, // not affected by the candidate
+                Some(c) if c.pinned_id() != graph_id => continue, // not affected by the candidate
                 Some(c) => with_candidate(&published, c, pinned),
                 None => published.clone(),
             };
@@ -142,7 +148,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 fn with_candidate(published: &Graphs, candidate: &Graph, pinned: u32) -> Graphs {
     let mut graphs = Graphs::new();
     for graph in published.all() {
-        if graph.id != candidate.id || graph.version != pinned {
+        if graph.pinned_id() != candidate.pinned_id() || graph.version != pinned {
             let _ = graphs.insert(graph.clone());
         }
     }

@@ -183,3 +183,63 @@ fn a_keyed_run_id_is_taken_only_by_the_start_that_derives_it() {
     let owner = apply(None, &with_id("acme", "order-7-start", &victims), &graphs);
     assert_eq!(owner.state.unwrap().run_id, victims);
 }
+
+/// Issue #57: graphs are namespaced by tenant. Tenant `evil` publishes its own `g@2`
+/// without the gate; `acme`'s unpinned start still runs the global `g@1` (waits for
+/// approval), `acme` can neither pin `g@2` nor name `evil/g`, and `evil`'s own start runs
+/// its own version, pinned as `evil/g`. Seen red with `Graphs::resolve` taking the latest
+/// `g` of any namespace (the flat table of before): `acme` ran the ungated `g@2`.
+#[test]
+fn a_tenants_graph_is_never_another_tenants() {
+    let mut graphs = graphs();
+    let mut hijack =
+        Graph::parse("id: g\nversion: 2\nnodes:\n  - {id: pay, tool: http, side_effect: keyed}\n")
+            .unwrap();
+    hijack.owner = Some("evil".into());
+    graphs.insert(hijack).unwrap();
+
+    let acme = apply(None, &start("acme", "a1"), &graphs).state.unwrap();
+    assert_eq!((acme.graph_id.as_str(), acme.graph_version), ("g", 1));
+    assert_eq!(acme.status.as_str(), "waiting_approval");
+
+    for (graph_id, version) in [("g", Some(2)), ("evil/g", None), ("evil/g", Some(2))] {
+        let Input::Command(mut pinned) = start("acme", "a2") else {
+            unreachable!()
+        };
+        if let CommandBody::StartRun {
+            graph_id: id,
+            graph_version: v,
+            ..
+        } = &mut pinned.body
+        {
+            *id = graph_id.into();
+            *v = version;
+        }
+        let applied = apply(None, &Input::Command(pinned), &graphs);
+        assert!(applied.state.is_none(), "{graph_id}@{version:?} started");
+        let rejected = events(&applied.effects).into_iter().any(|e| {
+            matches!(&e.body, EventBody::CommandRejected { code, .. } if code == "unknown_graph")
+        });
+        assert!(rejected, "{graph_id}@{version:?} is not refused as unknown");
+    }
+
+    let evil = apply(None, &start("evil", "e1"), &graphs).state.unwrap();
+    assert_eq!((evil.graph_id.as_str(), evil.graph_version), ("evil/g", 2));
+    assert_eq!(evil.status.as_str(), "running");
+    // The same start again is the same run (the start names `g`, the run pinned `evil/g`).
+    let again = apply(Some(&evil), &start("evil", "e2"), &graphs);
+    let duplicate = events(&again.effects).into_iter().any(|e| {
+        matches!(
+            &e.body,
+            EventBody::CommandAccepted {
+                duplicate: true,
+                ..
+            }
+        )
+    });
+    assert!(
+        duplicate,
+        "an identical start is not recognised: {:?}",
+        again.effects
+    );
+}

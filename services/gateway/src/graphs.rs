@@ -1,10 +1,11 @@
 //! Which graphs are published, so a start naming an unknown graph is answered 422 without
 //! publishing anything. The reducer's [`GraphTable`] is blocking: it runs on its own thread
-//! and shares a snapshot of `graph_id → versions`. With a keyring it takes only graphs a
+//! and shares a snapshot of the graphs. A start's graph is resolved in its tenant's
+//! namespace, then the global one (`Graphs::resolve`); a run's by the id it pinned. With a keyring it takes only graphs a
 //! publisher key signed (and, with `--require-signatures`, no unsigned one), as the
 //! reducers do (`sortie_catalog::Trust`); the keyring file is read again when it changes.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, RwLock};
@@ -26,7 +27,6 @@ const KEYRING_RECHECK: Duration = Duration::from_secs(2);
 /// The published graphs as far as this gateway knows.
 #[derive(Debug)]
 pub struct Catalog {
-    known: RwLock<BTreeMap<String, BTreeSet<u32>>>,
     /// The published definitions (the inbox tells what rejecting a proposal does).
     graphs: RwLock<Graphs>,
     /// Who published each version, and the key whose signature the table verified.
@@ -48,7 +48,6 @@ impl Catalog {
     ) -> Arc<Catalog> {
         let (refresh, requests) = mpsc::channel();
         let catalog = Arc::new(Catalog {
-            known: RwLock::new(BTreeMap::new()),
             graphs: RwLock::new(Graphs::new()),
             publications: RwLock::new(BTreeMap::new()),
             loaded: AtomicBool::new(false),
@@ -67,18 +66,14 @@ impl Catalog {
         catalog
     }
 
-    /// `Some(true)`: published; `Some(false)`: not published as far as the table knows;
-    /// `None`: the table has not loaded (no answer).
-    pub fn knows(&self, graph_id: &str, version: Option<u32>) -> Option<bool> {
+    /// `Some(true)`: `tenant` can start the graph (its own or a global one); `Some(false)`:
+    /// not as far as the table knows; `None`: the table has not loaded (no answer).
+    pub fn knows(&self, tenant: &str, graph_id: &str, version: Option<u32>) -> Option<bool> {
         if !self.loaded.load(Ordering::Acquire) {
             return None;
         }
-        let known = self.known.read().unwrap_or_else(|e| e.into_inner());
-        Some(
-            known
-                .get(graph_id)
-                .is_some_and(|versions| version.is_none_or(|v| versions.contains(&v))),
-        )
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        Some(graphs.resolve(tenant, graph_id, version).is_some())
     }
 
     /// Reads the graphs topic up to its end now (a graph published a moment ago), at most
@@ -121,18 +116,35 @@ impl Catalog {
         Some(graph.waiting_for(name).cloned())
     }
 
-    /// The correlation label of the graph (its latest version for `None`): `Some(None)`
-    /// when the graph is known here and declares none.
-    pub fn correlation(&self, graph_id: &str, version: Option<u32>) -> Option<Option<String>> {
+    /// The correlation label of the graph `tenant` starts (its latest version for `None`):
+    /// `Some(None)` when the graph is known here and declares none.
+    pub fn correlation(
+        &self,
+        tenant: &str,
+        graph_id: &str,
+        version: Option<u32>,
+    ) -> Option<Option<String>> {
         let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
-        graphs.get(graph_id, version).map(|g| g.correlation.clone())
+        graphs
+            .resolve(tenant, graph_id, version)
+            .map(|g| g.correlation.clone())
     }
 
-    /// Who may start and cancel runs of the graph (its latest version for `None`), when
-    /// the graph is known here.
-    pub fn access(&self, graph_id: &str, version: Option<u32>) -> Option<Access> {
+    /// Who may start and cancel runs of the graph `tenant` starts (its latest version for
+    /// `None`), when the graph is known here.
+    pub fn access(&self, tenant: &str, graph_id: &str, version: Option<u32>) -> Option<Access> {
         let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
-        graphs.get(graph_id, version).map(|g| g.access.clone())
+        graphs
+            .resolve(tenant, graph_id, version)
+            .map(|g| g.access.clone())
+    }
+
+    /// Who may cancel a run of the graph version it pinned, when it is known here.
+    pub fn pinned_access(&self, pinned_id: &str, version: u32) -> Option<Access> {
+        let graphs = self.graphs.read().unwrap_or_else(|e| e.into_inner());
+        graphs
+            .get(pinned_id, Some(version))
+            .map(|g| g.access.clone())
     }
 
     /// A graph version as published, and its publication (`audit why`'s graph link).
@@ -146,14 +158,6 @@ impl Catalog {
     }
 
     fn update(&self, table: &GraphTable) {
-        let mut known = BTreeMap::<String, BTreeSet<u32>>::new();
-        for graph in table.graphs().all() {
-            known
-                .entry(graph.id.clone())
-                .or_default()
-                .insert(graph.version);
-        }
-        *self.known.write().unwrap_or_else(|e| e.into_inner()) = known;
         *self.graphs.write().unwrap_or_else(|e| e.into_inner()) = table.graphs().clone();
         let publications = table
             .graphs()

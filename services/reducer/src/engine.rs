@@ -423,7 +423,11 @@ impl Engine {
                     } = &c.body
                     {
                         if state.is_none()
-                            && self.graphs.graphs().get(graph_id, *graph_version).is_none()
+                            && self
+                                .graphs
+                                .graphs()
+                                .resolve(&c.tenant, graph_id, *graph_version)
+                                .is_none()
                         {
                             // A graph published a moment ago may not have reached the table yet.
                             self.graphs.catch_up(Duration::from_secs(5))?;

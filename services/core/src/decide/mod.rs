@@ -696,7 +696,7 @@ impl<'g> Ctx<'g> {
                 run_id: self.run_id.clone(),
                 step_id: step_id.clone(),
                 node: node.id.clone(),
-                graph_id: graph.id.clone(),
+                graph_id: graph.pinned_id(),
                 graph_version: graph.version,
                 tool: node.tool.clone(),
                 queue: node.queue.clone(),

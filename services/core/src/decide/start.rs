@@ -23,7 +23,10 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     if let Some(run) = &ctx.state {
         // Same id + same request = same run; anything else under that id is a conflict.
         // (Another tenant's start never gets here: see `command_input`.)
-        let same = &run.graph_id == graph_id
+        // The start names the short id; the run pinned the one it resolved to.
+        let resolved = ctx.graphs.resolve(&command.tenant, graph_id, None);
+        let named = resolved.map_or_else(|| graph_id.clone(), |g| g.pinned_id());
+        let same = (run.graph_id == named || &run.graph_id == graph_id)
             && graph_version.is_none_or(|v| v == run.graph_version)
             && &run.input == input;
         if same {
@@ -49,12 +52,15 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     }
     let source = match fork {
         None => None,
-        Some(fork) => match source_state(command, fork, graph_id, *graph_version) {
+        Some(fork) => match source_state(ctx, command, fork, graph_id, *graph_version) {
             Ok(state) => Some(state),
             Err(reason) => return ctx.reject(command, "bad_fork", reason),
         },
     };
-    let Some(graph) = ctx.graphs.get(graph_id, *graph_version) else {
+    let Some(graph) = ctx
+        .graphs
+        .resolve(&command.tenant, graph_id, *graph_version)
+    else {
         let version = graph_version.map(|v| format!("@{v}")).unwrap_or_default();
         return ctx.reject(
             command,
@@ -95,7 +101,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
     };
     ctx.emit(
         EventBody::RunStarted {
-            graph_id: graph.id.clone(),
+            graph_id: graph.pinned_id(),
             graph_version: graph.version,
             input: input.clone(),
             started_by: command.principal.clone(),
@@ -134,6 +140,7 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
 
 /// The source state a fork starts from, checked against the command.
 fn source_state(
+    ctx: &Ctx<'_>,
     command: &Command,
     fork: &ForkSource,
     graph_id: &str,
@@ -157,7 +164,14 @@ fn source_state(
             fork.version
         ));
     }
-    if state.graph_id != graph_id || graph_version.is_some_and(|v| v != state.graph_version) {
+    // The command names the graph as its tenant does (short id); the source pinned the
+    // id it resolved to then.
+    let named = ctx
+        .graphs
+        .resolve(&command.tenant, graph_id, Some(state.graph_version))
+        .map(|g| g.pinned_id());
+    let same_graph = state.graph_id == graph_id || named.as_deref() == Some(&state.graph_id);
+    if !same_graph || graph_version.is_some_and(|v| v != state.graph_version) {
         return Err(format!(
             "a fork runs the source's graph {}@{}",
             state.graph_id, state.graph_version

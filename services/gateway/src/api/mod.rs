@@ -321,9 +321,9 @@ async fn start_run(
         (None, None) => format!("run_{}", Ulid::generate()),
     };
     let graphs = &app.inner.graphs;
-    if graphs.knows(&body.graph_id, body.graph_version) == Some(false) {
+    if graphs.knows(&caller.tenant, &body.graph_id, body.graph_version) == Some(false) {
         graphs.refresh(Duration::from_secs(3)).await;
-        if graphs.knows(&body.graph_id, body.graph_version) == Some(false) {
+        if graphs.knows(&caller.tenant, &body.graph_id, body.graph_version) == Some(false) {
             let version = body
                 .graph_version
                 .map(|v| format!("@{v}"))
@@ -336,11 +336,11 @@ async fn start_run(
         }
     }
     // The graph's own rule, before publishing (the fold checks it again).
-    let mut access = graphs.access(&body.graph_id, body.graph_version);
+    let mut access = graphs.access(&caller.tenant, &body.graph_id, body.graph_version);
     if access.is_none() {
         // The table has not loaded this graph yet (a gateway just started).
         graphs.refresh(Duration::from_secs(3)).await;
-        access = graphs.access(&body.graph_id, body.graph_version);
+        access = graphs.access(&caller.tenant, &body.graph_id, body.graph_version);
     }
     if let Some(reason) = access.and_then(|a| a.start_refusal(&body.graph_id, &caller.roles)) {
         return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
@@ -348,7 +348,7 @@ async fn start_run(
     // A graph with a correlation label names its runs by it (a retry names the same run).
     if let (false, Some(Some(label))) = (
         chosen,
-        graphs.correlation(&body.graph_id, body.graph_version),
+        graphs.correlation(&caller.tenant, &body.graph_id, body.graph_version),
     ) {
         run_id = signals::correlated(&caller.tenant, &body.graph_id, &label, &body.labels)?;
     }
@@ -582,7 +582,7 @@ async fn cancel_run(
     limits::text("reason", reason.as_deref())?;
     if let Some(run) = known_run(&app, &caller, &run_id)? {
         let (graph, version) = (&run.state.graph_id, run.state.graph_version);
-        let access = app.inner.graphs.access(graph, Some(version));
+        let access = app.inner.graphs.pinned_access(graph, version);
         if let Some(reason) = access.and_then(|a| a.cancel_refusal(graph, &caller.roles)) {
             return Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", reason));
         }

@@ -70,10 +70,10 @@ pub(super) async fn signal_correlated(
     )
     .map_err(|e| ApiError::bad_request("invalid_request", e))?;
     let graphs = &app.inner.graphs;
-    let mut label = graphs.correlation(&body.graph_id, None);
+    let mut label = graphs.correlation(&caller.tenant, &body.graph_id, None);
     if label.is_none() {
         graphs.refresh(Duration::from_secs(3)).await;
-        label = graphs.correlation(&body.graph_id, None);
+        label = graphs.correlation(&caller.tenant, &body.graph_id, None);
     }
     let label = match label {
         None => {
