@@ -51,9 +51,14 @@ pub const LLM_TOOL: &str = "llm";
 /// written before the field — charges usage from any output; 1 charges `llm` steps only;
 /// 2 also arms a step timer of [`GUARDED_TIMEOUT`] for an `unsafe` or `reconcilable` step
 /// whose node sets no `timeout` (see `decide`), so an attempt whose executor died after
-/// its pre-call commit never holds its run for good. A run keeps the rules it started
-/// with: an older run's next decisions are made as they always were.
-pub const RULES: u32 = 2;
+/// its pre-call commit never holds its run for good; 3 gives a budget pause a required
+/// role (the graph's `access.budget`, default [`BUDGET_ROLE`]), so not every member of the
+/// tenant can raise a run's limits or fail it. A run keeps the rules it started with: an
+/// older run's next decisions are made as they always were.
+pub const RULES: u32 = 3;
+
+/// The role that decides a budget pause when the graph names none (`access.budget`).
+pub const BUDGET_ROLE: &str = "operator";
 
 /// The step timer of an `unsafe` or `reconcilable` step whose node sets no `timeout`
 /// (rules 2): past it, an attempt not heard of is an unknown outcome (an operator, or a
@@ -86,6 +91,10 @@ pub struct Budget {
     /// USD per 1k tokens, by model name (the `model` an `llm` output names).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub prices: BTreeMap<String, Price>,
+    /// The highest the limits may go, raises included: the tenant's ceiling when the run
+    /// started (absent: none). A budget approval's raise is cut to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling: Option<Limits>,
 }
 
 /// Spend limits; an absent one is no limit.
@@ -151,6 +160,7 @@ impl Budget {
                 wall_time: self.limits.wall_time,
             },
             prices: self.prices.clone(),
+            ceiling: self.ceiling.clone(),
         }
     }
 }
@@ -192,6 +202,35 @@ impl Limits {
 
     /// `self` with every limit `over` sets replacing its own (a run's own over its
     /// tenant's default).
+    /// The first of these limits that `cap` sets lower (or that `cap` sets and these lack,
+    /// which is no limit at all), named with both values: what a start asking past its
+    /// tenant's ceiling is told.
+    pub fn over(&self, cap: &Limits) -> Option<String> {
+        fn past<T: PartialOrd + std::fmt::Debug>(
+            name: &str,
+            asked: Option<T>,
+            cap: Option<T>,
+        ) -> Option<String> {
+            match (asked, cap) {
+                (Some(a), Some(c)) if a > c => {
+                    Some(format!("{name} {a:?} is over the ceiling {c:?}"))
+                }
+                (None, Some(c)) => Some(format!("no {name} limit is over the ceiling {c:?}")),
+                _ => None,
+            }
+        }
+        past("tokens", self.tokens, cap.tokens)
+            .or_else(|| past("cost_usd", self.cost_usd, cap.cost_usd))
+            .or_else(|| past("tool_calls", self.tool_calls, cap.tool_calls))
+            .or_else(|| {
+                past(
+                    "wall_time",
+                    self.wall_time.map(|w| w.0),
+                    cap.wall_time.map(|w| w.0),
+                )
+            })
+    }
+
     pub fn overridden_by(&self, over: &Limits) -> Limits {
         Limits {
             tokens: over.tokens.or(self.tokens),

@@ -363,6 +363,9 @@ fn apply_body(state: &mut RunState, event: &Event) {
                         crate::budget::raise_of(payload.as_ref()),
                     ) {
                         budget.limits = budget.limits.raised(&raise);
+                        if let Some(ceiling) = &budget.ceiling {
+                            budget.limits = budget.limits.capped_by(ceiling);
+                        }
                     }
                 }
                 if *is_final {

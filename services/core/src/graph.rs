@@ -93,10 +93,11 @@ pub struct Graph {
     pub owner: Option<String>,
 }
 
-/// `access: {start: [roles], cancel: [roles]}`: a command needs one of the listed roles
-/// (an empty list: none needed). Checked by the fold (`forbidden`) and by the gateway
-/// before it publishes (403). Approvals have their node's `required_role`; reconciling
-/// needs `operator` whatever the graph says.
+/// `access: {start: [roles], cancel: [roles], budget: role}`: a command needs one of the
+/// listed roles (an empty list: none needed). Checked by the fold (`forbidden`) and by
+/// the gateway before it publishes (403). Approvals have their node's `required_role`; a
+/// budget pause's decision needs `budget` (default `operator`, runs of rules 3 on);
+/// reconciling needs `operator` whatever the graph says.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Access {
@@ -104,11 +105,20 @@ pub struct Access {
     pub start: Vec<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cancel: Vec<String>,
+    /// The role that decides a budget pause (raise, or reject and fail the run); absent:
+    /// [`crate::budget::BUDGET_ROLE`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<String>,
 }
 
 impl Access {
     fn is_open(&self) -> bool {
-        self.start.is_empty() && self.cancel.is_empty()
+        self.start.is_empty() && self.cancel.is_empty() && self.budget.is_none()
+    }
+
+    /// The role a budget pause's decision needs.
+    pub fn budget_role(&self) -> &str {
+        self.budget.as_deref().unwrap_or(crate::budget::BUDGET_ROLE)
     }
 
     /// Why `roles` may not start a run of graph `graph_id`, if they may not.

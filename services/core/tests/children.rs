@@ -422,6 +422,7 @@ fn children_share_what_the_parent_has_left_and_their_spend_is_settled() {
             },
         )]
         .into(),
+        ceiling: None,
     };
     world.command("run_s", "start-s", budgeted("spender", budget.clone()));
     world.settle();
@@ -574,6 +575,7 @@ fn a_node_asks_for_its_childs_budget_within_what_is_left() {
             ..Limits::default()
         },
         prices: Default::default(),
+        ceiling: None,
     };
     world.command("run_c", "start-c", budgeted("capped", budget));
     world.settle();

@@ -113,6 +113,7 @@ fn priced() -> Budget {
                 output_per_1k: 2.0,
             },
         )]),
+        ceiling: None,
     }
 }
 
@@ -259,6 +260,7 @@ fn budgets_out_of_bounds_are_refused() {
     let bad = |limits: Limits| Budget {
         limits,
         prices: BTreeMap::new(),
+        ceiling: None,
     };
     for budget in [
         bad(Limits {
@@ -294,6 +296,7 @@ fn budgets_out_of_bounds_are_refused() {
                     output_per_1k: 0.0,
                 },
             )]),
+            ceiling: None,
         },
     ] {
         assert!(budget.check().is_err(), "{budget:?}");

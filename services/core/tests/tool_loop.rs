@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 use sortie_core::budget::{Budget, Limits, Price};
+use sortie_core::state::Answer;
 use sortie_core::{
     apply, input::Command, CommandBody, Effect, Graph, Graphs, Input, Intent, RunState, RunStatus,
     StepOutcome, StepReport,
@@ -50,6 +51,8 @@ struct Run {
     state: Option<RunState>,
     intents: Vec<Intent>,
     at: i64,
+    /// The roles the next commands carry.
+    roles: Vec<String>,
 }
 
 impl Run {
@@ -65,6 +68,7 @@ impl Run {
             state: None,
             intents: Vec::new(),
             at: 0,
+            roles: vec!["operator".into()],
         };
         run.command(CommandBody::StartRun {
             graph_id: "agent".into(),
@@ -95,7 +99,7 @@ impl Run {
             tenant: "t".into(),
             run_id: "r".into(),
             principal: "alice".into(),
-            roles: vec![],
+            roles: self.roles.clone(),
             groups: vec![],
             at: self.at,
             body,
@@ -296,6 +300,10 @@ fn a_tool_not_in_may_request_is_refused() {
 // ---------------------------------------------------------------- spend budgets
 
 fn budgeted(on_exceeded: &str, limits: Limits) -> Run {
+    budgeted_with(on_exceeded, limits, None)
+}
+
+fn budgeted_with(on_exceeded: &str, limits: Limits, ceiling: Option<Limits>) -> Run {
     let graph = GRAPH.replace(
         "version: 1\n",
         &format!("version: 1\non_budget_exceeded: {on_exceeded}\n"),
@@ -307,7 +315,14 @@ fn budgeted(on_exceeded: &str, limits: Limits) -> Run {
             output_per_1k: 4.0,
         },
     )]);
-    Run::start_with(&graph, Some(Budget { limits, prices }))
+    Run::start_with(
+        &graph,
+        Some(Budget {
+            limits,
+            prices,
+            ceiling,
+        }),
+    )
 }
 
 fn tokens(max: u64) -> Limits {
@@ -382,6 +397,81 @@ fn pause_asks_to_raise_the_budget_and_an_approved_raise_goes_on() {
     run.succeed(&done, json!({}));
     assert_eq!(run.state().status, RunStatus::Succeeded);
     assert_eq!(run.state().spend.tokens(), 30);
+}
+
+/// Issue #57: a budget pause is decided by its role (`access.budget`, default
+/// `operator`), from rules 3: a member without it can neither raise the limits nor reject
+/// (which fails the run and runs compensations); a run started under rules 2 keeps being
+/// decided by anyone. Seen red with the interrupt's `required_role` left `None`: the
+/// member's raise went through.
+#[test]
+fn only_the_budget_role_decides_a_budget_pause() {
+    let mut run = budgeted("pause", tokens(15));
+    let first = run.next("assistant");
+    run.succeed(
+        &first,
+        model(
+            None,
+            vec![call("call_a", "lookup_order", json!({"order_id": "7"}))],
+        ),
+    );
+    let interrupt = run.state().open_interrupts().next().unwrap().clone();
+    assert_eq!(interrupt.required_role.as_deref(), Some("operator"));
+    run.roles = vec!["approver".into()];
+    run.decide_with(true, Some(json!({"raise": {"tokens": 1_000_000}})));
+    run.decide(false);
+    assert_eq!(run.state().open_interrupts().count(), 1, "still open");
+    assert_eq!(run.state().status, RunStatus::WaitingApproval);
+    assert_eq!(
+        run.state().budget.as_ref().and_then(|b| b.limits.tokens),
+        Some(15)
+    );
+    let forbidden = run
+        .state()
+        .commands
+        .values()
+        .filter(|a| matches!(a, Answer::Rejected { code, .. } if code == "forbidden"))
+        .count();
+    assert_eq!(forbidden, 2, "{:#?}", run.state().commands);
+    run.roles = vec!["operator".into()];
+    run.decide_with(true, Some(json!({"raise": {"tokens": 100}})));
+    assert_eq!(run.state().open_interrupts().count(), 0);
+
+    // A run of rules 2 paused: anyone of the tenant decides, as before.
+    let mut old = budgeted("pause", tokens(15));
+    old.state.as_mut().unwrap().rules = 2;
+    let first = old.next("assistant");
+    old.succeed(
+        &first,
+        model(
+            None,
+            vec![call("call_a", "lookup_order", json!({"order_id": "7"}))],
+        ),
+    );
+    let interrupt = old.state().open_interrupts().next().unwrap().clone();
+    assert_eq!(interrupt.required_role, None);
+    old.roles = vec![];
+    old.decide_with(true, Some(json!({"raise": {"tokens": 100}})));
+    assert_eq!(old.state().open_interrupts().count(), 0);
+}
+
+/// A tenant's ceiling recorded in the run's budget caps what a raise can reach.
+#[test]
+fn a_raise_stops_at_the_ceiling() {
+    let mut run = budgeted_with("pause", tokens(15), Some(tokens(50)));
+    let first = run.next("assistant");
+    run.succeed(
+        &first,
+        model(
+            None,
+            vec![call("call_a", "lookup_order", json!({"order_id": "7"}))],
+        ),
+    );
+    run.decide_with(true, Some(json!({"raise": {"tokens": 1_000}})));
+    assert_eq!(
+        run.state().budget.as_ref().and_then(|b| b.limits.tokens),
+        Some(50)
+    );
 }
 
 #[test]

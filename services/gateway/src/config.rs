@@ -104,9 +104,11 @@ pub struct GatewayConfig {
 }
 
 /// Spend budgets (a `budgets` file): the limits a run gets when its start names none (per
-/// tenant, else `default`) and the USD price per 1k tokens of each model. The gateway
-/// resolves a run's budget when it starts the run and the run records it, so changing
-/// this file never changes a run that already started.
+/// tenant, else `default`), the most a run of a tenant may have (`ceilings` per tenant,
+/// else `ceiling`: a start asking for more is refused, a budget raise stops there) and the
+/// USD price per 1k tokens of each model. The gateway resolves a run's budget when it
+/// starts the run and the run records it (its ceiling too), so changing this file never
+/// changes a run that already started.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Budgets {
@@ -114,6 +116,11 @@ pub struct Budgets {
     pub default: Limits,
     #[serde(default)]
     pub tenants: BTreeMap<String, Limits>,
+    /// The most any run may have, for tenants without their own ceiling.
+    #[serde(default)]
+    pub ceiling: Limits,
+    #[serde(default)]
+    pub ceilings: BTreeMap<String, Limits>,
     #[serde(default)]
     pub prices: BTreeMap<String, Price>,
 }
@@ -130,20 +137,27 @@ impl Budgets {
     }
 
     /// The budget a run of `tenant` starts with: the limits its start gives over the
-    /// tenant's default, and the price table. `None` when there is neither.
-    pub fn for_run(&self, tenant: &str, own: Option<&Limits>) -> Option<Budget> {
+    /// tenant's default (the default held to the ceiling), the price table and the
+    /// ceiling. `Ok(None)` when there is none of them; `Err` names a limit the start asks
+    /// past the tenant's ceiling.
+    pub fn for_run(&self, tenant: &str, own: Option<&Limits>) -> Result<Option<Budget>, String> {
         let base = self.tenants.get(tenant).unwrap_or(&self.default);
+        let ceiling = self.ceilings.get(tenant).unwrap_or(&self.ceiling);
         let limits = match own {
-            Some(own) => base.overridden_by(own),
-            None => base.clone(),
+            Some(own) => base.capped_by(ceiling).overridden_by(own),
+            None => base.capped_by(ceiling),
         };
-        if limits.is_empty() && self.prices.is_empty() {
-            return None;
+        if let Some(over) = limits.over(ceiling) {
+            return Err(format!("budget: {over} of tenant {tenant}"));
         }
-        Some(Budget {
+        if limits.is_empty() && self.prices.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Budget {
             limits,
             prices: self.prices.clone(),
-        })
+            ceiling: (!ceiling.is_empty()).then(|| ceiling.clone()),
+        }))
     }
 }
 
@@ -415,7 +429,10 @@ mod tests {
             "default: {tokens: 100}\ntenants:\n  acme: {tokens: 500, tool_calls: 3}\nprices:\n  m: {input_per_1k: 1.0, output_per_1k: 2.0}\n",
         )
         .expect("budgets");
-        let acme = budgets.for_run("acme", None).expect("a budget");
+        let acme = budgets
+            .for_run("acme", None)
+            .expect("within the ceiling")
+            .expect("a budget");
         assert_eq!(
             (acme.limits.tokens, acme.limits.tool_calls),
             (Some(500), Some(3))
@@ -425,16 +442,65 @@ mod tests {
             tokens: Some(7),
             ..Limits::default()
         };
-        let other = budgets.for_run("other", Some(&own)).expect("a budget");
+        let other = budgets
+            .for_run("other", Some(&own))
+            .expect("within the ceiling")
+            .expect("a budget");
         assert_eq!(
             (other.limits.tokens, other.limits.tool_calls),
             (Some(7), None)
         );
-        assert_eq!(Budgets::default().for_run("acme", None), None);
+        assert_eq!(Budgets::default().for_run("acme", None), Ok(None));
         assert!(
             serde_yaml::from_str::<Budgets>("tokens: 5\n").is_err(),
             "unknown fields"
         );
+    }
+
+    /// Issue #57: a tenant's budget is a ceiling as well as a default. Seen red with the
+    /// start's own limits taken as they are (the ceiling not consulted): the start asking
+    /// 10^9 tokens got them.
+    #[test]
+    fn a_start_asks_no_more_than_its_tenants_ceiling() {
+        let budgets: Budgets = serde_yaml::from_str(
+            "default: {tokens: 100}\nceiling: {tokens: 1000}\nceilings:\n  acme: {tokens: 50, cost_usd: 2.0}\n",
+        )
+        .expect("budgets");
+        let acme = budgets
+            .for_run("acme", None)
+            .expect("within the ceiling")
+            .expect("a budget");
+        assert_eq!(
+            acme.limits.tokens,
+            Some(50),
+            "the default held to the ceiling"
+        );
+        assert_eq!(
+            acme.limits.cost_usd,
+            Some(2.0),
+            "a limit the default lacks is the ceiling"
+        );
+        assert_eq!(acme.ceiling.as_ref().and_then(|c| c.tokens), Some(50));
+        let greedy = Limits {
+            tokens: Some(1_000_000_000),
+            ..Limits::default()
+        };
+        let refused = budgets
+            .for_run("other", Some(&greedy))
+            .expect_err("over the ceiling");
+        assert!(
+            refused.contains("tokens 1000000000 is over the ceiling 1000"),
+            "{refused}"
+        );
+        let modest = Limits {
+            tokens: Some(700),
+            ..Limits::default()
+        };
+        let other = budgets
+            .for_run("other", Some(&modest))
+            .expect("within the ceiling")
+            .expect("a budget");
+        assert_eq!(other.limits.tokens, Some(700));
     }
 
     #[test]

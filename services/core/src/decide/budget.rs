@@ -51,6 +51,7 @@ pub(crate) fn check(ctx: &mut Ctx<'_>, proposals: usize, new_tool_calls: u64) ->
         OnBudgetExceeded::Cancel => cancel::cancel(ctx, "sortie:budget".into(), Some(reason)),
         OnBudgetExceeded::Pause => {
             let run = ctx.run();
+            let run_rules = run.rules;
             let step_id = run.next_step_id(BUDGET_NODE);
             let proposal = json!({
                 "kind": "budget",
@@ -84,7 +85,8 @@ pub(crate) fn check(ctx: &mut Ctx<'_>, proposals: usize, new_tool_calls: u64) ->
                     reason: format!(
                         "{reason}: approve with payload {{\"raise\": {{...}}}} to raise it"
                     ),
-                    required_role: None,
+                    // From rules 3 a budget decision needs its role; before, anyone's.
+                    required_role: (run_rules >= 3).then(|| graph.access.budget_role().to_owned()),
                     approver_group: None,
                     quorum: 1,
                     expires_at: None,

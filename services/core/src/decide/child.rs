@@ -63,7 +63,7 @@ impl Ctx<'_> {
             // A run without a budget holds nothing back: the node's own cap, if any.
             return child.budget.clone().map(|limits| Budget {
                 limits,
-                prices: Default::default(),
+                ..Budget::default()
             });
         };
         let mut held = run.spend.with_reserved(run.reserved.values());
@@ -79,6 +79,7 @@ impl Ctx<'_> {
         let share = Budget {
             limits,
             prices: left.prices,
+            ceiling: left.ceiling,
         };
         self.emit(
             EventBody::BudgetReserved {

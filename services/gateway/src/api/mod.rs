@@ -355,6 +355,12 @@ async fn start_run(
     let input = body.input.unwrap_or_else(|| json!({}));
     let input = app.payload(&caller.tenant, &run_id, "input", input).await?;
     let input = app.seal(&caller.tenant, &run_id, input, true).await?;
+    let budget = app
+        .inner
+        .config
+        .budgets
+        .for_run(&caller.tenant, body.budget.as_ref())
+        .map_err(|reason| ApiError::bad_request("bad_budget", reason))?;
     let command = command(
         &caller,
         &run_id,
@@ -364,13 +370,7 @@ async fn start_run(
             graph_version: body.graph_version.map(|v| v as i32),
             input: sortie_core::json::canonical(&input),
             labels: body.labels,
-            budget: app
-                .inner
-                .config
-                .budgets
-                .for_run(&caller.tenant, body.budget.as_ref())
-                .as_ref()
-                .map(sortie_model::budget_text),
+            budget: budget.as_ref().map(sortie_model::budget_text),
             fork: None,
             parent: None,
         }),
