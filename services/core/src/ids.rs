@@ -54,6 +54,29 @@ pub fn keyed_run_id(tenant: &str, key: &str) -> String {
     format!("{KEYED_PREFIX}{}", &digest[..32])
 }
 
+/// The `n`-th candidate id of a fork made without a run id under an `Idempotency-Key`
+/// (the fork's command id): `key_`, 32 hex digits of SHA-256 over a domain tag, the
+/// tenant, the key and `n`, then `_n`. A fork's id must be on its source's partition, so
+/// the gateway takes the first candidate that is; the reducer recomputes the one the id
+/// names ([`is_keyed_id`]). Like [`keyed_run_id`], nobody can take it first by guessing.
+pub fn keyed_fork_id(tenant: &str, key: &str, n: u32) -> String {
+    let digest = json::sha256_hex(&["sortie.keyed-fork.v1", tenant, key, &n.to_string()]);
+    format!("{KEYED_PREFIX}{}_{n}", &digest[..32])
+}
+
+/// Whether `run_id` is the `key_` id a start of `tenant` with command id `command_id`
+/// derives: [`keyed_run_id`], or for a fork one of its [`keyed_fork_id`] candidates.
+pub fn is_keyed_id(tenant: &str, command_id: &str, run_id: &str, fork: bool) -> bool {
+    if keyed_run_id(tenant, command_id) == run_id {
+        return true;
+    }
+    let candidate = run_id
+        .rsplit_once('_')
+        .and_then(|(_, n)| n.parse::<u32>().ok())
+        .filter(|n| run_id.ends_with(&format!("_{n}")));
+    fork && candidate.is_some_and(|n| keyed_fork_id(tenant, command_id, n) == run_id)
+}
+
 /// Checkpoint id of a run's state at a version.
 pub fn checkpoint_id(run_id: &str, version: i64) -> String {
     format!("ckpt_{run_id}_{version}")
@@ -63,6 +86,20 @@ pub fn checkpoint_id(run_id: &str, version: i64) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_fork_candidate_is_recognised_only_as_its_own() {
+        let id = keyed_fork_id("acme", "k", 7);
+        assert!(id.starts_with("key_") && id.ends_with("_7"));
+        assert!(is_keyed_id("acme", "k", &id, true));
+        assert!(!is_keyed_id("acme", "k", &id, false));
+        assert!(!is_keyed_id("globex", "k", &id, true));
+        assert!(!is_keyed_id("acme", "k2", &id, true));
+        let renumbered = format!("{}_8", id.trim_end_matches("_7"));
+        assert!(!is_keyed_id("acme", "k", &renumbered, true));
+        assert!(!is_keyed_id("acme", "k", &format!("{id}_07"), true));
+        assert!(is_keyed_id("acme", "k", &keyed_run_id("acme", "k"), false));
+    }
 
     /// The published formula, pinned: outside clients (the Python one included)
     /// compute the same id from the same four values.

@@ -431,3 +431,43 @@ fn a_forks_source_is_its_own_history_held_to_its_chain_head() {
     let err = verified_source(&head, &at(99, Some(history)), &plain).unwrap_err();
     assert!(err.contains("no version"), "{err}");
 }
+
+/// Issue #57: a fork made under an `Idempotency-Key` without a run id gets a `key_…_n`
+/// id the reducer recomputes from the tenant and the key (the command id), so nobody who
+/// guesses the key takes it first; the same id under another key, or on a start that is
+/// no fork, is refused `bad_run_id`. Seen red with the fork candidates not recognised
+/// (`is_keyed_id` ignoring `fork`): the gateway's own fork was refused.
+#[test]
+fn a_keyed_fork_id_is_taken_only_by_the_fork_that_derives_it() {
+    use sortie_core::ids::keyed_fork_id;
+    let graphs = graphs();
+    let versions = source(&graphs);
+    let from = &versions[&3];
+    let id = keyed_fork_id("acme", "fork-key", 3);
+    let attempt = |command_id: &str, forked: bool| {
+        let source = forked.then(|| ForkSource {
+            run_id: from.run_id.clone(),
+            version: from.version,
+            state: serde_json::to_value(from).unwrap(),
+            history: None,
+        });
+        let mut input = start(&id, 100, json!({"order": "o-1"}), source);
+        if let Input::Command(c) = &mut input {
+            c.command_id = command_id.into();
+        }
+        apply(None, &input, &graphs)
+    };
+    let refused = |applied: &Applied| {
+        applied.state.is_none()
+            && events(applied).iter().any(|e| {
+                matches!(&e.body, sortie_core::EventBody::CommandRejected { code, .. } if code == "bad_run_id")
+            })
+    };
+    assert!(refused(&attempt("guessed-wrong", true)));
+    assert!(
+        refused(&attempt("fork-key", false)),
+        "a start that is no fork"
+    );
+    let owner = attempt("fork-key", true);
+    assert_eq!(owner.state.map(|s| s.run_id), Some(id));
+}

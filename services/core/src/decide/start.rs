@@ -78,7 +78,12 @@ pub(crate) fn handle(ctx: &mut Ctx<'_>, command: &Command) {
         return ctx.reject(command, "bad_run_id", reason);
     }
     if command.run_id.starts_with(crate::ids::KEYED_PREFIX)
-        && crate::ids::keyed_run_id(&command.tenant, &command.command_id) != command.run_id
+        && !crate::ids::is_keyed_id(
+            &command.tenant,
+            &command.command_id,
+            &command.run_id,
+            fork.is_some(),
+        )
     {
         let reason = format!(
             "run ids starting {} are derived from the start's Idempotency-Key (its command id); choose another",

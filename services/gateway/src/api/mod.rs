@@ -1309,21 +1309,33 @@ async fn fork_run(
                 "run_id must be 1 to 128 characters of A-Z a-z 0-9 _ - . : @, and not the source's",
             ))
         }
-        (None, Some(key)) => (0u32..)
-            .map(|n| {
-                let digest = match n {
-                    0 => sortie_core::json::sha256_hex(&[&caller.tenant, "fork", key]),
-                    n => sortie_core::json::sha256_hex(&[
-                        &caller.tenant,
-                        "fork",
-                        key,
-                        &n.to_string(),
-                    ]),
-                };
-                format!("run_{}", &digest[..26])
-            })
-            .find(|id| app.partition_of(id) == partition)
-            .unwrap_or_default(),
+        // A retried fork names the same run: derived from the key in the form the reducer
+        // checks (`key_…_n`), so nobody takes it first by guessing the key; a retry of a
+        // fork made before that form keeps its older id.
+        (None, Some(key)) => {
+            let older = (0u32..)
+                .map(|n| {
+                    let digest = match n {
+                        0 => sortie_core::json::sha256_hex(&[&caller.tenant, "fork", key]),
+                        n => sortie_core::json::sha256_hex(&[
+                            &caller.tenant,
+                            "fork",
+                            key,
+                            &n.to_string(),
+                        ]),
+                    };
+                    format!("run_{}", &digest[..26])
+                })
+                .find(|id| app.partition_of(id) == partition)
+                .unwrap_or_default();
+            match known_run(&app, &caller, &older) {
+                Ok(Some(_)) => older,
+                _ => (0u32..)
+                    .map(|n| sortie_core::ids::keyed_fork_id(&caller.tenant, key, n))
+                    .find(|id| app.partition_of(id) == partition)
+                    .unwrap_or_default(),
+            }
+        }
         (None, None) => std::iter::repeat_with(|| format!("run_{}", Ulid::generate()))
             .find(|id| app.partition_of(id) == partition)
             .unwrap_or_default(),
