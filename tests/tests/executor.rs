@@ -663,6 +663,71 @@ edges:
     assert!(letters[0].service.starts_with("executor/"));
 }
 
+/// A graph naming an address the executor refuses (the cloud metadata address, a private
+/// one) fails its step for good, `egress_forbidden` naming the rule, on its first
+/// attempt and before anything is sent: the harness's executor allows loopback only
+/// (`--egress-allow 127.0.0.0/8`), as `sortie dev`'s does. Seen red with the executor's
+/// literal check skipped: the request went out (this machine's network answered the
+/// metadata address 403, so the step failed `client_error`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_step_to_a_refused_address_fails_egress_forbidden() {
+    let graph = |id: &str, url: &str| {
+        format!(
+            r#"
+id: {id}
+version: 1
+nodes:
+  - id: fetch
+    tool: http
+    side_effect: keyed
+    args: {{x: 1}}
+    config: {{url: "{url}"}}
+    timeout: 2s
+    retry: {{max_attempts: 3, initial_backoff: 100ms, max_backoff: 200ms, multiplier: 2.0, jitter: 0.1}}
+edges: []
+"#
+        )
+    };
+    let metadata = graph(
+        "metadata",
+        "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+    );
+    let private = graph("private", "http://10.255.255.1:8080/admin");
+    let stack = Stack::start("exec-egress", &[&metadata, &private]).await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor_process("executor", &["default"], &[]);
+    stack
+        .send(&start_run("run-metadata", "metadata", "{}"))
+        .await;
+    stack.send(&start_run("run-private", "private", "{}")).await;
+    let runs = ["run-metadata".to_owned(), "run-private".to_owned()];
+    let states = stack
+        .wait_for_states(
+            "both runs to fail",
+            &runs,
+            LONG,
+            status_is(RunStatus::Failed),
+        )
+        .await;
+    for (run, rule) in [
+        (
+            "run-metadata",
+            "169.254.169.254 is a link-local (cloud metadata) address",
+        ),
+        (
+            "run-private",
+            "10.255.255.1 is a private address (10.0.0.0/8)",
+        ),
+    ] {
+        let step = &states[run].steps["fetch#1"];
+        assert_eq!(step.attempt, 1, "{run}: a permanent failure is not retried");
+        let error = step.error.as_deref().unwrap_or_default();
+        assert!(error.contains("egress_forbidden"), "{run}: {step:?}");
+        assert!(error.contains(rule), "{run}: {error}");
+        assert!(error.contains("--egress-allow"), "{run}: {error}");
+    }
+}
+
 /// SIGTERM while a call is in flight: the executor finishes it and reports before it
 /// exits; nothing runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

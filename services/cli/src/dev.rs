@@ -423,6 +423,8 @@ async fn serve(
         "file://{}",
         std::path::absolute(data_dir.join("blobs"))?.display()
     );
+    // The dev receivers (the ledger, a local model or MCP server) listen on loopback,
+    // which executors refuse by default (docs/security.md, "Egress").
     stack.spawn(
         "executor",
         &[
@@ -435,6 +437,10 @@ async fn serve(
             &kek,
             "--seal-key-store",
             &run_keys,
+            "--egress-allow",
+            "127.0.0.0/8",
+            "--egress-allow",
+            "::1/128",
         ],
     )?;
     let gateway_dir = data_dir.join("gateway").display().to_string();

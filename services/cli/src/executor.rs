@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sortie_executor::{ExecutorConfig, FaultPoint, Handlers};
+use sortie_executor::{Egress, ExecutorConfig, FaultPoint, Handlers};
 use sortie_wire::Topics;
 
 #[derive(Debug, clap::Args)]
@@ -86,6 +86,27 @@ pub struct Args {
         default_value_t = 30_000
     )]
     stall_grace_ms: u64,
+    /// Allow the built-in handlers (http, llm, mcp) to reach this destination for every
+    /// tenant: a CIDR (10.0.0.0/8), an address, or a host name (*.name for its
+    /// subdomains; allowed whatever it resolves to). By default loopback, private,
+    /// link-local and other non-public addresses are refused. Repeat the flag or separate
+    /// by commas.
+    #[arg(
+        long = "egress-allow",
+        env = "SORTIE__EXECUTOR__EGRESS_ALLOW",
+        value_delimiter = ',',
+        value_name = "CIDR|HOST"
+    )]
+    egress_allow: Vec<String>,
+    /// As --egress-allow, for one tenant's steps only: <tenant>=<CIDR|HOST>. Repeat the
+    /// flag or separate by commas.
+    #[arg(
+        long = "egress-allow-tenant",
+        env = "SORTIE__EXECUTOR__EGRESS_ALLOW_TENANT",
+        value_delimiter = ',',
+        value_name = "TENANT=CIDR|HOST"
+    )]
+    egress_allow_tenant: Vec<String>,
     /// Crash tests only: die on purpose at this point (executor.before_call,
     /// executor.after_call, executor.after_result), hang in the first offset commit
     /// (executor.hang_in_commit), or leave the group (executor.leave_group).
@@ -130,8 +151,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         s3_endpoint: args.blob_s3_endpoint,
         threshold: args.blob_threshold,
     });
+    let mut egress = Egress::default();
+    for rule in args.egress_allow.iter().filter(|r| !r.trim().is_empty()) {
+        egress.allow(rule)?;
+    }
+    for spec in args
+        .egress_allow_tenant
+        .iter()
+        .filter(|r| !r.trim().is_empty())
+    {
+        egress.allow_tenant_spec(spec)?;
+    }
     if args.print_config {
         println!("{config:#?}");
+        println!("{egress:#?}");
         return Ok(());
     }
     if let Some(point) = config.fault {
@@ -151,7 +184,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     .await?;
     sortie_executor::run_with_health(
         config,
-        Handlers::builtin(),
+        Handlers::builtin_with(&egress),
         crate::shutdown_signal(),
         health,
     )

@@ -243,14 +243,21 @@ impl Handlers {
         Self::default()
     }
 
-    /// `http`, `llm` (sharing one HTTP client), `mcp`, `echo` and `sleep`.
+    /// `http`, `llm`, `mcp`, `echo` and `sleep`, the first three held to the default
+    /// egress policy: no loopback, private, link-local or other non-public address
+    /// ([`crate::egress`]).
     pub fn builtin() -> Self {
-        let client = crate::handlers::http_client();
+        Self::builtin_with(&crate::egress::Egress::default())
+    }
+
+    /// [`Handlers::builtin`] with `egress`'s allowances.
+    pub fn builtin_with(egress: &crate::egress::Egress) -> Self {
+        let clients = crate::egress::Clients::new(egress);
         let mut handlers = Self::new();
         handlers
-            .register("http", crate::handlers::Http::new(client.clone()))
-            .register("llm", crate::handlers::Llm::new(client))
-            .register("mcp", crate::handlers::Mcp)
+            .register("http", crate::handlers::Http::new(clients.clone()))
+            .register("llm", crate::handlers::Llm::new(clients.clone()))
+            .register("mcp", crate::handlers::Mcp::new(clients))
             .register("echo", crate::handlers::Echo)
             .register("sleep", crate::handlers::Sleep);
         handlers

@@ -5,6 +5,10 @@
 //! §4.2. (The ledger, the receiver that tests and the dev stack call, lives in
 //! `sortie-devkit`, which no production service links.)
 //!
+//! The built-in handlers connect only where the [`egress`] policy allows: by default no
+//! loopback, private, link-local or other non-public address, checked on the address
+//! connected to; an operator allows more, for every tenant or for one.
+//!
 //! An executor never touches run state and never retries on its own: it makes one
 //! request per attempt, reports what happened (a typed [`HandlerError`] says whether the
 //! outcome is a retryable failure, a permanent one, or unknown), and the reducer decides.
@@ -30,6 +34,7 @@
 //! a call; an output over the threshold is stored before its result is produced and
 //! reported by reference (`sortie-blob`).
 
+pub mod egress;
 pub mod fault;
 pub mod handler;
 pub mod handlers;
@@ -38,6 +43,7 @@ pub mod metrics;
 pub mod runtime;
 mod tracker;
 
+pub use egress::Egress;
 pub use fault::FaultPoint;
 pub use handler::{Call, HandlerError, Handlers, Lookup, StepHandler};
 pub use runtime::{run, run_with_health, Error, ExecutorConfig};

@@ -146,9 +146,24 @@ fn client_info() -> ClientConfig {
     )
 }
 
+/// The HTTP client a session runs over, as [`call_tool`] and [`list_tools`] build it: a
+/// caller that needs more of it (the executor's egress policy: its resolver and redirect
+/// check) builds on this and hands the client to [`call_tool_via`].
+pub fn client_builder() -> reqwest13::ClientBuilder {
+    reqwest13::Client::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .user_agent(concat!("sortie/", env!("CARGO_PKG_VERSION")))
+}
+
+fn default_client() -> Result<reqwest13::Client, Error> {
+    client_builder()
+        .build()
+        .map_err(|e| Error::NotSent(format!("building the HTTP client: {e}")))
+}
+
 /// Opens a session (`initialize`, `notifications/initialized`). Nothing of a tool call
 /// has been sent yet, so a failure here is [`Error::NotSent`] or [`Error::Refused`].
-async fn connect(endpoint: &Endpoint) -> Result<Client, Error> {
+async fn connect(endpoint: &Endpoint, client: reqwest13::Client) -> Result<Client, Error> {
     let mut headers = HashMap::new();
     for (name, value) in &endpoint.headers {
         let name = http::HeaderName::try_from(name.as_str())
@@ -163,11 +178,6 @@ async fn connect(endpoint: &Endpoint) -> Result<Client, Error> {
         .max_sse_event_size(MAX_RESPONSE_BYTES)
         .max_error_response_size(4096)
         .reinit_on_expired_session(false);
-    let client = reqwest13::Client::builder()
-        .connect_timeout(Duration::from_secs(5))
-        .user_agent(concat!("sortie/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .map_err(|e| Error::NotSent(format!("building the HTTP client: {e}")))?;
     let transport = StreamableHttpClientTransport::with_client(client, config);
     client_info()
         .serve(transport)
@@ -189,8 +199,18 @@ pub async fn call_tool(
     call: &ToolCall,
     timeout: Duration,
 ) -> Result<CallOutcome, Error> {
+    call_tool_via(endpoint, call, timeout, default_client()?).await
+}
+
+/// [`call_tool`] over `client` (built on [`client_builder`]), for this one session.
+pub async fn call_tool_via(
+    endpoint: &Endpoint,
+    call: &ToolCall,
+    timeout: Duration,
+    client: reqwest13::Client,
+) -> Result<CallOutcome, Error> {
     let deadline = tokio::time::Instant::now() + timeout;
-    let client = tokio::time::timeout_at(deadline, connect(endpoint))
+    let client = tokio::time::timeout_at(deadline, connect(endpoint, client))
         .await
         .map_err(|_| {
             Error::NotSent(format!(
@@ -263,7 +283,7 @@ pub async fn list_tools(
     timeout: Duration,
 ) -> Result<Vec<PinnedTool>, Error> {
     let deadline = tokio::time::Instant::now() + timeout;
-    let client = tokio::time::timeout_at(deadline, connect(endpoint))
+    let client = tokio::time::timeout_at(deadline, connect(endpoint, default_client()?))
         .await
         .map_err(|_| {
             Error::NotSent(format!(

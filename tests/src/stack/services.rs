@@ -86,10 +86,10 @@ impl Stack {
         LedgerProcess { process, url, file }
     }
 
-    /// Starts `sortie executor` for `queues` named `name`, with fast commits and a short
-    /// drain; `extra` args are appended (e.g. `["--static-membership"]` so a restart under
-    /// the same name takes its partitions back at once, `["--fault",
-    /// "executor.after_call"]`).
+    /// Starts `sortie executor` for `queues` named `name`, with fast commits, a short
+    /// drain and loopback allowed (`--egress-allow`); `extra` args are appended (e.g.
+    /// `["--static-membership"]` so a restart under the same name takes its partitions
+    /// back at once, `["--fault", "executor.after_call"]`).
     pub fn executor_process(&self, name: &str, queues: &[&str], extra: &[&str]) -> Process {
         let queues = queues.join(",");
         let mut args = vec![
@@ -112,6 +112,12 @@ impl Stack {
             "3000",
             "--metrics-addr",
             "127.0.0.1:0",
+            // The ledger, fake models and MCP servers of the tests listen on loopback,
+            // which executors refuse by default.
+            "--egress-allow",
+            "127.0.0.0/8",
+            "--egress-allow",
+            "::1/128",
         ];
         args.extend_from_slice(extra);
         self.spawn(name, &args)

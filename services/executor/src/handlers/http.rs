@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{classify, config, transport_error};
+use super::{classify, config, read_capped, receiver_text, transport_error, Unread};
+use crate::egress::Clients;
 use crate::handler::{Call, HandlerError, Lookup, StepHandler};
 
 /// A node's `config` for the `http` tool.
@@ -35,20 +36,29 @@ pub struct HttpConfig {
 /// The `http` handler.
 #[derive(Debug, Clone)]
 pub struct Http {
-    client: reqwest::Client,
+    clients: Clients,
 }
 
 impl Http {
-    pub fn new(client: reqwest::Client) -> Self {
-        Self { client }
+    /// Over policed [`Clients`], or a `reqwest::Client` used as it is (no egress policy).
+    pub fn new(clients: impl Into<Clients>) -> Self {
+        Self {
+            clients: clients.into(),
+        }
     }
 }
+
+/// The most of a status lookup's answer read: it may carry the operation's output.
+const MAX_LOOKUP_BYTES: usize = super::MAX_ANSWER_BYTES;
+/// The most of a receiver's failure code a recorded failure keeps, in characters.
+const MAX_CODE_CHARS: usize = 64;
 
 impl StepHandler for Http {
     async fn call(&self, call: &Call) -> Result<Value, HandlerError> {
         let config: HttpConfig = config("http", &call.config)?;
         let mut request = self
-            .client
+            .clients
+            .for_url(&call.tenant, &config.url)?
             .post(&config.url)
             .timeout(call.timeout)
             .header("Idempotency-Key", &call.operation_id)
@@ -74,13 +84,18 @@ impl StepHandler for Http {
             status_url.trim_end_matches('/'),
             encode_segment(&call.operation_id)
         );
+        let lost = |e: reqwest::Error| match crate::egress::forbidden(&e) {
+            Some(refused) => refused,
+            None => HandlerError::unknown("lookup_failed", format!("GET {url}: {e}")),
+        };
         let response = self
-            .client
+            .clients
+            .for_url(&call.tenant, &url)?
             .get(&url)
             .timeout(call.timeout)
             .send()
             .await
-            .map_err(|e| HandlerError::unknown("lookup_failed", format!("GET {url}: {e}")))?;
+            .map_err(lost)?;
         if response.status() == reqwest::StatusCode::NOT_FOUND {
             return Ok(Lookup::NotFound);
         }
@@ -90,23 +105,48 @@ impl StepHandler for Http {
                 format!("GET {url} answered {}", response.status()),
             ));
         }
-        let body: Value = response
-            .json()
-            .await
-            .map_err(|e| HandlerError::unknown("lookup_failed", format!("GET {url}: {e}")))?;
+        let bytes =
+            read_capped(response, MAX_LOOKUP_BYTES)
+                .await
+                .map_err(|unread| match unread {
+                    Unread::TooLarge => HandlerError::unknown(
+                        "lookup_failed",
+                        format!(
+                            "GET {url} answered over {MAX_LOOKUP_BYTES} bytes; it was not read"
+                        ),
+                    ),
+                    Unread::Lost(e) => lost(e),
+                })?;
+        // What the answer holds reaches the run only as a lookup's outcome: a body that
+        // is not one is never copied into the error (it may be anything the URL serves).
+        let body: Value = serde_json::from_slice(&bytes).map_err(|e| {
+            HandlerError::unknown(
+                "lookup_failed",
+                format!(
+                    "GET {url} answered {} bytes that are not JSON: {e}",
+                    bytes.len()
+                ),
+            )
+        })?;
         match body["status"].as_str() {
             Some("succeeded") => Ok(Lookup::Succeeded(body["output"].clone())),
             Some("failed") => Ok(Lookup::Failed {
-                code: body["code"].as_str().unwrap_or("failed").to_owned(),
-                message: body["error"]
+                code: body["code"]
                     .as_str()
-                    .unwrap_or("the receiver recorded a failure")
-                    .to_owned(),
+                    .unwrap_or("failed")
+                    .chars()
+                    .take(MAX_CODE_CHARS)
+                    .collect(),
+                message: receiver_text(
+                    body["error"]
+                        .as_str()
+                        .unwrap_or("the receiver recorded a failure"),
+                ),
             }),
             Some("unknown" | "not_found") => Ok(Lookup::NotFound),
             _ => Err(HandlerError::unknown(
                 "lookup_failed",
-                format!("GET {url} gave no status: {body}"),
+                format!("GET {url} answered no status (succeeded, failed, unknown or not_found)"),
             )),
         }
     }
@@ -339,6 +379,44 @@ mod tests {
         assert!(http.lookup(&c).await.expect_err("5xx").is_unknown());
         c.config = serde_json::json!({"url": format!("{base}/x")});
         assert_eq!(http.lookup(&c).await, Ok(Lookup::Unsupported));
+    }
+
+    /// A receiver's text reaches the step's error cut to 256 characters, and a lookup's
+    /// answer that is not one never reaches it: an error is not a way to read what a URL
+    /// serves. Seen red with the cut at 500 characters and the answer copied into the
+    /// lookup's error, as they were.
+    #[tokio::test]
+    async fn a_receivers_text_in_an_error_is_bounded() {
+        let long = format!("{}SECRET-AT-THE-END", "x".repeat(300));
+        let base =
+            serve(
+                Router::new()
+                    .route(
+                        "/x",
+                        post(move || async move { (StatusCode::BAD_REQUEST, long) }),
+                    )
+                    .route(
+                        "/status/{id}",
+                        get(move || async move {
+                            Json(serde_json::json!({"body": "internal: SECRET"}))
+                        }),
+                    ),
+            )
+            .await;
+        let http = Http::new(super::super::http_client());
+        let config =
+            serde_json::json!({"url": format!("{base}/x"), "status_url": format!("{base}/status")});
+        let c = call(config, Duration::from_secs(2));
+        let error = http.call(&c).await.expect_err("400");
+        let text = error
+            .message()
+            .strip_prefix("400 Bad Request: ")
+            .expect("the status first");
+        assert_eq!(text.chars().count(), super::super::MAX_RECEIVER_TEXT);
+        assert!(text.ends_with('…') && !text.contains("SECRET"), "{text}");
+        let error = http.lookup(&c).await.expect_err("no status");
+        assert_eq!(error.code(), "lookup_failed");
+        assert!(!error.message().contains("SECRET"), "{error}");
     }
 
     #[test]

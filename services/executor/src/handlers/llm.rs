@@ -15,6 +15,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::{classify, config, secret_allowed, transport_error};
+use crate::egress::Clients;
 use crate::handler::{Call, HandlerError, StepHandler};
 
 /// A node's `config` for the `llm` tool.
@@ -64,12 +65,15 @@ const PASSED_THROUGH: &[&str] = &[
 /// The `llm` handler.
 #[derive(Debug, Clone)]
 pub struct Llm {
-    client: reqwest::Client,
+    clients: Clients,
 }
 
 impl Llm {
-    pub fn new(client: reqwest::Client) -> Self {
-        Self { client }
+    /// Over policed [`Clients`], or a `reqwest::Client` used as it is (no egress policy).
+    pub fn new(clients: impl Into<Clients>) -> Self {
+        Self {
+            clients: clients.into(),
+        }
     }
 }
 
@@ -87,15 +91,19 @@ impl StepHandler for Llm {
             }
         };
         let base = config.base_url.trim_end_matches('/');
+        let url = if anthropic {
+            format!("{base}/messages")
+        } else {
+            format!("{base}/chat/completions")
+        };
+        let client = self.clients.for_url(&call.tenant, &url)?;
         let mut request = if anthropic {
-            self.client
-                .post(format!("{base}/messages"))
+            client
+                .post(url)
                 .header("anthropic-version", ANTHROPIC_VERSION)
                 .json(&anthropic_body(&config, &call.args)?)
         } else {
-            self.client
-                .post(format!("{base}/chat/completions"))
-                .json(&request_body(&config, &call.args)?)
+            client.post(url).json(&request_body(&config, &call.args)?)
         };
         request = request
             .timeout(call.timeout)
@@ -162,7 +170,7 @@ fn anthropic_output(response: &Value) -> Result<Value, HandlerError> {
                 "bad_response",
                 format!(
                     "no content blocks in the model's answer: {}",
-                    super::truncate(&response.to_string(), 500)
+                    super::receiver_text(&response.to_string())
                 ),
             )
         })?;
@@ -260,7 +268,10 @@ fn output(response: &Value) -> Result<Value, HandlerError> {
         .ok_or_else(|| {
             HandlerError::permanent(
                 "bad_response",
-                format!("no choices in the model's answer: {response}"),
+                format!(
+                    "no choices in the model's answer: {}",
+                    super::receiver_text(&response.to_string())
+                ),
             )
         })?;
     let message = &choice["message"];

@@ -14,6 +14,7 @@
 //! | HTTP 4xx, unknown tool, invalid arguments, a protocol it does not speak | permanent `mcp_refused` |
 //! | the tool answered `isError: true` | permanent `tool_error` (its text) |
 //! | sent, and no answer came (timeout, connection lost, a task) | unknown `mcp_no_answer` |
+//! | the server's address is one the egress policy refuses ([`crate::egress`]) | permanent `egress_forbidden`, nothing sent |
 //! | an answer over 1 MiB | `limit_exceeded`: permanent where a repeat is harmless (`pure`, `idempotent`, `keyed`: it would answer the same); unknown for `reconcilable` and `unsafe`, whose call happened (an operator records what it did) |
 
 use serde::Deserialize;
@@ -21,7 +22,8 @@ use serde_json::Value;
 
 use sortie_wire::records::SideEffectClass;
 
-use super::config;
+use super::{config, receiver_text};
+use crate::egress::Clients;
 use crate::handler::{Call, HandlerError, StepHandler};
 
 /// What an `mcp` step's config holds when it reaches the executor.
@@ -36,12 +38,32 @@ pub struct McpConfig {
 }
 
 /// The `mcp` handler.
-#[derive(Debug, Clone, Default)]
-pub struct Mcp;
+#[derive(Debug, Clone)]
+pub struct Mcp {
+    clients: Clients,
+}
+
+impl Mcp {
+    /// Held to the egress policy of `clients` (its HTTP clients themselves are not used:
+    /// the MCP SDK runs over another version of reqwest, and a session gets a client of
+    /// its own). Over unchecked clients, no policy.
+    pub fn new(clients: impl Into<Clients>) -> Self {
+        Self {
+            clients: clients.into(),
+        }
+    }
+}
 
 impl StepHandler for Mcp {
     async fn call(&self, call: &Call) -> Result<Value, HandlerError> {
         let config: McpConfig = config("mcp", &call.config)?;
+        // Before the secret is read: a refused server gets nothing.
+        let policy = self.clients.policy(&call.tenant).cloned();
+        if let Some(policy) = &policy {
+            if let Ok(url) = reqwest::Url::parse(&config.url) {
+                policy.check_url(&url).map_err(|r| r.to_handler_error())?;
+            }
+        }
         let endpoint = endpoint(&config, &call.tenant)?;
         let arguments = match &call.args {
             Value::Object(map) => map.clone(),
@@ -60,9 +82,20 @@ impl StepHandler for Mcp {
             run_id: call.run_id.clone(),
             attempt: call.attempt,
         };
-        let outcome = sortie_mcp::call_tool(&endpoint, &request, call.timeout)
-            .await
-            .map_err(|e| handler_error(e, call.side_effect))?;
+        let outcome = match &policy {
+            Some(policy) => {
+                let (client, refused) = crate::egress::mcp_client(policy)?;
+                sortie_mcp::call_tool_via(&endpoint, &request, call.timeout, client)
+                    .await
+                    .map_err(|e| {
+                        crate::egress::refused_in(&refused)
+                            .unwrap_or_else(|| handler_error(e, call.side_effect))
+                    })?
+            }
+            None => sortie_mcp::call_tool(&endpoint, &request, call.timeout)
+                .await
+                .map_err(|e| handler_error(e, call.side_effect))?,
+        };
         if outcome.is_error {
             let text = outcome.text();
             return Err(HandlerError::permanent(
@@ -71,7 +104,11 @@ impl StepHandler for Mcp {
                     "tool {} of MCP server {} answered an error: {}",
                     config.tool,
                     config.server,
-                    if text.is_empty() { "(no text)" } else { &text }
+                    if text.is_empty() {
+                        "(no text)".to_owned()
+                    } else {
+                        receiver_text(&text)
+                    }
                 ),
             ));
         }
@@ -105,8 +142,24 @@ fn endpoint(config: &McpConfig, tenant: &str) -> Result<sortie_mcp::Endpoint, Ha
     })
 }
 
+/// A failure of the MCP client as the step's error. Its text may quote the server (a
+/// JSON-RPC error's message, an unexpected answer): it is held to
+/// [`super::MAX_RECEIVER_TEXT`] characters, its start and its end (where the cause is).
 fn handler_error(error: sortie_mcp::Error, class: SideEffectClass) -> HandlerError {
     use sortie_mcp::Error as E;
+    let error = match error {
+        E::NotSent(m) => E::NotSent(ends(&m)),
+        E::Refused(m) => E::Refused(ends(&m)),
+        E::Busy {
+            message,
+            retry_after,
+        } => E::Busy {
+            message: ends(&message),
+            retry_after,
+        },
+        E::Lost(m) => E::Lost(ends(&m)),
+        E::TooLarge(m) => E::TooLarge(ends(&m)),
+    };
     match error {
         E::NotSent(message) => HandlerError::retryable("mcp_unavailable", message),
         E::Busy {
@@ -126,6 +179,22 @@ fn handler_error(error: sortie_mcp::Error, class: SideEffectClass) -> HandlerErr
             _ => HandlerError::permanent("limit_exceeded", message),
         },
     }
+}
+
+/// `text` whole, or its first and last characters with `…` between, at most
+/// [`super::MAX_RECEIVER_TEXT`] characters in all.
+fn ends(text: &str) -> String {
+    let max = super::MAX_RECEIVER_TEXT;
+    let count = text.chars().count();
+    if count <= max {
+        return text.to_owned();
+    }
+    let head = (max - 1) / 2;
+    let tail = max - 1 - head;
+    let mut kept: String = text.chars().take(head).collect();
+    kept.push('…');
+    kept.extend(text.chars().skip(count - tail));
+    kept
 }
 
 #[cfg(test)]
@@ -164,6 +233,14 @@ mod tests {
         // The call of an unsafe tool happened: an answer too large to keep is unknown.
         let mapped = handler_error(E::TooLarge("x".into()), SideEffectClass::Unsafe);
         assert!(mapped.is_unknown());
+        // A server's text is bounded, its start and end kept.
+        let long = format!("start {} end", "x".repeat(5000));
+        let mapped = handler_error(E::Refused(long), SideEffectClass::Keyed);
+        assert_eq!(
+            mapped.message().chars().count(),
+            crate::handlers::MAX_RECEIVER_TEXT
+        );
+        assert!(mapped.message().starts_with("start ") && mapped.message().ends_with(" end"));
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The built-in handlers: `http` and `llm` (which share one client and one way of telling
-//! outcomes apart), `mcp` (one tool of an MCP server), `echo` and `sleep` for demos and
+//! The built-in handlers: `http` and `llm` (which share their clients, one per egress
+//! policy, and one way of telling outcomes apart), `mcp` (one tool of an MCP server), `echo` and `sleep` for demos and
 //! tests.
 
 mod echo;
@@ -18,15 +18,20 @@ pub use mcp::{Mcp, McpConfig};
 
 use crate::handler::HandlerError;
 
-/// The HTTP client the built-in handlers share. Connecting has its own short timeout so
-/// that "could not connect" (nothing was sent: retryable) is told apart from "sent, then
-/// no answer" (unknown). The per-attempt timeout is set per request.
+/// A plain HTTP client of the built-in handlers' kind, with **no egress policy**: for
+/// tests and handlers of your own. [`Handlers::builtin`](crate::Handlers::builtin) gives
+/// `http` and `llm` the policed clients of [`crate::egress::Clients`] instead.
 pub fn http_client() -> reqwest::Client {
+    client_builder().build().unwrap_or_default()
+}
+
+/// Connecting has its own short timeout so that "could not connect" (nothing was sent:
+/// retryable) is told apart from "sent, then no answer" (unknown). The per-attempt
+/// timeout is set per request.
+pub(crate) fn client_builder() -> reqwest::ClientBuilder {
     reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(5))
         .user_agent(concat!("sortie-executor/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .unwrap_or_default()
 }
 
 /// Parses a node's `config` into a handler's config type; a mismatch is a permanent
@@ -50,8 +55,12 @@ fn secret_allowed(tenant: &str, name: &str) -> Result<(), HandlerError> {
 /// - could not connect: nothing was sent, so the attempt is a retryable failure;
 /// - timed out, or the connection was lost after sending: the receiver may have acted,
 ///   so the outcome is unknown.
+/// - the egress policy refused the address (connecting, or a redirect): permanent
+///   `egress_forbidden`, and nothing was sent to that address.
 fn transport_error(error: &reqwest::Error) -> HandlerError {
-    if error.is_connect() {
+    if let Some(refused) = crate::egress::forbidden(error) {
+        refused
+    } else if error.is_connect() {
         HandlerError::retryable("connect_failed", format!("could not connect: {error}"))
     } else if error.is_builder() {
         HandlerError::permanent(
@@ -72,8 +81,12 @@ fn transport_error(error: &reqwest::Error) -> HandlerError {
 /// answers without end must not grow the executor (every tenant's calls on its queue run
 /// in it). An answer this large is stored by reference, if kept at all.
 pub const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
-/// The most of a failed answer's body read (its message keeps 500 characters).
+/// The most of a failed answer's body read (its message keeps [`MAX_RECEIVER_TEXT`]).
 const MAX_ERROR_BYTES: usize = 64 * 1024;
+/// The most of a receiver's own text (an error body, a recorded failure, a tool's error)
+/// a step's error keeps, in characters: enough to say what went wrong, too little to
+/// read an internal answer back through the error.
+pub const MAX_RECEIVER_TEXT: usize = 256;
 
 /// Why a body was not read whole.
 enum Unread {
@@ -151,7 +164,7 @@ async fn classify(
         Err(Unread::TooLarge) => "(a body over 64 KiB, not read)".to_owned(),
         Err(Unread::Lost(_)) => String::new(),
     };
-    let message = format!("{status}: {}", truncate(&text, 500));
+    let message = format!("{status}: {}", receiver_text(&text));
     Err(if status.as_u16() == 429 {
         HandlerError::Retryable {
             code: "rate_limited".into(),
@@ -167,9 +180,13 @@ async fn classify(
     })
 }
 
-fn truncate(text: &str, max: usize) -> &str {
-    match text.char_indices().nth(max) {
-        Some((i, _)) => &text[..i],
-        None => text,
+/// A receiver's text as a step's error keeps it: at most [`MAX_RECEIVER_TEXT`]
+/// characters, a cut marked by its last one, `…`.
+pub(crate) fn receiver_text(text: &str) -> String {
+    if text.chars().nth(MAX_RECEIVER_TEXT).is_none() {
+        return text.to_owned();
     }
+    let mut kept: String = text.chars().take(MAX_RECEIVER_TEXT - 1).collect();
+    kept.push('…');
+    kept
 }
