@@ -588,3 +588,112 @@ async fn comments_error_messages_and_reasons_are_sealed_on_run_events() {
     let (clean, report) = stack.audit_verify_with(seal).await;
     assert!(clean && report["diverged"] == 0, "with keys: {report}");
 }
+
+/// Issue #57 item 3, the false divergence: a `demo` run cancelled with a reason and
+/// deleted at once made `audit replay --verify` exit 1 on an honest history ("the
+/// re-folded state differs from sortie.run-state in: ending", 3 tries of 3). The cancel's
+/// reason is a sealed free text the run's state keeps after it is forgotten; the gateway
+/// destroys the run's key before the reducer folds the `ForgetRun`, so the reducer
+/// writes that state under the destroyed key (every payload `null`, every text empty)
+/// while the history holds the reason sealed under the live key. Both runs here — one
+/// cancelled at once while its first step is in flight, with a reason, one cancelled at
+/// its gate without one — are deleted as soon as the gateway allows, and the audit must
+/// agree with the reducer, with the keys and without them. Seen red before the fix (the
+/// audit comparing a destroyed-key state with the history's sealed reason): both audits
+/// exited 1 with `ending` diverging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cancelled_with_a_reason_and_deleted_at_once_still_verifies() {
+    let sealed = Sealed::start("cancel-delete", &[GATED]).await;
+    let stack = &sealed.stack;
+    let seal = sealed.args();
+    let seal = seal.as_slice();
+    let _reducer = stack.reducer_with("0", seal);
+    let _executor = stack.executor_process("executor", &["default"], seal);
+    let (_gateway, url) = stack
+        .gateway_process_with(&stack.dir.join("gateway"), &[OPS], seal)
+        .await;
+    let client = reqwest::Client::new();
+    let start = |run: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let (code, body) = call(
+                &client,
+                reqwest::Method::POST,
+                &format!("{url}/v1/runs"),
+                "tok-ops",
+                Some(json!({"graph_id": "gated", "run_id": run, "input": {"amount": 5}})),
+            )
+            .await;
+            assert_eq!(code, 201, "{body}");
+        }
+    };
+    let cancel = |run: &'static str, body: Value| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let (code, answer) = call(
+                &client,
+                reqwest::Method::POST,
+                &format!("{url}/v1/runs/{run}/cancel"),
+                "tok-ops",
+                Some(body),
+            )
+            .await;
+            assert!(code < 300, "{code}: {answer}");
+        }
+    };
+    // Deleted as soon as the gateway takes it (409 while the run is still cancelling).
+    let delete = |run: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            sortie_tests::wait_until(&format!("{run} to be deleted"), LONG, || {
+                let (client, url) = (client.clone(), url.clone());
+                async move {
+                    let (code, body) = call(
+                        &client,
+                        reqwest::Method::DELETE,
+                        &format!("{url}/v1/runs/{run}?reason=asked"),
+                        "tok-ops",
+                        None,
+                    )
+                    .await;
+                    assert!(code == 200 || code == 409, "{code}: {body}");
+                    code == 200
+                }
+            })
+            .await;
+        }
+    };
+    start("run-at-once").await;
+    cancel("run-at-once", json!({"reason": "the customer called"})).await;
+    delete("run-at-once").await;
+    start("run-at-its-gate").await;
+    sortie_tests::wait_until("the run to wait for its approval", LONG, || {
+        let client = client.clone();
+        let url = url.clone();
+        async move { status_of(&client, &url, "run-at-its-gate").await["status"] == "waiting_approval" }
+    })
+    .await;
+    cancel("run-at-its-gate", json!({})).await;
+    delete("run-at-its-gate").await;
+    let runs = ["run-at-once".to_owned(), "run-at-its-gate".to_owned()];
+    let forgotten = stack
+        .wait_for_states("both runs to be forgotten", &runs, LONG, |s| {
+            s.forgotten.is_some()
+        })
+        .await;
+    for run in &runs {
+        assert_eq!(
+            forgotten[run].status,
+            sortie_core::RunStatus::Cancelled,
+            "{run}"
+        );
+        assert!(
+            forgotten[run].ending.is_some(),
+            "{run} keeps how it ended: the text the audit compares"
+        );
+    }
+    let (clean, report) = stack.audit_verify().await;
+    assert!(clean && report["diverged"] == 0, "without keys: {report}");
+    let (clean, report) = stack.audit_verify_with(seal).await;
+    assert!(clean && report["diverged"] == 0, "with keys: {report}");
+}

@@ -9,7 +9,11 @@
 //! (or once the key is destroyed) it compares the sealed forms, which agree except for
 //! what the fold derives from payloads (a run's spend, from its outputs' token usage; its
 //! limits, from a budget approval's payload; a step's error, from its sealed message):
-//! those are taken as written and the report says the run was compared sealed.
+//! those are taken as written and the report says the run was compared sealed. A state
+//! the reducer wrote after the run's key was destroyed (a deleted run: the gateway
+//! destroys the key before the reducer folds the `ForgetRun`) holds every payload `null`
+//! and every free text empty; it is the re-fold sealed under the destroyed key, and
+//! agrees ([`refold`]).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -19,6 +23,7 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
 use sortie_core::{evolve, Event, RunState};
 use sortie_kafka::{read, KafkaConfig};
+use sortie_seal::RunSeal;
 use sortie_wire::records as w;
 use sortie_wire::{Codec, Record, Topics};
 use tokio::runtime::Handle;
@@ -215,49 +220,11 @@ pub fn replay(
                 prev = event.hash.clone();
             }
         }
+        let seal = run_seal(history, table.get(run_id), keys, runtime)?;
         let (history, written, sealed) =
-            open_run(history, table.get(run_id), keys, runtime, &mut problems)?;
+            open_run(history, table.get(run_id), seal.as_ref(), &mut problems);
         let history = history.as_slice();
-        let mut folded = history.iter().fold(None, evolve);
-        if let (true, Some(f), Some(t)) = (sealed, folded.as_mut(), written.as_ref()) {
-            // Derived from payloads the fold could not read: taken as written. A step's
-            // error is `<code>: <message>` (or `outcome unknown: <message>`), one text
-            // built from a sealed one, and sealed again as a whole.
-            f.spend = t.spend.clone();
-            f.budget = t.budget.clone();
-            for (id, step) in &mut f.steps {
-                if let Some(written) = t.steps.get(id) {
-                    if step.error.is_some() && written.error.is_some() {
-                        std::sync::Arc::make_mut(step)
-                            .error
-                            .clone_from(&written.error);
-                    }
-                }
-            }
-        }
-        let written = written.as_ref();
-        match (&folded, written) {
-            (Some(f), Some(t)) if f != t => {
-                let f_json = serde_json::to_value(f).unwrap_or_default();
-                let t_json = serde_json::to_value(t).unwrap_or_default();
-                let fields: Vec<String> = f_json
-                    .as_object()
-                    .map(|o| {
-                        o.keys()
-                            .filter(|k| f_json[k.as_str()] != t_json[k.as_str()])
-                            .cloned()
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                problems.push(format!(
-                    "the re-folded state differs from sortie.run-state in: {}",
-                    fields.join(", ")
-                ));
-            }
-            (Some(_), None) => problems.push("the history has no state in sortie.run-state".into()),
-            (None, Some(_)) => problems.push("sortie.run-state has a state with no history".into()),
-            _ => {}
-        }
+        let folded = refold(history, written.as_ref(), sealed, &mut problems);
         reports.push(RunReport {
             run_id: run_id.clone(),
             events: history.len(),
@@ -276,44 +243,61 @@ pub fn replay(
     })
 }
 
-/// A run's history and written state as the fold comparison takes them: opened with the
-/// run's key when there are keys and it opens; else as written. `true`: compared sealed.
-fn open_run(
+/// Whether anything of the run, in its history or its written state, is sealed (`map_payloads`
+/// hands each payload over mutably; nothing is changed).
+fn any_sealed(history: &mut [Event], written: Option<&mut RunState>) -> bool {
+    let mut any = false;
+    for event in history {
+        event.map_payloads(&mut |v| any |= sortie_seal::is_sealed(v));
+    }
+    if let Some(state) = written {
+        state.map_payloads(&mut |v| any |= sortie_seal::is_sealed(v));
+    }
+    any
+}
+
+/// The seal a run's payloads open with, when the auditor has the keys and the run has
+/// something sealed (`Destroyed` once its key is gone).
+fn run_seal(
     history: &[Event],
     written: Option<&RunState>,
     keys: Option<&sortie_seal::RunKeys>,
     runtime: &Handle,
-    problems: &mut Vec<String>,
-) -> Result<(Vec<Event>, Option<RunState>, bool), Error> {
-    let mut history = history.to_vec();
-    let mut written = written.cloned();
-    let mut any_sealed = false;
-    for event in &mut history {
-        event.map_payloads(&mut |v| any_sealed |= sortie_seal::is_sealed(v));
+) -> Result<Option<RunSeal>, Error> {
+    let Some(keys) = keys else { return Ok(None) };
+    if !any_sealed(&mut history.to_vec(), written.cloned().as_mut()) {
+        return Ok(None);
     }
-    if let Some(state) = &mut written {
-        state.map_payloads(&mut |v| any_sealed |= sortie_seal::is_sealed(v));
-    }
-    let (Some(keys), true) = (keys, any_sealed) else {
-        return Ok((history, written, any_sealed));
-    };
-    let Some(first) = history
+    let Some((tenant, run_id)) = history
         .first()
         .map(|e| (e.tenant.clone(), e.run_id.clone()))
-        .or_else(|| {
-            written
-                .as_ref()
-                .map(|s| (s.tenant.clone(), s.run_id.clone()))
-        })
+        .or_else(|| written.map(|s| (s.tenant.clone(), s.run_id.clone())))
     else {
-        return Ok((history, written, any_sealed));
+        return Ok(None);
     };
-    let (tenant, run_id) = first;
-    let seal = runtime
+    runtime
         .block_on(keys.seal(&tenant, &run_id))
-        .map_err(|e| Error::Setup(format!("the data key of run {run_id}: {e}")))?;
+        .map(Some)
+        .map_err(|e| Error::Setup(format!("the data key of run {run_id}: {e}")))
+}
+
+/// A run's history and written state as the fold comparison takes them: opened with the
+/// run's `seal` (see [`run_seal`]) when there is one and it opens; else as written.
+/// `true`: compared sealed. Pure: a property test drives it as the audit does.
+pub fn open_run(
+    history: &[Event],
+    written: Option<&RunState>,
+    seal: Option<&RunSeal>,
+    problems: &mut Vec<String>,
+) -> (Vec<Event>, Option<RunState>, bool) {
+    let mut history = history.to_vec();
+    let mut written = written.cloned();
+    let any_sealed = any_sealed(&mut history, written.as_mut());
+    let (Some(seal), true) = (seal, any_sealed) else {
+        return (history, written, any_sealed);
+    };
     if seal.is_destroyed() {
-        return Ok((history, written, true));
+        return (history, written, true);
     }
     let failures: usize = history
         .iter_mut()
@@ -331,7 +315,70 @@ fn open_run(
             "{failures} sealed payloads do not open with the run's data key (tampered, or sealed under another key)"
         ));
     }
-    Ok((history, written, false))
+    (history, written, false)
+}
+
+/// Re-folds a run's `history` (as [`open_run`] gave it) with this build's `evolve` and
+/// compares it with the state the reducer wrote, pushing what differs to `problems`.
+/// Pure: the property test `tests/audit_agrees.rs` folds through it.
+///
+/// Compared `sealed`, the written state is the re-fold sealed under the seal the reducer
+/// held when it wrote it: the run's key (deterministic, so the same ciphertext as the
+/// history's), or — once the key is destroyed, as `DELETE /v1/runs/{id}` does before the
+/// reducer folds its `ForgetRun` — the destroyed key, which writes every payload `null`
+/// and every free text empty. Both are the history's state; the second keeps, for
+/// instance, no trace of a cancel's reason, which the history holds sealed.
+pub fn refold(
+    history: &[Event],
+    written: Option<&RunState>,
+    sealed: bool,
+    problems: &mut Vec<String>,
+) -> Option<RunState> {
+    let mut folded = history.iter().fold(None, evolve);
+    if let (true, Some(f), Some(t)) = (sealed, folded.as_mut(), written) {
+        // Derived from payloads the fold could not read: taken as written. A step's
+        // error is `<code>: <message>` (or `outcome unknown: <message>`), one text
+        // built from a sealed one, and sealed again as a whole.
+        f.spend = t.spend.clone();
+        f.budget = t.budget.clone();
+        for (id, step) in &mut f.steps {
+            if let Some(written) = t.steps.get(id) {
+                if step.error.is_some() && written.error.is_some() {
+                    std::sync::Arc::make_mut(step)
+                        .error
+                        .clone_from(&written.error);
+                }
+            }
+        }
+    }
+    let shredded = |f: &RunState| {
+        f.sealed(&RunSeal::Destroyed {
+            run_id: f.run_id.clone(),
+        })
+    };
+    match (&folded, written) {
+        (Some(f), Some(t)) if f != t && !(sealed && shredded(f) == *t) => {
+            let f_json = serde_json::to_value(f).unwrap_or_default();
+            let t_json = serde_json::to_value(t).unwrap_or_default();
+            let fields: Vec<String> = f_json
+                .as_object()
+                .map(|o| {
+                    o.keys()
+                        .filter(|k| f_json[k.as_str()] != t_json[k.as_str()])
+                        .cloned()
+                        .collect()
+                })
+                .unwrap_or_default();
+            problems.push(format!(
+                "the re-folded state differs from sortie.run-state in: {}",
+                fields.join(", ")
+            ));
+        }
+        (Some(_), None) => problems.push("the history has no state in sortie.run-state".into()),
+        (None, Some(_)) => problems.push("sortie.run-state has a state with no history".into()),
+        _ => {}
+    }
+    folded
 }
 
 /// What `sortie audit why` found for one operation.

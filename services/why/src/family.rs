@@ -146,7 +146,7 @@ pub(crate) fn parent_check(
             .is_some_and(|link| link == *parent),
         _ => false,
     };
-    let (signature, record) = signed_command(
+    let (signature, record, _) = signed_command(
         commands,
         keyring,
         run_id,

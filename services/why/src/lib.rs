@@ -9,10 +9,13 @@
 //! 3. **graph** — the graph version the run pinned, as the graph table read it with a
 //!    keyring: the publisher key that signed it, its definition hash, and the node's class;
 //! 4. **approval** — where the graph gates the node: every approval that released the
-//!    step (quorum), each bound to the proposal hash, each carried by a command on
+//!    step, each bound to the proposal hash, each carried by a command on
 //!    `sortie.commands` whose signature verifies against the keyring and whose fields are
-//!    the decision's (partition, offset, key id); and the dispatched arguments must be
-//!    the ones approved;
+//!    the decision's (partition, offset, key id); the gate's rules (quorum, required
+//!    role, members-only group) taken from the signed graph version, never from the
+//!    history; an approval counted only when its signed command's roles and groups meet
+//!    them and the fold accepted it; and the dispatched arguments must be the ones
+//!    approved (the `approval` module);
 //! 5. **proposal** — what the approvers saw, its hash recomputed;
 //! 6. **request** — for a step an agent asked for, the model's answer (the asking step's
 //!    output, its hash) and the tool call in it that names this node with these
@@ -35,25 +38,21 @@
 //! The CLI (`sortie audit why`) reads the history from Kafka; the gateway
 //! (`GET /v1/runs/{id}/operations/{op}/why`) from its view.
 
-use std::time::{Duration, Instant};
-
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Headers;
-use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
 use serde_json::{json, Value};
 use sortie_catalog::Publication;
 use sortie_core::event::StepRole;
-use sortie_core::state::{Interrupt, InterruptStatus, RunState};
+use sortie_core::state::RunState;
 use sortie_core::{ids, json as j, Event, EventBody, Graph, Seal};
-use sortie_kafka::KafkaConfig;
 use sortie_wire::records as w;
 use sortie_wire::signing::{Claim, Keyring};
-use sortie_wire::{partition_for, Codec};
 
+mod approval;
 pub mod family;
+mod kafka;
 
 pub use family::{follow_child, follow_parent};
+pub use kafka::KafkaCommands;
 
 /// How one link stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -195,14 +194,6 @@ struct Parts<'a> {
     graph: Option<&'a Graph>,
     publication: Option<&'a Publication>,
     keyring: Option<&'a Keyring>,
-}
-
-/// The gated step an approval must have released.
-struct Gate<'a> {
-    node: &'a sortie_core::Node,
-    step_id: &'a str,
-    role: &'a StepRole,
-    args: &'a Value,
 }
 
 /// The chain of `inputs.operation_id` in `inputs.history`.
@@ -375,16 +366,23 @@ pub fn why(inputs: Inputs<'_>) -> Chain {
             role,
             StepRole::Compensation { .. } | StepRole::Precheck { .. }
         );
-    if let (true, Some(graph_node)) = (gated, graph_node) {
-        let gate = Gate {
+    let rules = graph_node.and_then(|n| n.interrupt_before.as_ref());
+    if let (true, Some(graph_node), Some(rules)) = (gated, graph_node, rules) {
+        let gate = approval::Gate {
             node: graph_node,
+            rules,
+            graph_key: &graph_key,
             step_id,
             role,
             args,
         };
-        chain.links.extend(approval_links(
-            &gate, &state, history, readable, keyring, commands,
-        ));
+        let seen = approval::Seen {
+            state: &state,
+            history,
+            readable,
+            keyring,
+        };
+        chain.links.extend(approval::links(&gate, &seen, commands));
     } else {
         chain.links.push(link(
             "approval",
@@ -467,181 +465,6 @@ fn history_link(history: &[Event], seal: &dyn Seal) -> Link {
     )
 }
 
-/// The approval and proposal links of a gated step.
-fn approval_links(
-    gate: &Gate<'_>,
-    state: &RunState,
-    history: &[Event],
-    readable: bool,
-    keyring: Option<&Keyring>,
-    commands: &mut dyn Commands,
-) -> Vec<Link> {
-    let (mut problems, mut unchecked) = (Vec::new(), Vec::new());
-    let approved: Vec<&Interrupt> = state
-        .interrupts
-        .values()
-        .filter(|i| {
-            i.step_id == gate.step_id
-                && &i.role == gate.role
-                && i.status == InterruptStatus::Approved
-        })
-        .collect();
-    // The approval whose released arguments are the dispatched ones (with sealed
-    // arguments: the last approved).
-    let interrupt = approved
-        .iter()
-        .find(|i| readable && &sortie_core::decide::approved_args(gate.node, i) == gate.args)
-        .or(approved.last())
-        .copied();
-    let Some(interrupt) = interrupt else {
-        return vec![link(
-            "approval",
-            json!({"gated": true, "step_id": gate.step_id}),
-            vec![format!(
-                "the graph gates node {}, and no approval released step {}",
-                gate.node.id, gate.step_id
-            )],
-            vec![],
-        )];
-    };
-    if readable && &sortie_core::decide::approved_args(gate.node, interrupt) != gate.args {
-        problems.push(format!(
-            "the dispatched arguments are not the ones approval {} released",
-            interrupt.interrupt_id
-        ));
-    }
-    let mut approvals = Vec::new();
-    let mut principals = Vec::new();
-    for event in history {
-        let EventBody::InterruptDecided {
-            interrupt_id,
-            proposal_hash,
-            approve: true,
-            decided_by,
-            is_final,
-            ..
-        } = &event.body
-        else {
-            continue;
-        };
-        if interrupt_id != &interrupt.interrupt_id {
-            continue;
-        }
-        if proposal_hash != &interrupt.proposal_hash {
-            problems.push(format!(
-                "{decided_by}'s approval binds proposal {proposal_hash}, not the interrupt's {}",
-                interrupt.proposal_hash
-            ));
-        }
-        if !principals.contains(decided_by) {
-            principals.push(decided_by.clone());
-        }
-        let command_id = event.command_id.clone().unwrap_or_default();
-        // An early decision was sent when it was buffered, not when it was applied.
-        let sent_at = history
-            .iter()
-            .find_map(|e| match &e.body {
-                EventBody::DecisionBuffered { .. }
-                    if e.command_id.as_deref() == Some(command_id.as_str()) =>
-                {
-                    Some(e.at)
-                }
-                _ => None,
-            })
-            .unwrap_or(event.at);
-        let says = |body: &w::CommandBody| match body {
-            w::CommandBody::ResumeRun(resume) => {
-                resume.interrupt_id == *interrupt_id
-                    && resume.proposal_hash == *proposal_hash
-                    && resume.decision == w::Decision::Approve
-            }
-            _ => false,
-        };
-        let (signature, record) = signed_command(
-            commands,
-            keyring,
-            &event.run_id,
-            &command_id,
-            sent_at,
-            Expected {
-                tenant: &event.tenant,
-                principal: decided_by,
-                noun: "decision",
-                verb: "decided",
-                says: &says,
-            },
-        );
-        match &signature {
-            Signature::Verified(_) => {}
-            Signature::Broken(why) => problems.push(format!("{decided_by}'s approval: {why}")),
-            Signature::Unchecked(why) => unchecked.push(format!("{decided_by}'s approval: {why}")),
-        }
-        approvals.push(json!({
-            "principal": decided_by,
-            "command_id": command_id,
-            "at": sent_at,
-            "final": is_final,
-            "proposal_hash": proposal_hash,
-            "key_id": signature.facts().0,
-            "signature": signature.facts().1,
-            "record": record,
-        }));
-    }
-    if (principals.len() as u32) < interrupt.quorum.max(1) {
-        problems.push(format!(
-            "{} approval(s) by distinct principals, the gate needs {}",
-            principals.len(),
-            interrupt.quorum.max(1)
-        ));
-    }
-    let released = readable.then(|| sha(gate.args));
-    if !readable {
-        unchecked.push(SEALED_ARGS.to_owned());
-    }
-    let approval = link(
-        "approval",
-        json!({
-            "gated": true,
-            "interrupt_id": interrupt.interrupt_id,
-            "required_role": interrupt.required_role,
-            "approver_group": interrupt.approver_group,
-            "quorum": interrupt.quorum,
-            "approvals": approvals,
-            "released_args_sha256": released,
-            "edited": interrupt.edited_args.is_some(),
-        }),
-        problems,
-        unchecked,
-    );
-    // What the approvers saw.
-    let (mut problems, mut unchecked) = (Vec::new(), Vec::new());
-    if readable {
-        let recomputed = ids::proposal_hash(&interrupt.proposal);
-        if recomputed != interrupt.proposal_hash {
-            problems.push(format!(
-                "the proposal hashes to {recomputed}, not the {} its approvals bind",
-                interrupt.proposal_hash
-            ));
-        }
-    } else {
-        unchecked.push("the proposal is sealed: give the run keys to check it".to_owned());
-    }
-    let proposal = link(
-        "proposal",
-        json!({
-            "interrupt_id": interrupt.interrupt_id,
-            "proposal_hash": interrupt.proposal_hash,
-            "node": interrupt.proposal.get("node"),
-            "tool": interrupt.proposal.get("tool"),
-            "args_sha256": readable.then(|| interrupt.proposal.get("args").map(sha)),
-            "reason": interrupt.reason,
-        }),
-        problems,
-        unchecked,
-    );
-    vec![approval, proposal]
-}
-
 /// What the command behind an event of the history must say.
 pub(crate) struct Expected<'a> {
     pub(crate) tenant: &'a str,
@@ -673,7 +496,8 @@ impl Signature {
 }
 
 /// Finds the command behind an event of the history (a decision, a child's start) and
-/// checks it says what the history says and that its signature holds.
+/// checks it says what the history says and that its signature holds. Also answers who
+/// the command found says sent it (what its signature covers when it holds).
 pub(crate) fn signed_command(
     commands: &mut dyn Commands,
     keyring: Option<&Keyring>,
@@ -681,7 +505,7 @@ pub(crate) fn signed_command(
     command_id: &str,
     at: i64,
     expected: Expected<'_>,
-) -> (Signature, Value) {
+) -> (Signature, Value, Option<w::Issuer>) {
     let record = match commands.find(run_id, command_id, at) {
         Found::Record(record) => record,
         Found::Gone => {
@@ -690,6 +514,7 @@ pub(crate) fn signed_command(
                     "command {command_id} is past the retention of sortie.commands"
                 )),
                 Value::Null,
+                None,
             )
         }
         Found::Missing => {
@@ -699,17 +524,20 @@ pub(crate) fn signed_command(
                     expected.noun
                 )),
                 Value::Null,
+                None,
             )
         }
         Found::Unreadable(why) => {
             return (
                 Signature::Unchecked(format!("sortie.commands could not be read: {why}")),
                 Value::Null,
+                None,
             )
         }
     };
     let facts = json!({"partition": record.partition, "offset": record.offset});
     let command = &record.command;
+    let issuer = Some(command.issuer.clone());
     if !(expected.says)(&command.body)
         || command.issuer.principal != expected.principal
         || command.tenant != expected.tenant
@@ -721,12 +549,14 @@ pub(crate) fn signed_command(
                 record.offset, expected.verb
             )),
             facts,
+            issuer,
         );
     }
     let Some(keyring) = keyring else {
         return (
             Signature::Unchecked("no keyring: the signature is not checked".into()),
             facts,
+            issuer,
         );
     };
     let claim = Claim {
@@ -744,7 +574,7 @@ pub(crate) fn signed_command(
         Ok(None) => Signature::Broken(format!("command {command_id} is not signed")),
         Err(why) => Signature::Broken(format!("command {command_id}: {why}")),
     };
-    (signature, facts)
+    (signature, facts, issuer)
 }
 
 /// A step an agent asked for.
@@ -832,135 +662,6 @@ fn request_link(state: &RunState, history: &[Event], readable: bool, asked: Aske
     link("request", facts, problems, vec![])
 }
 
-// ---------------------------------------------------------------- the commands topic
-
-/// Looks commands up on the real `sortie.commands` (blocking: call it off the async
-/// runtime). The broker stamps commands (`LogAppendTime`), so a decision's time finds its
-/// record with `offsetsForTimes`; the records of that millisecond are read until one is
-/// the command.
-#[allow(missing_debug_implementations)]
-pub struct KafkaCommands {
-    consumer: BaseConsumer,
-    topic: String,
-    partitions: u32,
-    codec: std::sync::Arc<Codec>,
-    runtime: tokio::runtime::Handle,
-}
-
-/// How long one lookup may take.
-const LOOKUP: Duration = Duration::from_secs(15);
-
-impl KafkaCommands {
-    pub fn open(
-        kafka: &KafkaConfig,
-        topic: String,
-        partitions: u32,
-        codec: std::sync::Arc<Codec>,
-        runtime: tokio::runtime::Handle,
-    ) -> Result<Self, String> {
-        let consumer: BaseConsumer = kafka
-            .client()
-            .set("group.id", "sortie-why")
-            .set("enable.auto.commit", "false")
-            .set("isolation.level", "read_committed")
-            .create()
-            .map_err(|e| e.to_string())?;
-        Ok(Self {
-            consumer,
-            topic,
-            partitions,
-            codec,
-            runtime,
-        })
-    }
-
-    fn lookup(&mut self, run_id: &str, command_id: &str, at: i64) -> Result<Found, String> {
-        let partition = partition_for(run_id.as_bytes(), self.partitions);
-        let (low, high) = self
-            .consumer
-            .fetch_watermarks(&self.topic, partition, Duration::from_secs(10))
-            .map_err(|e| e.to_string())?;
-        let mut times = TopicPartitionList::new();
-        times
-            .add_partition_offset(&self.topic, partition, Offset::Offset(at))
-            .map_err(|e| e.to_string())?;
-        let found = self
-            .consumer
-            .offsets_for_times(times, Duration::from_secs(10))
-            .map_err(|e| e.to_string())?;
-        let start = found
-            .elements()
-            .first()
-            .and_then(|e| match e.offset() {
-                Offset::Offset(offset) => Some(offset),
-                _ => None,
-            })
-            .unwrap_or(high);
-        if start >= high {
-            return Ok(Found::Missing);
-        }
-        let mut assignment = TopicPartitionList::new();
-        assignment
-            .add_partition_offset(&self.topic, partition, Offset::Offset(start))
-            .map_err(|e| e.to_string())?;
-        self.consumer
-            .assign(&assignment)
-            .map_err(|e| e.to_string())?;
-        let deadline = Instant::now() + LOOKUP;
-        let mut first_time = None;
-        while Instant::now() < deadline {
-            let Some(polled) = self.consumer.poll(Duration::from_millis(200)) else {
-                continue;
-            };
-            let message = polled.map_err(|e| e.to_string())?;
-            let time = message.timestamp().to_millis().unwrap_or(i64::MAX);
-            first_time.get_or_insert(time);
-            if time > at {
-                break;
-            }
-            if message.key() == Some(run_id.as_bytes()) {
-                let decoded = self
-                    .runtime
-                    .block_on(self.codec.decode::<w::RunCommand>(message.payload()));
-                if let Ok(command) = decoded {
-                    if command.command_id == command_id && command.run_id == run_id {
-                        let headers = message
-                            .headers()
-                            .map(|h| {
-                                h.iter()
-                                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
-                                    .collect()
-                            })
-                            .unwrap_or_default();
-                        return Ok(Found::Record(Box::new(CommandRecord {
-                            partition,
-                            offset: message.offset(),
-                            value: message.payload().unwrap_or_default().to_vec(),
-                            headers,
-                            command,
-                        })));
-                    }
-                }
-            }
-            if message.offset() + 1 >= high {
-                break;
-            }
-        }
-        // Nothing at that time: gone with the retention if the topic now starts after it.
-        if start == low && first_time.is_some_and(|t| t > at) {
-            return Ok(Found::Gone);
-        }
-        Ok(Found::Missing)
-    }
-}
-
-impl Commands for KafkaCommands {
-    fn find(&mut self, run_id: &str, command_id: &str, at: i64) -> Found {
-        self.lookup(run_id, command_id, at)
-            .unwrap_or_else(Found::Unreadable)
-    }
-}
-
 /// The chain as people read it: one line per link.
 pub fn render(chain: &Chain) -> String {
     use std::fmt::Write as _;
@@ -1025,20 +726,26 @@ fn summary(link: &Link) -> String {
                 .flatten()
                 .map(|a| {
                     format!(
-                        "{} (key {}, sortie.commands[{}]@{}, signature {})",
+                        "{} (key {}, sortie.commands[{}]@{}, signature {}{})",
                         s(&a["principal"]),
                         s(&a["key_id"]),
                         s(&a["record"]["partition"]),
                         s(&a["record"]["offset"]),
-                        s(&a["signature"])
+                        s(&a["signature"]),
+                        if a["counted"] == true {
+                            ""
+                        } else {
+                            ", not counted"
+                        }
                     )
                 })
                 .collect();
             format!(
-                "{}: {} of quorum {}: {}",
+                "{}: {} counted of quorum {} (gate of {}): {}",
                 s(&f["interrupt_id"]),
-                approvals.len(),
+                s(&f["counted"]),
                 s(&f["quorum"]),
+                s(&f["rules_from"]),
                 approvals.join("; ")
             )
         }
@@ -1089,256 +796,4 @@ fn summary(link: &Link) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use sortie_core::input::{Command, CommandBody, Input, StepOutcome, StepReport};
-    use sortie_core::{apply, Effect, Graphs, Plain};
-
-    const GATED: &str = "id: gated
-version: 1
-nodes:
-  - {id: prepare, tool: echo, side_effect: pure}
-  - id: refund
-    tool: echo
-    side_effect: keyed
-    args: {amount: $input.amount}
-    interrupt_before: {reason: refunds need a human, required_role: approver}
-edges:
-  - {from: prepare, to: refund}
-";
-
-    /// Commands as a map from command id to what was found.
-    struct Table(std::collections::BTreeMap<String, Found>);
-
-    impl Commands for Table {
-        fn find(&mut self, _run_id: &str, command_id: &str, _at: i64) -> Found {
-            self.0.get(command_id).cloned().unwrap_or(Found::Missing)
-        }
-    }
-
-    fn command(id: &str, body: CommandBody, at: i64) -> Input {
-        Input::Command(Command {
-            command_id: id.into(),
-            tenant: "acme".into(),
-            run_id: "run-1".into(),
-            principal: "svc:test".into(),
-            roles: vec!["approver".into()],
-            groups: vec![],
-            at,
-            body,
-        })
-    }
-
-    /// The refund story's history, and the approval as its command carried it.
-    fn story() -> (Vec<Event>, Graph, w::RunCommand) {
-        let graph = Graph::parse(GATED).expect("graph");
-        let mut graphs = Graphs::new();
-        graphs.insert(graph.clone()).expect("insert");
-        let mut history = Vec::new();
-        let mut state = None;
-        let mut step = |state: &mut Option<RunState>, input: Input| {
-            let applied = apply(state.as_ref(), &input, &graphs);
-            for effect in applied.effects {
-                if let Effect::Emit(e) = effect {
-                    if e.seq > 0 {
-                        history.push(e);
-                    }
-                }
-            }
-            *state = applied.state;
-        };
-        let start = CommandBody::StartRun {
-            graph_id: "gated".into(),
-            graph_version: None,
-            input: json!({"amount": 5}),
-            labels: Default::default(),
-            budget: None,
-            fork: None,
-            parent: None,
-        };
-        step(&mut state, command("start", start, 1));
-        let s = state.clone().expect("state");
-        let prepare = &s.steps["prepare#1"];
-        let done = Input::StepReport(StepReport {
-            spent: None,
-            operation_id: prepare.operation_id.clone(),
-            attempt: 1,
-            tenant: "acme".into(),
-            run_id: "run-1".into(),
-            step_id: "prepare#1".into(),
-            outcome: StepOutcome::Succeeded { output: json!({}) },
-            at: 2,
-        });
-        step(&mut state, done);
-        let interrupt = state
-            .clone()
-            .expect("state")
-            .interrupts
-            .values()
-            .next()
-            .cloned()
-            .expect("gate");
-        let approve = CommandBody::ResumeRun {
-            interrupt_id: interrupt.interrupt_id.clone(),
-            proposal_hash: interrupt.proposal_hash.clone(),
-            approve: true,
-            payload: None,
-            comment: None,
-            edited_args: None,
-        };
-        step(&mut state, command("approve", approve, 3));
-        let wire = w::RunCommand {
-            command_id: "approve".into(),
-            tenant: "acme".into(),
-            run_id: "run-1".into(),
-            issuer: w::Issuer {
-                principal: "svc:test".into(),
-                roles: vec!["approver".into()],
-                groups: vec![],
-            },
-            issued_at: 3,
-            body: w::CommandBody::ResumeRun(w::ResumeRun {
-                interrupt_id: interrupt.interrupt_id,
-                proposal_hash: interrupt.proposal_hash,
-                decision: w::Decision::Approve,
-                payload: None,
-                comment: None,
-                edited_args: None,
-                payload_is_input: false,
-            }),
-        };
-        (history, graph, wire)
-    }
-
-    fn chain_of(history: &[Event], graph: &Graph, found: Found, keyring: &Keyring) -> Chain {
-        let publication = Publication {
-            key: "gated@1".into(),
-            definition_hash: "d".into(),
-            tenant: None,
-            published_by: "ops".into(),
-            published_at: 0,
-            signed_by: Some("publisher".into()),
-        };
-        let op = history
-            .iter()
-            .find_map(|e| match &e.body {
-                EventBody::StepDispatched { step_id, .. } if step_id == "refund#1" => {
-                    e.operation_id.clone()
-                }
-                _ => None,
-            })
-            .expect("the refund's dispatch");
-        let mut commands = Table([("approve".to_owned(), found)].into_iter().collect());
-        why(Inputs {
-            operation_id: &op,
-            history,
-            seal: &Plain,
-            readable: true,
-            graph: Some(graph),
-            publication: Some(&publication),
-            keyring: Some(keyring),
-            commands: &mut commands,
-        })
-    }
-
-    #[test]
-    fn a_signed_approval_verifies_and_a_missing_unsigned_or_changed_one_is_named() {
-        let (history, graph, wire) = story();
-        let signer = sortie_wire::signing::Signer::from_seed("svc-1", [3; 32]);
-        let keyring = Keyring::parse(&sortie_wire::signing::keyring_text(&[signer.entry(
-            "svc:test",
-            &["acme".to_owned()],
-            &["approver".to_owned()],
-            false,
-        )]))
-        .expect("keyring");
-        let value = b"\0\0\0\0\x01the approval".to_vec();
-        let record = |value: Vec<u8>, headers: Vec<(String, Option<Vec<u8>>)>, command| {
-            Found::Record(Box::new(CommandRecord {
-                partition: 1,
-                offset: 42,
-                value,
-                headers,
-                command,
-            }))
-        };
-        let signed: Vec<(String, Option<Vec<u8>>)> = signer
-            .headers(&value)
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), Some(v)))
-            .collect();
-        let chain = chain_of(
-            &history,
-            &graph,
-            record(value.clone(), signed.clone(), wire.clone()),
-            &keyring,
-        );
-        assert!(chain.verified, "{}", render(&chain));
-        assert!(render(&chain).contains("svc:test (key svc-1, sortie.commands[1]@42"));
-
-        let chain = chain_of(&history, &graph, Found::Missing, &keyring);
-        assert!(!chain.verified);
-        assert!(render(&chain).contains("BROKEN"), "{}", render(&chain));
-
-        let chain = chain_of(
-            &history,
-            &graph,
-            record(value.clone(), vec![], wire.clone()),
-            &keyring,
-        );
-        assert!(
-            render(&chain).contains("is not signed"),
-            "{}",
-            render(&chain)
-        );
-
-        let mut other = wire.clone();
-        other.issuer.principal = "user:mallory".into();
-        let chain = chain_of(&history, &graph, record(value, signed, other), &keyring);
-        assert!(
-            render(&chain).contains("does not say what the history says"),
-            "{}",
-            render(&chain)
-        );
-
-        let chain = chain_of(&history, &graph, Found::Gone, &keyring);
-        assert_eq!(
-            chain
-                .links
-                .iter()
-                .find(|l| l.link == "approval")
-                .map(|l| l.status),
-            Some(Status::Unchecked)
-        );
-    }
-
-    #[test]
-    fn a_gated_effect_without_an_approval_is_broken() {
-        let (history, graph, _) = story();
-        // The history without the decision: the refund as if it had been dispatched on
-        // its own (chained anew).
-        let mut forged: Vec<Event> = history
-            .into_iter()
-            .filter(|e| !matches!(e.body, EventBody::InterruptDecided { .. }))
-            .collect();
-        let mut prev = None;
-        for (i, event) in forged.iter_mut().enumerate() {
-            event.seq = i as i64 + 1;
-            event.prev_hash = prev.clone();
-            event.hash = Some(event.compute_hash());
-            prev = event.hash.clone();
-        }
-        let chain = chain_of(&forged, &graph, Found::Missing, &Keyring::default());
-        let approval = chain
-            .links
-            .iter()
-            .find(|l| l.link == "approval")
-            .expect("link");
-        assert_eq!(approval.status, Status::Broken);
-        assert!(
-            approval.problems[0].contains("no approval released"),
-            "{:?}",
-            approval.problems
-        );
-    }
-}
+mod tests;
