@@ -94,3 +94,152 @@ async fn a_hostile_campaign_hurts_no_canary_run() {
     let (clean, audit) = stack.audit_verify().await;
     assert!(clean, "seed {seed}: the audit found a divergence: {audit}");
 }
+
+/// Issue #57 item 6: the cross-tenant campaign (`sortie_fuzz::tenancy`). An attacker
+/// tenant with every role, its own publisher key and its own receiver (on 127.0.0.2,
+/// which the executor allows for the attacker only, as 127.0.0.1 — the victim's
+/// receiver — for the victim only) tries every escape while the victim keeps starting
+/// canary runs through the gateway: graph hijacks, reading the victim's secret, SSRF to
+/// the victim's receiver, metadata and private addresses, giant and endless answers, slow
+/// sockets, id squatting, commands and routes on the victim's runs. The oracle: every
+/// canary succeeds within its bound on the victim's own graph; nothing of the victim's
+/// reaches the attacker's receiver or answers; the victim's receiver never sees an
+/// attacker's call. `SORTIE_TENANCY_CASES` sets the size (long mode: 5,000; see
+/// docs/security.md). Seen red with the executor allowing 127.0.0.0/8 to every tenant
+/// (`--egress-allow`): the victim's receiver recorded the attacker's calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cross_tenant_campaign_reaches_nothing_of_the_victim() {
+    use sortie_fuzz::tenancy::{self, Attacker, Victim};
+    use sortie_wire::signing::Signer;
+    let stack = Stack::start("tenancy", &[]).await;
+    let ledger = stack.ledger_process("victim-ledger", "keyed").await;
+    stack
+        .publish(&format!(
+            "id: vault\nversion: 1\ndescription: {}\nnodes:\n  - {{id: pay, tool: http, side_effect: keyed, args: {{c: $input.canary}}, config: {{url: \"{}/effects/vault\"}}}}\n  - {{id: done, tool: echo, side_effect: pure, args: {{c: $steps.pay.output}}}}\nedges:\n  - {{from: pay, to: done}}\n",
+            tenancy::VICTIM_GRAPH,
+            ledger.url
+        ))
+        .await;
+    let service = Signer::generate("attacker-svc").expect("key");
+    let publisher = Signer::generate("attacker-pub").expect("key");
+    let gateway_key = Signer::generate("gateway").expect("key");
+    let attacker = ["attacker".to_owned()];
+    let mut publishing = publisher.entry("pub:attacker", &attacker, &[], false);
+    publishing.publisher = true;
+    let keyring = stack.write_keyring(&[
+        service.entry(
+            "svc:attacker",
+            &attacker,
+            &["approver".into(), "operator".into(), "finance".into()],
+            false,
+        ),
+        publishing,
+        gateway_key.entry("gateway", &["victim".into(), "attacker".into()], &[], true),
+    ]);
+    let ring = keyring.to_str().expect("path").to_owned();
+    let key_file = stack.dir.join("gateway.key");
+    std::fs::write(&key_file, gateway_key.to_file()).expect("key file");
+    let reducer = stack.reducer_with("0", &["--keyring", &ring, "--require-signatures"]);
+    // The victim's secret, in the executor's environment (inherited by the spawn).
+    let secret_value = format!("victim-secret-{}", std::process::id());
+    std::env::set_var("SORTIE_SECRET_victim__KEY", &secret_value);
+    let executor = stack.spawn(
+        "executor",
+        &[
+            "executor",
+            "--bootstrap-servers",
+            &stack.bootstrap,
+            "--registry-url",
+            &stack.registry.url,
+            "--prefix",
+            &stack.prefix,
+            "--queue",
+            "default",
+            "--executor-id",
+            "executor",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--egress-allow-tenant",
+            "victim=127.0.0.1/32",
+            "--egress-allow-tenant",
+            "attacker=127.0.0.2/32",
+        ],
+    );
+    let (gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            &[
+                "victim:vic-svc:operator:tok-victim",
+                "attacker:mallory:operator,approver,finance:tok-mallory",
+                "attacker:eve::tok-eve",
+            ],
+            &[
+                "--keyring",
+                &ring,
+                "--require-signatures",
+                "--signing-key",
+                key_file.to_str().expect("path"),
+            ],
+        )
+        .await;
+    let seed = sortie_tests::stack::seed_from_env("SORTIE_CAMPAIGN_SEED");
+    let cases = sortie_tests::stack::env_number("SORTIE_TENANCY_CASES", 300);
+    sortie_tests::say(&format!(
+        "tenancy campaign: seed {seed} (SORTIE_CAMPAIGN_SEED={seed} replays), {cases} cases"
+    ));
+    let target = tenancy::Target {
+        bootstrap: stack.bootstrap.clone(),
+        topics: stack.topics.clone(),
+        partitions: stack.partitions,
+        codec: stack.codec.clone(),
+        gateway_url: url.clone(),
+        victim: Victim {
+            tenant: "victim".into(),
+            token: "tok-victim".into(),
+            graph: ("vault".into(), 1),
+            receiver_url: ledger.url.clone(),
+            receiver_file: ledger.file.clone(),
+            secret: ("SORTIE_SECRET_victim__KEY".into(), secret_value),
+        },
+        attacker: Attacker {
+            tenant: "attacker".into(),
+            tokens: vec!["tok-mallory".into(), "tok-eve".into()],
+            signer: (service, "svc:attacker".into()),
+            publisher: (publisher, "pub:attacker".into()),
+            receiver_addr: std::net::Ipv4Addr::new(127, 0, 0, 2).into(),
+        },
+        processes: vec![
+            ("reducer".into(), reducer.pid()),
+            ("executor".into(), executor.pid()),
+            ("gateway".into(), gateway.pid()),
+        ],
+    };
+    let plan = tenancy::Plan {
+        seed,
+        cases,
+        canaries: 20,
+        canary_bound: Duration::from_secs(30),
+        settle: Duration::from_secs(90),
+        slow_sockets: sortie_tests::stack::env_number("SORTIE_TENANCY_SLOW_SOCKETS", 200),
+    };
+    let report = tenancy::run(&target, &plan)
+        .await
+        .expect("the campaign ran");
+    eprintln!(
+        "tenancy campaign: {}",
+        serde_json::to_string_pretty(&report).unwrap_or_default()
+    );
+    assert!(
+        report.problems.is_empty(),
+        "seed {seed}: {:#?}",
+        report.problems
+    );
+    assert_eq!(report.canaries_succeeded, plan.canaries);
+    for code in ["step:egress_forbidden", "step:secret_forbidden"] {
+        assert!(
+            report.refusals.get(code).copied().unwrap_or(0) > 0 || cases < 50,
+            "no {code} among {:?}",
+            report.refusals
+        );
+    }
+}

@@ -3,7 +3,8 @@
 //! mapping, graph YAML, signature headers, canonical JSON), each run over a committed
 //! seed corpus and seeded mutations of it (`mutate`) by the suite, and by cargo-fuzz.
 //! `kafka` draws hostile records for the reducer's input topics and `campaign` runs them
-//! against a live stack with a canary tenant; `http` draws hostile requests for every
+//! against a live stack with a canary tenant, and `tenancy` an attacker tenant's every
+//! escape against a victim tenant; `http` draws hostile requests for every
 //! route of the gateway's OpenAPI document and judges each answer. `values` holds the
 //! hostile values they share.
 //!
@@ -14,4 +15,5 @@ pub mod decoders;
 pub mod http;
 pub mod kafka;
 pub mod mutate;
+pub mod tenancy;
 pub mod values;

