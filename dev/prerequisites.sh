@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Installs what building and testing Sortie needs and a fresh machine may lack:
-# a C toolchain and OpenSSL headers for librdkafka, a JDK and Maven for the local Kafka
-# broker (fetched from Maven Central by dev/kafka/pom.xml), Python's venv for the
-# outside-client tests, Chromium and its WebDriver for the console's browser test, and
-# rustfmt/clippy. Idempotent; quick when nothing is missing.
+# Installs what building and running Sortie needs and a fresh machine may lack: a C
+# toolchain and OpenSSL headers for librdkafka, a JDK and Maven for the local Kafka broker
+# (fetched from Maven Central by dev/kafka/pom.xml), Python's venv (the outside-client
+# examples and tests, dev/helm-check.sh), and rustfmt/clippy. With --tests (dev/test.sh
+# passes it) also what only the tests use: Chromium and its WebDriver for the console's
+# browser test, tmux for the CLI's terminal test. Idempotent; quick when nothing is
+# missing.
 set -euo pipefail
+
+tests=
+for arg in "$@"; do
+    case "$arg" in
+        --tests) tests=1 ;;
+        *) echo "usage: dev/prerequisites.sh [--tests]" >&2; exit 2 ;;
+    esac
+done
 
 missing=()
 need() { command -v "$1" >/dev/null 2>&1 || missing+=("$2"); }
@@ -14,13 +24,15 @@ need pkg-config pkg-config
 need cmake cmake
 need java openjdk-17-jre-headless
 need mvn maven
-need python3 python3
-need chromium chromium
-need chromedriver chromium-driver
-need tmux tmux   # tests/tests/human.rs reads the CLI's output the way a person sees it
 [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
 [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+need python3 python3
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+if [ -n "$tests" ]; then
+    need chromium chromium
+    need chromedriver chromium-driver
+    need tmux tmux   # tests/tests/human.rs reads the CLI's output the way a person sees it
+fi
 
 if [ ${#missing[@]} -gt 0 ]; then
     echo "Installing: ${missing[*]}" >&2

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-dev/prerequisites.sh
+dev/prerequisites.sh --tests
 
 keep_broker=${SORTIE_KEEP_TEST_BROKER:-}
 stop_broker() {
