@@ -107,6 +107,11 @@ pub struct Args {
         value_name = "TENANT=CIDR|HOST"
     )]
     egress_allow_tenant: Vec<String>,
+    /// A directory of tenants' secrets: a graph's secret variable
+    /// SORTIE_SECRET_<tenant>__<NAME> not set in the environment is read from the file
+    /// <dir>/<tenant>/<NAME> (a Kubernetes Secret per tenant mounted there).
+    #[arg(long, env = "SORTIE__EXECUTOR__SECRETS_DIR")]
+    secrets_dir: Option<std::path::PathBuf>,
     /// Crash tests only: die on purpose at this point (executor.before_call,
     /// executor.after_call, executor.after_result), hang in the first offset commit
     /// (executor.hang_in_commit), or leave the group (executor.leave_group).
@@ -151,6 +156,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         s3_endpoint: args.blob_s3_endpoint,
         threshold: args.blob_threshold,
     });
+    if let Some(dir) = args.secrets_dir {
+        sortie_executor::secrets::set_dir(dir);
+    }
     let mut egress = Egress::default();
     for rule in args.egress_allow.iter().filter(|r| !r.trim().is_empty()) {
         egress.allow(rule)?;

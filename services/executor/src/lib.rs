@@ -41,6 +41,7 @@ pub mod handlers;
 pub mod health;
 pub mod metrics;
 pub mod runtime;
+pub mod secrets;
 mod tracker;
 
 pub use egress::Egress;

@@ -110,10 +110,10 @@ impl StepHandler for Llm {
             .header("Idempotency-Key", &call.operation_id);
         if let Some(name) = &config.api_key_env {
             secret_allowed(&call.tenant, name)?;
-            let key = std::env::var(name).map_err(|_| {
+            let key = crate::secrets::read(name).ok_or_else(|| {
                 HandlerError::permanent(
                     "bad_config",
-                    format!("llm config: environment variable {name} is not set"),
+                    format!("llm config: secret {name} is set neither in this executor's environment nor in its secrets directory"),
                 )
             })?;
             request = if anthropic {

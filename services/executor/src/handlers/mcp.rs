@@ -116,16 +116,17 @@ impl StepHandler for Mcp {
     }
 }
 
-/// The server's endpoint, its auth header's value read from this process's environment.
+/// The server's endpoint, its auth header's value read from the tenant's secrets
+/// ([`crate::secrets`]).
 fn endpoint(config: &McpConfig, tenant: &str) -> Result<sortie_mcp::Endpoint, HandlerError> {
     let mut headers = Vec::new();
     if let Some(auth) = &config.auth {
         super::secret_allowed(tenant, &auth.env)?;
-        let secret = std::env::var(&auth.env).map_err(|_| {
+        let secret = crate::secrets::read(&auth.env).ok_or_else(|| {
             HandlerError::permanent(
                 "bad_config",
                 format!(
-                    "MCP server {}: environment variable {} (its auth) is not set in this executor",
+                    "MCP server {}: secret {} (its auth) is set neither in this executor's environment nor in its secrets directory",
                     config.server, auth.env
                 ),
             )
@@ -260,6 +261,38 @@ mod tests {
         assert!(error
             .message()
             .contains("SORTIE_SECRET_acme__UNSET_MCP_SECRET"));
+    }
+
+    /// A secret not in the environment is read from the operator's secrets directory,
+    /// the tenant's own file only (`crate::secrets`).
+    #[test]
+    fn a_secret_comes_from_the_tenants_file_in_the_secrets_directory() {
+        let dir = std::env::temp_dir().join(format!("sortie-mcp-secrets-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("acme")).expect("dir");
+        std::fs::write(dir.join("acme/SHOP_FILE_TOKEN"), "tok-from-file\n").expect("file");
+        crate::secrets::set_dir(dir.clone());
+        let config = McpConfig {
+            server: "shop".into(),
+            tool: "refund".into(),
+            url: "http://127.0.0.1:1/mcp".into(),
+            auth: Some(sortie_core::mcp::McpAuth {
+                header: "Authorization".into(),
+                env: "SORTIE_SECRET_acme__SHOP_FILE_TOKEN".into(),
+                scheme: Some("Bearer".into()),
+            }),
+        };
+        let endpoint = endpoint(&config, "acme").expect("read from the file");
+        assert_eq!(
+            endpoint.headers,
+            [(
+                "Authorization".to_owned(),
+                "Bearer tok-from-file".to_owned()
+            )]
+        );
+        // Another tenant naming it is refused before anything is read.
+        let refused = super::endpoint(&config, "globex").expect_err("refused");
+        assert_eq!(refused.code(), "secret_forbidden");
+        std::fs::remove_dir_all(&dir).expect("cleaned");
     }
 
     /// A graph names only its own tenant's secrets: `HOME`, a cloud key or another
