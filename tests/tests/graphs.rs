@@ -798,3 +798,41 @@ async fn a_tenants_graph_never_reaches_another_tenant() {
         assert_eq!(status, 422, "{graph_id}: {body}");
     }
 }
+
+/// A node whose `queue` has no topic (a typo any tenant can publish) fails its own step,
+/// `unknown_queue`, naming the topic — it does not stop its partition: a run behind it on
+/// the same partition (one partition here) still finishes. Seen red with the reducer's
+/// topic check skipped (`KnownTopics::exists` always true): Kafka refused the intent for
+/// its destination, the partition stopped, and the second run never ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_without_a_topic_fails_its_step_not_the_partition() {
+    use sortie_core::RunStatus;
+    use sortie_tests::stack::{start_run, succeed, Stack};
+    const LONG: Duration = Duration::from_secs(90);
+    let typo = "id: typo\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure, queue: no-such-queue, retry: {max_attempts: 2, initial_backoff: 100ms}}\n";
+    let fine = "id: fine\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure}\n";
+    let stack = Stack::builder("graphs-typo-queue")
+        .partitions(1)
+        .graphs(&[typo, fine])
+        .start()
+        .await;
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor("default", succeed);
+    stack.send(&start_run("run-typo", "typo", "{}")).await;
+    stack.send(&start_run("run-fine", "fine", "{}")).await;
+    let states = stack
+        .wait_for_states(
+            "both runs to end",
+            &["run-typo".to_owned(), "run-fine".to_owned()],
+            LONG,
+            |s| s.status.is_terminal(),
+        )
+        .await;
+    assert_eq!(states["run-fine"].status, RunStatus::Succeeded);
+    let typo = &states["run-typo"];
+    assert_eq!(typo.status, RunStatus::Failed);
+    let error = typo.steps["a#1"].error.clone().unwrap_or_default();
+    assert!(error.starts_with("unknown_queue:"), "{error}");
+    assert!(error.contains("no-such-queue"), "{error}");
+    assert_eq!(typo.steps["a#1"].attempt, 2, "retried by its policy");
+}

@@ -421,6 +421,7 @@ impl Reducer {
             watchdog,
             hot: Default::default(),
             written: Default::default(),
+            queues: Default::default(),
             measured: Default::default(),
             replays: crate::replay::Replays::new(config.keyring.as_ref().map(|_| {
                 crate::replay::Window {

@@ -105,6 +105,8 @@ pub(crate) struct Engine {
     /// What the last commit dispatched and what came back since: whether a small batch
     /// waits for the rest (see `convoy`).
     pub convoy: crate::convoy::Convoy,
+    /// Which intent topics exist (see `queues`).
+    pub queues: crate::queues::KnownTopics,
 }
 
 /// Most steps' JSON bytes (as measured) [`Measured`] holds; past it, it starts over.
@@ -533,8 +535,12 @@ impl Engine {
                     });
                 }
                 Effect::Dispatch(intent) => {
-                    self.batch.dispatched.push(&intent.operation_id);
                     let topic = self.config.topics.intents(&intent.queue);
+                    if !self.queues.exists(&self.marks, &topic) {
+                        outputs.push(self.unserved(intent, &topic, trace, &source)?);
+                        continue;
+                    }
+                    self.batch.dispatched.push(&intent.operation_id);
                     let value = match seal.active() {
                         true => {
                             self.encode(&topic, &convert::intent_to_wire(&intent.sealed(seal)))?
@@ -650,6 +656,46 @@ impl Engine {
 
     /// A child run's end for its parent's step: a step result, its output sealed with
     /// the parent's key, to the parent's partition of the step results.
+    /// In place of an intent for a topic that does not exist: a retryable failure of the
+    /// attempt, for the fold to take as any result (see `queues`).
+    fn unserved(
+        &mut self,
+        intent: &sortie_core::Intent,
+        topic: &str,
+        trace: &TraceContext,
+        source: &Source,
+    ) -> Result<Output, Error> {
+        let report = sortie_core::StepReport {
+            spent: None,
+            operation_id: intent.operation_id.clone(),
+            attempt: intent.attempt,
+            tenant: intent.tenant.clone(),
+            run_id: intent.run_id.clone(),
+            step_id: intent.step_id.clone(),
+            outcome: sortie_core::StepOutcome::Failed {
+                retryable: true,
+                code: crate::queues::UNKNOWN_QUEUE.into(),
+                message: format!(
+                    "queue {} has no topic ({topic} does not exist): fix the node's queue, or create the topic with `sortie topology apply`",
+                    sortie_core::limits::shown_id(&intent.queue)
+                ),
+                retry_after_ms: None,
+            },
+            at: sortie_kafka::clock::now_ms(),
+        };
+        let topic = self.config.topics.step_results();
+        let wire = convert::report_to_wire(&report, "reducer");
+        let value = self.encode(&topic, &wire)?;
+        Ok(Output {
+            topic,
+            partition: Some(self.partition_of(&report.run_id)),
+            key: report.operation_id.clone().into_bytes(),
+            value: Some(value),
+            headers: vec![trace.child(&report.operation_id).header()],
+            source: source.clone(),
+        })
+    }
+
     fn report_output(
         &mut self,
         report: &sortie_core::StepReport,

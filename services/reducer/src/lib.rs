@@ -27,6 +27,7 @@ mod keys;
 pub mod metrics;
 pub mod pack;
 mod per_run;
+mod queues;
 mod replay;
 pub mod restore;
 mod sealing;
