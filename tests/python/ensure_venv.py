@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 MARKER = ".sortie-requirements.sha256"
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def main() -> int:
@@ -35,10 +36,13 @@ def main() -> int:
         if _read(marker) != digest or not os.path.exists(python):
             shutil.rmtree(venv, ignore_errors=True)
             _run([sys.executable, "-m", "venv", venv], "python3 -m venv")
+            # From the repository's root, as README runs it: a local path in the
+            # requirements (the client package, `-e ./clients/python`) is relative to it.
             _run(
                 [python, "-m", "pip", "install", "--disable-pip-version-check",
                  "-r", requirements],
                 "pip install",
+                cwd=ROOT,
             )
             with open(marker, "w") as f:
                 f.write(digest)
@@ -54,8 +58,8 @@ def _read(path: str) -> str:
         return ""
 
 
-def _run(command: list, what: str) -> None:
-    result = subprocess.run(command, capture_output=True, text=True)
+def _run(command: list, what: str, cwd=None) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
     if result.returncode != 0:
         sys.stderr.write(f"{what} failed with exit code {result.returncode}\n")
         sys.stderr.write(result.stdout)
