@@ -287,6 +287,12 @@ fn every_shipped_example_graph_loads() -> anyhow::Result<()> {
         })
         .count();
     assert_eq!(loaded.len(), files);
+    for graph in &loaded {
+        for node in &graph.nodes {
+            let problem = sortie_executor::handlers::config_problem(&node.tool, &node.config);
+            assert_eq!(problem, None, "{} node {}", graph.key(), node.id);
+        }
+    }
     let keys: Vec<String> = loaded.iter().map(Graph::key).collect();
     for key in ["demo@1", "refund@1"] {
         assert!(keys.iter().any(|k| k == key), "{key} missing from {keys:?}");
@@ -314,6 +320,39 @@ fn every_shipped_example_graph_loads() -> anyhow::Result<()> {
             .count(),
         1
     );
+    Ok(())
+}
+
+/// Issue #55: a built-in tool's config the executor would refuse (`bad_config`) at the
+/// first run is refused by `sortie graph publish`, naming the file, the node and the
+/// field, before anything is published (no broker needed: it never connects). Seen red
+/// with the CLI's config check left out: the file was taken and the CLI went on to the
+/// registry.
+#[test]
+fn a_typo_in_a_tools_config_is_refused_at_publication() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("typo.yaml");
+    std::fs::write(
+        &file,
+        "id: typo\nversion: 1\nnodes:\n  - {id: a, tool: http, side_effect: keyed, config: {urll: \"http://x\"}}\n",
+    )?;
+    let out = std::process::Command::new(sortie_binary()?)
+        .args([
+            "graph",
+            "publish",
+            "--unsigned",
+            "--registry-url",
+            "http://127.0.0.1:9",
+        ])
+        .arg(&file)
+        .output()?;
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(r#"node "a": http config: unknown field `urll`"#),
+        "{stderr}"
+    );
+    assert!(stderr.contains("nothing was published"), "{stderr}");
     Ok(())
 }
 

@@ -144,7 +144,26 @@ fn load(files: &[PathBuf]) -> anyhow::Result<Vec<Graph>> {
     let mut invalid = 0;
     for file in files {
         match graphs::load_file(file) {
-            Ok(graph) => loaded.push(graph),
+            Ok(graph) => {
+                // A built-in tool's config the executor would refuse at the first run is
+                // refused now (`bad_config`), not when a run reaches the node.
+                let problems: Vec<String> = graph
+                    .nodes
+                    .iter()
+                    .filter_map(|node| {
+                        sortie_executor::handlers::config_problem(&node.tool, &node.config)
+                            .map(|why| format!("node {:?}: {why}", node.id))
+                    })
+                    .collect();
+                if problems.is_empty() {
+                    loaded.push(graph);
+                } else {
+                    invalid += 1;
+                    for problem in problems {
+                        eprintln!("{}: {problem}", file.display());
+                    }
+                }
+            }
             Err(graphs::Error::InvalidFile {
                 path,
                 source: InvalidGraph(problems),

@@ -34,6 +34,18 @@ pub(crate) fn client_builder() -> reqwest::ClientBuilder {
         .user_agent(concat!("sortie-executor/", env!("CARGO_PKG_VERSION")))
 }
 
+/// Why a node's `config` does not suit its built-in tool (`http`, `llm`), if it does not:
+/// what the handler would answer `bad_config` at the first run, said at publication.
+/// Other tools (`echo`, `sleep`, `mcp` nodes, handlers of your own) are not judged here.
+pub fn config_problem(tool: &str, value: &Value) -> Option<String> {
+    let parsed = match tool {
+        "http" => config::<HttpConfig>(tool, value).map(drop),
+        "llm" => config::<LlmConfig>(tool, value).map(drop),
+        _ => return None,
+    };
+    parsed.err().map(|e| e.message().to_owned())
+}
+
 /// Parses a node's `config` into a handler's config type; a mismatch is a permanent
 /// failure (the graph is wrong, another attempt will not fix it).
 fn config<T: serde::de::DeserializeOwned>(tool: &str, config: &Value) -> Result<T, HandlerError> {
