@@ -274,6 +274,32 @@ async fn sealed_payloads_are_on_no_topic_and_a_deleted_runs_payloads_open_nowher
         clean && report["diverged"] == 0,
         "audit with keys: {report}"
     );
+    // The deploy gate takes the same keys: the sealed run is re-decided opened, the same.
+    let mut shadow = vec![
+        "replay".to_owned(),
+        "shadow".into(),
+        "--run".into(),
+        "run-sealed".into(),
+        "--bootstrap-servers".into(),
+        stack.bootstrap.clone(),
+        "--registry-url".into(),
+        stack.registry.url.clone(),
+        "--prefix".into(),
+        stack.prefix.clone(),
+    ];
+    shadow.extend(seal.iter().map(|a| (*a).to_owned()));
+    let out = tokio::process::Command::new(sortie_tests::stack::sortie_bin())
+        .args(&shadow)
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .expect("run sortie replay shadow");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert!(
+        out.status.success() && report["runs"] == 1 && report["diverged"] == 0,
+        "shadow with keys: {report} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // A raw producer's forged sealed payload is refused and stops nothing.
     let forged = sortie_tests::stack::command(

@@ -46,6 +46,11 @@ struct Shadow {
     /// Only this run.
     #[arg(long)]
     run: Option<String>,
+    /// With the run keys, a sealed run's payloads are opened before it is re-decided (a
+    /// condition or template reads what the run read); without, they are re-decided
+    /// sealed. What does not open (a shredded run's) stays sealed.
+    #[command(flatten)]
+    seal: crate::seal::SealArgs,
     #[command(flatten)]
     connection: crate::telemetry::Connection,
 }
@@ -74,6 +79,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let keys = shadow_args.seal.config().map(|c| c.open()).transpose()?;
     let wanted = shadow_args.graph.clone();
     let only = shadow_args.run.clone();
     let work = tokio::task::spawn_blocking(move || -> anyhow::Result<serde_json::Value> {
@@ -116,6 +122,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 Some(c) if c.pinned_id() != graph_id => continue, // not affected by the candidate
                 Some(c) => with_candidate(&published, c, pinned),
                 None => published.clone(),
+            };
+            let opened;
+            let history = match (&keys, history.first()) {
+                (Some(keys), Some(first)) => {
+                    let seal = runtime.block_on(keys.seal(&first.tenant, run_id))?;
+                    let mut copy = history.clone();
+                    for event in &mut copy {
+                        let _ = seal.open_all(|f| event.map_payloads(f));
+                    }
+                    opened = copy;
+                    &opened
+                }
+                _ => history,
             };
             let outcome = shadow::replay(history, &graphs);
             if outcome.divergence.is_some() {
