@@ -152,7 +152,27 @@ impl Event {
             | EventBody::DecisionBuffered { comment, .. } => each_text(comment, f),
             EventBody::CancelRequested { reason, .. }
             | EventBody::RunStatusChanged { reason, .. } => each_text(reason, f),
-            _ => {}
+            // No free text of a person's or a receiver's: the fold's own words (an
+            // answer's reason, an interrupt's reason from the graph, a forget's reason),
+            // ids, counts and payloads (sealed in `map_values`). Every kind is named, so
+            // a new event with free text is a compile error here, not a text shipped
+            // unsealed.
+            EventBody::CommandAccepted { .. }
+            | EventBody::CommandRejected { .. }
+            | EventBody::RunStarted { .. }
+            | EventBody::StepDispatched { .. }
+            | EventBody::StepStarted { .. }
+            | EventBody::StepSucceeded { .. }
+            | EventBody::Interrupted { .. }
+            | EventBody::InterruptEscalated { .. }
+            | EventBody::InterruptExpired { .. }
+            | EventBody::RunForgotten { .. }
+            | EventBody::SignalWaitOpened { .. }
+            | EventBody::SignalReceived { .. }
+            | EventBody::SignalBuffered { .. }
+            | EventBody::SignalWaitExpired { .. }
+            | EventBody::BudgetReserved { .. }
+            | EventBody::BudgetSettled { .. } => {}
         }
     }
 
