@@ -251,6 +251,28 @@ async fn large_inputs_and_outputs_travel_by_reference_and_records_stay_small() {
             body == *expected,
             "the blob route serves exactly the stored value"
         );
+        // A download, never a page: run data is whatever a tenant or a receiver wrote.
+        // Red before: served inline with the reference's own media type and no policy.
+        let served = api
+            .0
+            .request("GET", &path, Some(token(ALICE)))
+            .send()
+            .await
+            .expect("the gateway answers");
+        let header = |name: &str| {
+            served
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert_eq!(header("content-disposition"), "attachment");
+        assert_eq!(
+            header("content-security-policy"),
+            "default-src 'none'; sandbox"
+        );
+        assert_eq!(header("x-content-type-options"), "nosniff");
         assert_eq!(blob.size as usize, expected.len());
         // Red proof: with the route's tenant checks skipped (the run read without
         // `visible_run`, the blob fetched for the run's tenant instead of the caller's)

@@ -143,6 +143,14 @@ pub struct Args {
     /// Connections held at once; one more is closed as it is accepted.
     #[arg(long, env = "SORTIE__GATEWAY__MAX_CONNECTIONS", default_value_t = 4096)]
     max_connections: usize,
+    /// Connections held at once from one source address (an IPv6 client's /64); one more
+    /// from it is closed as it is accepted.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__MAX_CONNECTIONS_PER_ADDRESS",
+        default_value_t = 256
+    )]
+    max_connections_per_address: usize,
     /// How long a client may take to send a request's headers before its connection is
     /// closed (slow or silent sockets).
     #[arg(
@@ -151,6 +159,14 @@ pub struct Args {
         default_value_t = 10_000
     )]
     header_read_timeout_ms: u64,
+    /// How long after its headers a request's body may take to arrive before the request
+    /// is answered 408 `body_timeout` and its connection closed.
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__BODY_READ_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    body_read_timeout_ms: u64,
     /// YAML file of spend budgets: `default` and per-`tenants` limits (tokens, cost_usd,
     /// tool_calls, wall_time) and `prices` per model (input_per_1k, output_per_1k, USD).
     #[arg(long, env = "SORTIE__GATEWAY__BUDGETS_FILE")]
@@ -196,7 +212,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     });
     config.max_streams_per_tenant = args.max_streams_per_tenant;
     config.max_connections = args.max_connections;
+    config.max_connections_per_address = args.max_connections_per_address;
     config.header_read_timeout = std::time::Duration::from_millis(args.header_read_timeout_ms);
+    config.body_read_timeout = std::time::Duration::from_millis(args.body_read_timeout_ms);
     config.fault = args.fault;
     config.signing_key = args.signing_key;
     config.keyring = args.keyring;

@@ -71,10 +71,18 @@ pub struct GatewayConfig {
     /// Connections held at once; one more is closed as it is accepted.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Connections held at once from one source address (an IPv6 client's /64); one
+    /// more from it is closed as it is accepted.
+    #[serde(default = "default_max_connections_per_address")]
+    pub max_connections_per_address: usize,
     /// How long a client may take to send a request's headers before its connection is
     /// closed (slow or silent sockets).
     #[serde(default = "default_header_read_timeout", with = "millis")]
     pub header_read_timeout: Duration,
+    /// How long after its headers a request's body may take to arrive; past it the
+    /// request is answered 408 `body_timeout` and its connection closed.
+    #[serde(default = "default_body_read_timeout", with = "millis")]
+    pub body_read_timeout: Duration,
     /// Die on purpose at this point (crash tests only; never set by default).
     #[serde(default)]
     pub fault: Option<crate::fault::FaultPoint>,
@@ -181,7 +189,15 @@ fn default_max_connections() -> usize {
     4096
 }
 
+fn default_max_connections_per_address() -> usize {
+    256
+}
+
 fn default_header_read_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn default_body_read_timeout() -> Duration {
     Duration::from_secs(10)
 }
 
@@ -305,7 +321,9 @@ impl GatewayConfig {
             max_body_bytes: default_max_body(),
             max_streams_per_tenant: default_max_streams(),
             max_connections: default_max_connections(),
+            max_connections_per_address: default_max_connections_per_address(),
             header_read_timeout: default_header_read_timeout(),
+            body_read_timeout: default_body_read_timeout(),
             fault: None,
             budgets: Budgets::default(),
             signing_key: None,

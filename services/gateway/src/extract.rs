@@ -1,20 +1,21 @@
 //! Request extractors whose every rejection is a JSON [`ApiError`]: the caller (bearer
-//! token → tenant, principal, roles, groups), a size-capped JSON body, path and query
-//! parameters; and [`drain_unread`], which reads what a handler left of a request body
-//! before the answer goes out.
+//! token → tenant, principal, roles, groups), a size-capped JSON body read within the
+//! body's deadline, path and query parameters; and [`guard_body`], which decides what
+//! happens to whatever of a request's body its handler left unread.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use axum::body::{Body, BodyDataStream, Bytes};
-use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
 use futures::{Stream, StreamExt};
 use serde::de::DeserializeOwned;
+use tokio::time::Instant;
 
 use crate::app::AppState;
 use crate::error::ApiError;
@@ -33,45 +34,68 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let unauthorized =
-            |code: &str, message: &str| ApiError::new(StatusCode::UNAUTHORIZED, code, message);
-        let value = parts.headers.get(header::AUTHORIZATION).ok_or_else(|| {
-            unauthorized(
-                "unauthenticated",
-                "an Authorization: Bearer token is required",
-            )
-        })?;
-        let token = value
-            .to_str()
-            .ok()
-            .and_then(|v| {
-                let (scheme, token) = v.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
-            })
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| {
-                unauthorized(
-                    "unauthenticated",
-                    "the Authorization header must be `Bearer <token>`",
-                )
-            })?;
-        let who = state
-            .inner
-            .auth
-            .authenticate(token)
-            .await
-            .map_err(|refused| unauthorized("invalid_token", &refused.0))?;
-        Ok(Caller {
-            tenant: who.tenant,
-            principal: who.principal,
-            roles: who.roles,
-            groups: who.groups,
-        })
+        authenticate(&parts.headers, state).await
     }
 }
 
-/// A JSON body of at most `max_body_bytes`. An empty body reads as `null`, so optional
-/// bodies can be `Option<T>`.
+/// The caller a request's `Authorization` header names, or the 401 that refuses it.
+async fn authenticate(headers: &HeaderMap, state: &AppState) -> Result<Caller, ApiError> {
+    let unauthorized =
+        |code: &str, message: &str| ApiError::new(StatusCode::UNAUTHORIZED, code, message);
+    let value = headers.get(header::AUTHORIZATION).ok_or_else(|| {
+        unauthorized(
+            "unauthenticated",
+            "an Authorization: Bearer token is required",
+        )
+    })?;
+    let token = value
+        .to_str()
+        .ok()
+        .and_then(|v| {
+            let (scheme, token) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        })
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            unauthorized(
+                "unauthenticated",
+                "the Authorization header must be `Bearer <token>`",
+            )
+        })?;
+    let who = state
+        .inner
+        .auth
+        .authenticate(token)
+        .await
+        .map_err(|refused| unauthorized("invalid_token", &refused.0))?;
+    Ok(Caller {
+        tenant: who.tenant,
+        principal: who.principal,
+        roles: who.roles,
+        groups: who.groups,
+    })
+}
+
+/// When a request's body must have arrived whole: its headers' arrival plus
+/// `body_read_timeout` (set by [`guard_body`] on every request that has a body).
+#[derive(Debug, Clone, Copy)]
+struct BodyDeadline(Instant);
+
+fn body_timeout(state: &AppState) -> ApiError {
+    ApiError::new(
+        StatusCode::REQUEST_TIMEOUT,
+        "body_timeout",
+        format!(
+            "the request body did not arrive within {} ms of its headers",
+            state.config().body_read_timeout.as_millis()
+        ),
+    )
+    .closing()
+}
+
+/// A JSON body of at most `max_body_bytes`, read whole by the request's [`BodyDeadline`]
+/// (408 `body_timeout` after it). An empty body reads as `null`, so optional bodies can be
+/// `Option<T>`.
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
 
@@ -96,8 +120,13 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
             // Not worth reading: answered at once, and the connection closes.
             return Err(too_large().closing());
         }
-        let bytes = read_capped(req.into_body(), cap)
+        let deadline = req.extensions().get::<BodyDeadline>().map_or_else(
+            || Instant::now() + state.config().body_read_timeout,
+            |d| d.0,
+        );
+        let bytes = tokio::time::timeout_at(deadline, read_capped(req.into_body(), cap))
             .await
+            .map_err(|_| body_timeout(state))?
             .map_err(|complete| {
                 if complete {
                     too_large()
@@ -161,14 +190,24 @@ async fn read_capped(body: axum::body::Body, cap: usize) -> Result<Vec<u8>, bool
     }
 }
 
-/// The middleware around every route that reads, before the answer goes out, whatever of
-/// the request's body its handler left unread (it refused the request before its body:
-/// no token, a bad path, a route that takes none). hyper would otherwise close the
-/// connection after the answer without saying so, and the client's next request on it is
-/// lost (`connection closed before message completed`), or the close resets a client still
-/// sending and its answer with it. Up to [`DRAIN_LIMIT`]; past that, or when the answer
-/// already closes, the answer says `Connection: close`.
-pub(crate) async fn drain_unread(request: Request, next: Next) -> Response {
+/// The middleware around every route: it sets the request's [`BodyDeadline`], and decides
+/// what becomes of whatever of the body its handler left unread (it refused the request
+/// before its body: no token, a bad path, a route that takes none).
+///
+/// - **Not authenticated** (no token, or one that does not hold): the body is never read.
+///   The answer says `Connection: close` and hyper closes the connection after it, so a
+///   client without a token can make the gateway read nothing but its headers.
+/// - **Authenticated**: the rest is read and thrown away before the answer goes out, by
+///   the body's deadline and up to [`DRAIN_LIMIT`]. hyper would otherwise close the
+///   connection after the answer without saying so, and the client's next request on it
+///   is lost (`connection closed before message completed`), or the close resets a client
+///   still sending and its answer with it. Past the deadline or the limit, or when the
+///   answer already closes, the answer says `Connection: close`.
+pub(crate) async fn guard_body(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let headers = request.headers();
     let has_body = headers.contains_key(header::TRANSFER_ENCODING)
         || headers
@@ -177,6 +216,14 @@ pub(crate) async fn drain_unread(request: Request, next: Next) -> Response {
     if !has_body {
         return next.run(request).await;
     }
+    let deadline = Instant::now() + state.config().body_read_timeout;
+    request.extensions_mut().insert(BodyDeadline(deadline));
+    let authorization: HeaderMap = request
+        .headers()
+        .get_all(header::AUTHORIZATION)
+        .iter()
+        .map(|v| (header::AUTHORIZATION, v.clone()))
+        .collect();
     let (parts, body) = request.into_parts();
     let slot = Arc::new(Mutex::new(Some(body.into_data_stream())));
     let request = Request::from_parts(parts, Body::from_stream(Unread(slot.clone())));
@@ -186,21 +233,28 @@ pub(crate) async fn drain_unread(request: Request, next: Next) -> Response {
         .get(header::CONNECTION)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
     let rest = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
-    if let (false, Some(mut rest)) = (closing, rest) {
-        let mut seen = 0usize;
-        let mut whole = true;
-        while let Some(chunk) = rest.next().await {
-            seen += chunk.as_ref().map_or(0, Bytes::len);
-            if chunk.is_err() || seen > DRAIN_LIMIT {
-                whole = false;
-                break;
+    let Some(mut rest) = rest.filter(|_| !closing) else {
+        return response;
+    };
+    let authenticated = response.status() != StatusCode::UNAUTHORIZED
+        && authenticate(&authorization, &state).await.is_ok();
+    let whole = authenticated
+        && tokio::time::timeout_at(deadline, async {
+            let mut seen = 0usize;
+            while let Some(chunk) = rest.next().await {
+                seen += chunk.as_ref().map_or(0, Bytes::len);
+                if chunk.is_err() || seen > DRAIN_LIMIT {
+                    return false;
+                }
             }
-        }
-        if !whole {
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
+            true
+        })
+        .await
+        .unwrap_or(false);
+    if !whole {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     response
 }

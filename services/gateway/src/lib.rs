@@ -51,6 +51,7 @@ pub async fn serve(
     tracing::info!(addr = ?listener.local_addr().ok(), "The gateway is serving.");
     let limits = serve::ServeLimits {
         max_connections: state.config().max_connections,
+        max_connections_per_address: state.config().max_connections_per_address,
         header_read_timeout: state.config().header_read_timeout,
     };
     let served = serve::serve(listener, app, limits, async move {

@@ -35,7 +35,8 @@ pub const COMMANDS_PUBLISHED: &str = "sortie_gateway_commands_published_total";
 pub const QUARANTINED_RUNS: &str = "sortie_gateway_view_quarantined_runs";
 /// Graph records refused for their signature since the process started (gauge).
 pub const GRAPHS_UNTRUSTED: &str = "sortie_gateway_graph_records_untrusted";
-/// Connections closed as they were accepted: the gateway held `--max-connections`.
+/// Connections closed as they were accepted: the gateway held `--max-connections`, or
+/// `--max-connections-per-address` from the connection's address.
 pub const CONNECTIONS_REFUSED: &str = "sortie_gateway_connections_refused_total";
 
 /// Explicit buckets: without them the exporter renders histograms as summaries.
@@ -68,7 +69,7 @@ pub fn describe() {
     );
     describe_counter!(
         CONNECTIONS_REFUSED,
-        "Connections closed as they were accepted because the gateway held --max-connections."
+        "Connections closed as they were accepted because the gateway held --max-connections, or --max-connections-per-address from the connection's address."
     );
     describe_gauge!(
         GRAPHS_UNTRUSTED,

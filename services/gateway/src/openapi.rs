@@ -78,6 +78,7 @@ fn write_errors(mut responses: Value) -> Value {
         ("404", "Unknown run (also another tenant's run)."),
         ("500", "run_unreadable: this gateway's view could not read or store the run and set it aside (quarantined); `run_id` names it. Other runs are served."),
         ("409", "Refused by the reducer: conflict, bad_state, stale_proposal, already_decided, expired, duplicate_approver, unknown_interrupt, unknown_operation."),
+        ("408", "body_timeout: the body did not arrive within --body-read-timeout-ms of the headers; the connection closes."),
         ("413", "The body is larger than the configured cap."),
         ("503", "Nothing was published, or its outcome is not known: kafka_unavailable, registry_unavailable, blob_store_unavailable, key_store_unavailable."),
         ("504", "The reducer's answer did not arrive in time; the error carries the command_id."),
@@ -568,7 +569,7 @@ pub fn document() -> Value {
             ],
             "responses": read_errors(json!({
                 "200": {
-                    "description": "The bytes exactly as stored; Content-Type is the reference's media_type (application/json for Sortie's own), ETag the hash.",
+                    "description": "The bytes exactly as stored, as a download: Content-Disposition: attachment, Content-Security-Policy: default-src 'none'; sandbox, X-Content-Type-Options: nosniff; Content-Type application/json when the reference's media_type is JSON (Sortie's own), else application/octet-stream; ETag the hash.",
                     "content": {"application/json": {"schema": {}}, "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
                 },
                 "500": error_response("blob_corrupt: the stored bytes are not the referenced ones (size or hash); nothing is served."),

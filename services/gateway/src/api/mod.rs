@@ -11,7 +11,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{self, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
@@ -45,7 +45,10 @@ pub fn router(state: AppState) -> Router {
         .merge(crate::ui::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn(crate::extract::drain_unread))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::extract::guard_body,
+        ))
         .layer(axum::middleware::from_fn(crate::ui::secure))
         .layer(axum::middleware::from_fn(crate::metrics::observe))
         .with_state(state)
@@ -1135,21 +1138,51 @@ async fn blob(
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.code(), e.to_string())
             }
         })?;
-    let content_type = axum::http::HeaderValue::from_str(&reference.media_type).unwrap_or(
-        axum::http::HeaderValue::from_static("application/octet-stream"),
-    );
+    // Served as a download, never as a page: a run's data is whatever its tenant (or a
+    // receiver) wrote, so a browser that opens this URL must not run or render it.
+    let content_type = if is_json_media_type(&reference.media_type) {
+        "application/json"
+    } else {
+        "application/octet-stream"
+    };
     Ok((
         [
-            (header::CONTENT_TYPE, content_type),
+            (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
+            (
+                header::CONTENT_DISPOSITION,
+                HeaderValue::from_static("attachment"),
+            ),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                HeaderValue::from_static(BLOB_CONTENT_SECURITY_POLICY),
+            ),
+            (
+                header::X_CONTENT_TYPE_OPTIONS,
+                HeaderValue::from_static("nosniff"),
+            ),
             (
                 header::ETAG,
-                axum::http::HeaderValue::from_str(&format!("\"{sha256}\""))
+                HeaderValue::from_str(&format!("\"{sha256}\""))
                     .map_err(|e| ApiError::internal(e.to_string()))?,
             ),
         ],
         bytes,
     )
         .into_response())
+}
+
+/// The blob route's policy: nothing loads, and the document is sandboxed (no script, no
+/// origin of its own) should a browser render it anyway.
+const BLOB_CONTENT_SECURITY_POLICY: &str = "default-src 'none'; sandbox";
+
+/// Whether a blob's stored media type is JSON (`application/json`, parameters aside):
+/// the one type the blob route names; any other is served as
+/// `application/octet-stream`, whatever the reference says.
+fn is_json_media_type(media_type: &str) -> bool {
+    media_type
+        .split(';')
+        .next()
+        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"))
 }
 
 /// The run's state after `version`: every version is recoverable from history, by
@@ -1378,6 +1411,28 @@ async fn fork_run(
     let mut out = written(&command, &answer, status.as_str());
     out["forked_from"] = json!({"run_id": run_id, "version": body.at_version});
     Ok((StatusCode::CREATED, Json(out)))
+}
+
+#[cfg(test)]
+mod blob_tests {
+    use super::*;
+
+    /// The blob route names JSON only; whatever else a reference says (HTML, SVG, script)
+    /// is served as `application/octet-stream`.
+    #[test]
+    fn only_a_json_media_type_is_named() {
+        assert!(is_json_media_type("application/json"));
+        assert!(is_json_media_type("Application/JSON; charset=utf-8"));
+        for other in [
+            "text/html",
+            "image/svg+xml",
+            "application/javascript",
+            "application/json+html",
+            "",
+        ] {
+            assert!(!is_json_media_type(other), "{other}");
+        }
+    }
 }
 
 #[cfg(test)]
