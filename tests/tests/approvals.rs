@@ -545,7 +545,8 @@ async fn decisions_are_bound_to_time_proposal_and_the_first_answer() {
         "timeout": "30s"
     }));
     publish(&stack, &goto).await;
-    let _reducer = stack.reducer("0");
+    // The commands topic keeps producer time now, which a reducer refuses without this.
+    let _reducer = stack.reducer_with("0", &["--allow-create-time"]);
     let _executor = executors(&stack);
 
     let (late, reject, voucher, dup, edit, early) = (

@@ -901,3 +901,49 @@ async fn a_changelog_transaction_open_at_a_restore_is_waited_out() {
         )
         .await;
 }
+
+/// The fold's clock is the broker's (ADR 0003): a reducer refuses to start on a commands
+/// topic that keeps producer time (`CreateTime`), exits non-zero and names the topic and
+/// the fix. Seen red with the startup check skipped: the reducer went on to start (and
+/// was still running at the deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reducer_refuses_a_commands_topic_that_keeps_producer_time() {
+    let bootstrap = sortie_tests::bootstrap().await;
+    let prefix = sortie_tests::unique_prefix("create-time");
+    let topic = sortie_wire::Topics::new(&prefix).commands();
+    sortie_tests::create_topic(
+        &bootstrap,
+        &topic,
+        PARTITIONS as i32,
+        &[("message.timestamp.type", "CreateTime")],
+    )
+    .await;
+    let data = tempfile::tempdir().expect("a data dir");
+    let reducer = tokio::process::Command::new(sortie_tests::stack::sortie_bin())
+        .args([
+            "reducer",
+            "--bootstrap-servers",
+            &bootstrap,
+            "--prefix",
+            &prefix,
+        ])
+        // Never reached: the check comes before anything else is opened.
+        .args(["--registry-url", "http://127.0.0.1:9"])
+        .arg("--data-dir")
+        .arg(data.path())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(LONG, reducer)
+        .await
+        .expect("the reducer exits")
+        .expect("the reducer runs");
+    let said = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success(), "{said}");
+    assert!(
+        said.contains(&topic)
+            && said.contains("message.timestamp.type: CreateTime")
+            && said.contains("sortie topology apply"),
+        "{said}"
+    );
+}

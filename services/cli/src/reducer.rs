@@ -97,6 +97,11 @@ pub struct Args {
         default_value_t = 30_000
     )]
     command_skew_ms: u64,
+    /// Start even if the commands topic keeps producer time (`CreateTime`): anyone who
+    /// produces a command then chooses its time. Only for tests that speak for a client
+    /// hours later; without it the reducer refuses to start on such a topic.
+    #[arg(long)]
+    allow_create_time: bool,
     #[command(flatten)]
     seal: crate::seal::SealArgs,
     /// How long past its own timeout a Kafka transactional call may block before the
@@ -149,6 +154,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     config.signing_key = args.signing_key;
     config.command_window = Duration::from_millis(args.command_window_ms);
     config.command_skew = Duration::from_millis(args.command_skew_ms);
+    config.allow_create_time = args.allow_create_time;
     config.seal = args.seal.config();
     config.stall_grace = Duration::from_millis(args.stall_grace_ms);
     config.fault = args.fault;

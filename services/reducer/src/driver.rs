@@ -113,6 +113,10 @@ pub struct ReducerConfig {
     /// set by default).
     pub fault: Option<FaultPoint>,
     pub fault_after: u32,
+    /// Start even on a commands topic that keeps producer time (`CreateTime`), with a
+    /// warning: only for tests that speak for a client hours later (see
+    /// `check_commands_clock`).
+    pub allow_create_time: bool,
 }
 
 impl ReducerConfig {
@@ -147,6 +151,7 @@ impl ReducerConfig {
             stall_grace: Duration::from_secs(30),
             fault: None,
             fault_after: 1,
+            allow_create_time: false,
         }
     }
 
@@ -208,6 +213,7 @@ pub fn run_with_health(
     shutdown: Arc<AtomicBool>,
     health: Health,
 ) -> Result<(), Error> {
+    check_commands_clock(&config, &runtime)?;
     let store = Arc::new(
         Store::open_with_cache(&config.data_dir.join("sled"), config.store_cache_bytes)?
             .with_dictionary_after(config.store_dictionary_after),
@@ -251,6 +257,47 @@ pub fn run_with_health(
         }
     }
     Ok(())
+}
+
+/// The fold's clock is the broker's (ADR 0003): on a commands topic that keeps each
+/// producer's own time (`message.timestamp.type: CreateTime`) whoever produces a command
+/// chooses its time, and can backdate an approval past its expiry. The reducer refuses
+/// to start on one, or on one whose config it cannot read.
+fn check_commands_clock(config: &ReducerConfig, runtime: &Handle) -> Result<(), Error> {
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    const KEY: &str = "message.timestamp.type";
+    let topic = config.topics.commands();
+    let admin: AdminClient<DefaultClientContext> = config
+        .kafka
+        .named(&format!("{}-config-check", config.transactional_id()))
+        .client()
+        .create()?;
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let described = runtime
+        .block_on(admin.describe_configs(&[ResourceSpecifier::Topic(&topic)], &options))
+        .map_err(|e| e.to_string())
+        .and_then(|found| match found.into_iter().next() {
+            Some(Ok(resource)) => Ok(resource.get(KEY).and_then(|e| e.value.clone())),
+            Some(Err(code)) => Err(code.to_string()),
+            None => Err("no answer".to_owned()),
+        });
+    let kind = described.map_err(|e| {
+        Error::Setup(format!(
+            "cannot read the configs of the commands topic {topic} to check that the broker stamps commands ({e}); it must exist (`sortie topology apply`) and the reducer's principal needs DESCRIBE_CONFIGS on it"
+        ))
+    })?;
+    if kind.as_deref() == Some("LogAppendTime") {
+        return Ok(());
+    }
+    let kind = kind.unwrap_or_else(|| "unset".to_owned());
+    if config.allow_create_time {
+        tracing::warn!(topic, kind, "The commands topic keeps producer time: anyone who produces a command chooses its time (allowed by --allow-create-time, for tests only).");
+        return Ok(());
+    }
+    Err(Error::Setup(format!(
+        "the commands topic {topic} has {KEY}: {kind}, so whoever produces a command could backdate it; the fold's clock must be the broker's. Run `sortie topology apply` to set {KEY}: LogAppendTime on it"
+    )))
 }
 
 struct Reducer {

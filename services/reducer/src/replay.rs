@@ -23,14 +23,20 @@
 //! reducer reads each assigned commands partition from the first offset of the window
 //! (`offsetsForTimes`) up to the committed offset and remembers what it would have
 //! remembered then — so it survives a restart, a lost cache and a rebalance without
-//! writing a record of its own, and is exactly what was committed. While the partition is
+//! writing a record of its own, and is exactly what was committed. The window is in the
+//! broker's time, like every record time it is compared with (ADR 0003): it ends at the
+//! append time of the last command committed on the partition, never at the reducer's
+//! clock, so a reducer whose clock runs ahead still reads back every id a copy could
+//! pass with, and one whose clock runs behind reads no more than the window. While the partition is
 //! owned, what a batch remembers is staged in the batch and kept only once its
 //! transaction commits (an aborted batch's inputs are read again and must not meet their
 //! own ids). Memory is bounded: entries leave when their window closes, and past
 //! [`MAX_REMEMBERED`] per partition the oldest go and the partition's **floor** rises to
 //! their `issued_at`: a signed command issued at or before the floor is refused as
-//! outside the window (fail closed). A read-back that cannot finish sets the floor to the
-//! time of the assignment for the same reason.
+//! outside the window (fail closed). A read-back that cannot finish sets the floor, for
+//! the same reason, to the last committed command's append time plus the skew (the latest
+//! `issued_at` the window can hold), or — when even that could not be read — to the
+//! reducer's own clock plus the skew.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -153,6 +159,28 @@ impl Replays {
         let memory = self.partitions.entry(partition).or_default();
         memory.floor = memory.floor.max(floor);
     }
+
+    /// Remembers what a read-back found, as the partition's batches remembered it then.
+    fn remember_read_back(&mut self, found: Vec<Remembered>) {
+        for r in found {
+            if self
+                .window_refusal(r.partition, r.issued_at, r.at)
+                .is_none()
+            {
+                self.remember(r.partition, r.key, r.issued_at, r.at);
+            }
+        }
+    }
+}
+
+/// The broker time a partition's read-back starts at: a window and the skew before
+/// `last_append`, the append time of the last command committed on it. An id whose
+/// command was appended earlier was issued at most `skew` after that, so it is outside
+/// the window of every command appended after `last_append` — no copy of it can pass.
+fn read_back_from(last_append: i64, window: Window) -> i64 {
+    last_append
+        .saturating_sub(window.before_ms)
+        .saturating_sub(window.skew_ms)
 }
 
 /// A command the batch remembers once it commits.
@@ -191,8 +219,8 @@ impl Engine {
             return;
         };
         let started = Instant::now();
-        let now = sortie_kafka::clock::now_ms();
-        match self.read_back(partitions, committed, window, now) {
+        let mut last_appends = BTreeMap::new();
+        match self.read_back(partitions, committed, window, &mut last_appends) {
             Ok(read) => tracing::info!(
                 ?partitions,
                 commands = read,
@@ -203,21 +231,26 @@ impl Engine {
                 tracing::warn!(
                     ?partitions,
                     %error,
-                    "The replay window could not be read back; signed commands issued before now are refused on these partitions."
+                    "The replay window could not be read back; signed commands issued before its end are refused on these partitions."
                 );
+                let clock = sortie_kafka::clock::now_ms();
                 for partition in partitions {
-                    self.replays.set_floor(*partition, now);
+                    let end = last_appends.get(partition).copied().unwrap_or(clock);
+                    self.replays
+                        .set_floor(*partition, end.saturating_add(window.skew_ms));
                 }
             }
         }
     }
 
+    /// Reads the window back; `last_appends` gets each partition's broker time as soon as
+    /// it is known (the floor of a read-back that fails later uses it).
     fn read_back(
         &mut self,
         partitions: &BTreeSet<i32>,
         committed: &TopicPartitionList,
         window: Window,
-        now: i64,
+        last_appends: &mut BTreeMap<i32, i64>,
     ) -> Result<usize, String> {
         let topic = self.config.topics.commands();
         let ends: BTreeMap<i32, i64> = committed
@@ -245,14 +278,20 @@ impl Engine {
             .set("isolation.level", "read_committed")
             .create()
             .map_err(|e| e.to_string())?;
-        let from = now
-            .saturating_sub(window.before_ms)
-            .saturating_sub(window.skew_ms);
+        let deadline = Instant::now() + READ_BACK;
+        *last_appends = last_appended(&consumer, &topic, &ends, deadline)?;
         let mut times = TopicPartitionList::new();
-        for partition in ends.keys() {
+        for (partition, last_append) in last_appends.iter() {
             times
-                .add_partition_offset(&topic, *partition, Offset::Offset(from))
+                .add_partition_offset(
+                    &topic,
+                    *partition,
+                    Offset::Offset(read_back_from(*last_append, window)),
+                )
                 .map_err(|e| e.to_string())?;
+        }
+        if times.count() == 0 {
+            return Ok(0); // no command below any end: nothing to remember
         }
         let starts = consumer
             .offsets_for_times(times, Duration::from_secs(10))
@@ -279,49 +318,85 @@ impl Engine {
         consumer.assign(&assignment).map_err(|e| e.to_string())?;
         let mut found = Vec::new();
         let partition_count = self.partitions;
-        sortie_kafka::read::to_end(
-            &consumer,
-            &topic,
-            &spans,
-            Instant::now() + READ_BACK,
-            |message| {
-                let Ok(command) = self.runtime.block_on(
-                    self.codec
-                        .decode_patiently::<w::RunCommand>(message.payload(), None),
-                ) else {
-                    // Dead-lettered when it was read: nothing was remembered of it.
-                    return Ok::<_, String>(sortie_kafka::read::Next::More);
-                };
-                let canonical = partition_for(command.run_id.as_bytes(), partition_count)
-                    == message.partition();
-                let keyed = message.key() == Some(command.run_id.as_bytes());
-                let at = message.timestamp().to_millis().unwrap_or(now);
-                if canonical && keyed {
-                    if let crate::keys::Verdict::Signed = self.keys.verdict(message, &command) {
-                        found.push(Remembered {
-                            partition: message.partition(),
-                            key: (command.tenant, command.run_id, command.command_id),
-                            issued_at: command.issued_at,
-                            at,
-                        });
-                    }
+        sortie_kafka::read::to_end(&consumer, &topic, &spans, deadline, |message| {
+            let Ok(command) = self.runtime.block_on(
+                self.codec
+                    .decode_patiently::<w::RunCommand>(message.payload(), None),
+            ) else {
+                // Dead-lettered when it was read: nothing was remembered of it.
+                return Ok::<_, String>(sortie_kafka::read::Next::More);
+            };
+            let canonical =
+                partition_for(command.run_id.as_bytes(), partition_count) == message.partition();
+            let keyed = message.key() == Some(command.run_id.as_bytes());
+            let at = message
+                .timestamp()
+                .to_millis()
+                .unwrap_or(last_appends[&message.partition()]);
+            if canonical && keyed {
+                if let crate::keys::Verdict::Signed = self.keys.verdict(message, &command) {
+                    found.push(Remembered {
+                        partition: message.partition(),
+                        key: (command.tenant, command.run_id, command.command_id),
+                        issued_at: command.issued_at,
+                        at,
+                    });
                 }
-                Ok(sortie_kafka::read::Next::More)
-            },
-        )
+            }
+            Ok(sortie_kafka::read::Next::More)
+        })
         .map_err(|e| e.to_string())?;
         let read = found.len();
-        for r in found {
-            if self
-                .replays
-                .window_refusal(r.partition, r.issued_at, r.at)
-                .is_none()
-            {
-                self.replays.remember(r.partition, r.key, r.issued_at, r.at);
-            }
-        }
+        self.replays.remember_read_back(found);
         Ok(read)
     }
+}
+
+/// The broker's time on each partition: the append time of the last command committed
+/// below its end (`ends`, the committed offsets). Read backwards from the end, sixteen
+/// times further each time a span holds only transaction markers or aborted records; a
+/// partition with no command below its end (or none left by retention) has none.
+fn last_appended(
+    consumer: &BaseConsumer,
+    topic: &str,
+    ends: &BTreeMap<i32, i64>,
+    deadline: Instant,
+) -> Result<BTreeMap<i32, i64>, String> {
+    let mut found = BTreeMap::new();
+    let mut left = BTreeMap::new();
+    for (&partition, &end) in ends {
+        let (low, _) = consumer
+            .fetch_watermarks(topic, partition, Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
+        if low < end {
+            left.insert(partition, (low, end));
+        }
+    }
+    let mut back = 1i64;
+    while !left.is_empty() {
+        let spans: BTreeMap<i32, (i64, i64)> = left
+            .iter()
+            .map(|(&p, &(low, end))| (p, (end.saturating_sub(back).max(low), end)))
+            .collect();
+        let mut assignment = TopicPartitionList::new();
+        for (&partition, &(from, _)) in &spans {
+            assignment
+                .add_partition_offset(topic, partition, Offset::Offset(from))
+                .map_err(|e| e.to_string())?;
+        }
+        consumer.assign(&assignment).map_err(|e| e.to_string())?;
+        sortie_kafka::read::to_end(consumer, topic, &spans, deadline, |message| {
+            if let Some(at) = message.timestamp().to_millis() {
+                let last = found.entry(message.partition()).or_insert(at);
+                *last = (*last).max(at);
+            }
+            Ok::<_, String>(sortie_kafka::read::Next::More)
+        })
+        .map_err(|e| e.to_string())?;
+        left.retain(|p, &mut (low, end)| !found.contains_key(p) && end.saturating_sub(back) > low);
+        back = back.saturating_mul(16);
+    }
+    Ok(found)
 }
 
 #[cfg(test)]
@@ -377,6 +452,53 @@ mod tests {
         assert!(replays
             .window_refusal(0, 1, MAX_REMEMBERED as i64)
             .is_none());
+    }
+
+    /// The broker's time here is about 10^6 ms after the epoch, so the reducer's clock
+    /// (today's date) is decades ahead of it — as a skewed clock could be by minutes. The
+    /// read-back starts a window and the skew before the last committed command's
+    /// append time (`offsetsForTimes` is simulated: the first record at or after it), and
+    /// every command a copy of which could still pass the window is remembered, so the
+    /// copy is refused `replayed`. Seen red with the start taken from the reducer's clock
+    /// (`now_ms()` in place of the last append time): nothing was remembered.
+    #[test]
+    fn the_read_back_window_is_in_broker_time_whatever_the_reducers_clock() {
+        let window = Window {
+            before_ms: 300_000,
+            skew_ms: 30_000,
+        };
+        // The partition's committed commands: (append time, issued_at, id).
+        let log = [
+            (600_000, 600_000, "long-gone"),
+            // Appended just before the start (870_000), issued as far ahead as the skew
+            // lets it: outside the window of anything appended from 1_200_000 on.
+            (869_000, 899_000, "before-the-start"),
+            (871_000, 900_500, "early-but-issued-late"),
+            (1_000_000, 995_000, "inside"),
+            (1_200_000, 1_200_000, "last"),
+        ];
+        let last_append = log.iter().map(|r| r.0).max().unwrap_or_default();
+        let from = read_back_from(last_append, window);
+        assert_eq!(from, 870_000);
+        let found = log
+            .iter()
+            .filter(|r| r.0 >= from)
+            .map(|&(at, issued_at, id)| Remembered {
+                partition: 0,
+                key: key(id),
+                issued_at,
+                at,
+            })
+            .collect();
+        let mut replays = Replays::new(Some(window));
+        replays.remember_read_back(found);
+        for (_, issued_at, id) in log {
+            // The earliest a copy can be appended is at the last append time.
+            let passes_the_window = replays.window_refusal(0, issued_at, last_append).is_none();
+            assert_eq!(replays.seen(0, &key(id)), passes_the_window, "{id}");
+        }
+        assert!(replays.seen(0, &key("early-but-issued-late")));
+        assert!(!replays.seen(0, &key("before-the-start")));
     }
 
     #[test]
