@@ -26,8 +26,7 @@ pub enum Effect {
     /// Forget a timer.
     DisarmTimer { run_id: String, timer: TimerKey },
     /// Write the run's new state, [`crate::Applied::state`] (`sortie.run-state`). The
-    /// effect does not carry a copy: the reducer wrote the one it already had, and the
-    /// copy was 2 % of its CPU under load.
+    /// effect carries no copy: the reducer writes the one it already holds.
     WriteState,
     /// The run was forgotten (its retention passed): remove what else holds its
     /// payloads — a tombstone for each operation's record in `sortie.step-results`.

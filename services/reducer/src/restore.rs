@@ -429,8 +429,8 @@ struct Restoring {
     state: Packed,
     timers: BTreeMap<String, i64>,
     /// The run's share of the gauges, for a counted partition. The state itself is
-    /// dropped on the decoder thread, which allocated it: freeing states on the applying
-    /// thread was 8 % of a cold restore's CPU samples (`perf`, 300k runs), 1.4 % after.
+    /// dropped on the decoder thread, which allocated it, so the applying thread never
+    /// spends its time freeing states (see `docs/performance/log.md`).
     share: Option<Contribution>,
 }
 

@@ -100,11 +100,9 @@ pub use crate::pack::Packed;
 use crate::pack::{Dictionaries, DICTIONARY_PREFIX};
 
 /// What sled is estimated to keep in memory of `entries` written or read, `bytes` in all:
-/// their bytes and 1 KiB an entry (its nodes, keys and bookkeeping). An upper bound,
-/// measured: with states packed to ~120 B, written in sled batches, a cold restore's RSS
-/// grew ~0.8–1.5 KiB an entry; written one by one (as the restore now does), the store
-/// kept ~100 MiB of 1M states (~120 MiB packed) until it was opened again; a scan of 1M
-/// runs left the reducer at ~300 MiB (`docs/performance/`). After a restore, and the
+/// their bytes and 1 KiB an entry (its nodes, keys and bookkeeping): an upper bound of
+/// what sled holds of states written one by one until it is opened again (the figures:
+/// `docs/performance/log.md`). After a restore, and the
 /// count of every cached run that may follow it, the store is opened again
 /// ([`Store::reopen`]) once this passes its page cache.
 pub fn retained(entries: u64, bytes: u64) -> u64 {
