@@ -42,7 +42,7 @@ struct WhyArgs {
     #[command(flatten)]
     seal: crate::seal::SealArgs,
     #[command(flatten)]
-    connection: crate::telemetry::Connection,
+    connection: crate::connection::Connection,
 }
 
 #[derive(Debug, clap::Args)]
@@ -62,7 +62,7 @@ struct Replay {
     #[command(flatten)]
     seal: crate::seal::SealArgs,
     #[command(flatten)]
-    connection: crate::telemetry::Connection,
+    connection: crate::connection::Connection,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {

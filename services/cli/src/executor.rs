@@ -10,7 +10,7 @@ use sortie_wire::Topics;
 pub struct Args {
     // --bootstrap-servers, --registry-url, --prefix, --kafka-properties.
     #[command(flatten)]
-    connection: crate::telemetry::Connection,
+    connection: crate::connection::Connection,
     /// Queues to serve (`sortie.intents.<queue>`); repeat the flag or separate by commas.
     #[arg(
         long = "queue",

@@ -12,7 +12,7 @@ use sortie_gateway::{GatewayConfig, JwksSource, JwtConfig, TokenEntry};
 pub struct Args {
     // --bootstrap-servers, --registry-url, --prefix, --kafka-properties.
     #[command(flatten)]
-    connection: crate::telemetry::Connection,
+    connection: crate::connection::Connection,
     /// Address to listen on (port 0: any free port; the bound address is printed).
     #[arg(long, env = "SORTIE__GATEWAY__ADDR", default_value = "127.0.0.1:8080")]
     addr: String,

@@ -21,7 +21,7 @@ pub struct Args {
     #[command(subcommand)]
     action: Action,
     #[command(flatten)]
-    options: crate::telemetry::Connection,
+    options: crate::connection::Connection,
 }
 
 #[derive(Debug, clap::Subcommand)]

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 mod audit;
 mod bench;
 mod broker;
+mod connection;
 mod dev;
 mod executor;
 mod fuzz;

@@ -13,7 +13,7 @@ use sortie_wire::Topics;
 pub struct Args {
     // --bootstrap-servers, --registry-url, --prefix, --kafka-properties.
     #[command(flatten)]
-    connection: crate::telemetry::Connection,
+    connection: crate::connection::Connection,
     /// Where the sled cache lives (a cache: deleting it costs a cold restore, nothing else).
     #[arg(
         long,

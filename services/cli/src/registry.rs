@@ -22,7 +22,7 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct ServeArgs {
     #[command(flatten)]
-    brokers: crate::telemetry::Brokers,
+    brokers: crate::connection::Brokers,
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8081")]
     addr: SocketAddr,

@@ -52,7 +52,7 @@ struct Shadow {
     #[command(flatten)]
     seal: crate::seal::SealArgs,
     #[command(flatten)]
-    connection: crate::telemetry::Connection,
+    connection: crate::connection::Connection,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {

@@ -44,7 +44,7 @@ struct Options {
     #[arg(long, global = true)]
     min_insync_replicas: Option<u16>,
     #[command(flatten)]
-    brokers: crate::telemetry::Brokers,
+    brokers: crate::connection::Brokers,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {

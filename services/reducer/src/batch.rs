@@ -98,7 +98,7 @@ pub(crate) struct PendingBatch {
     /// Run keys this batch made, stored before its transaction produces anything.
     pub new_keys: Vec<sortie_seal::PendingKey>,
     /// Signed command ids this batch took, remembered once it commits (see `replay`).
-    pub remembered: Vec<crate::replay::Remembered>,
+    pub remembered: Vec<crate::replay_window::Remembered>,
     /// Timers fired this batch (removed from the index whatever the fold decided).
     pub fired: Vec<DueTimer>,
     pub ignored: usize,

@@ -332,7 +332,7 @@ impl Reducer {
             ..config.clone()
         };
         let topics = &config.topics;
-        let keys = crate::keys::Keys::open(config.keyring.clone(), config.require_signatures)?;
+        let keys = crate::keyring::Keys::open(config.keyring.clone(), config.require_signatures)?;
         let signer = config
             .signing_key
             .as_deref()
@@ -470,8 +470,8 @@ impl Reducer {
             written: Default::default(),
             queues: Default::default(),
             measured: Default::default(),
-            replays: crate::replay::Replays::new(config.keyring.as_ref().map(|_| {
-                crate::replay::Window {
+            replays: crate::replay_window::Replays::new(config.keyring.as_ref().map(|_| {
+                crate::replay_window::Window {
                     before_ms: config.command_window.as_millis() as i64,
                     skew_ms: config.command_skew.as_millis() as i64,
                 }

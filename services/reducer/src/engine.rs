@@ -51,7 +51,7 @@ pub(crate) struct Engine {
     /// they would be last stable offsets.
     pub marks: BaseConsumer,
     /// Who may write commands (signatures).
-    pub keys: crate::keys::Keys,
+    pub keys: crate::keyring::Keys,
     /// The run data keys, when payloads are sealed (see `sealing`).
     pub run_keys: Option<sortie_seal::RunKeys>,
     /// Signs the commands the fold sends to other runs (a child run's start and cancel).
@@ -65,7 +65,7 @@ pub(crate) struct Engine {
     pub gauges: RunGauges,
     pub health: Health,
     /// The signed command ids of the replay window, per owned partition (see `replay`).
-    pub replays: crate::replay::Replays,
+    pub replays: crate::replay_window::Replays,
     /// Bounds the producer's blocking calls (see `watchdog`).
     pub watchdog: crate::watchdog::Watchdog,
     /// Committed states of recently changed, unfinished runs of the owned partitions, so
@@ -370,12 +370,14 @@ impl Engine {
                         return self
                             .finish_apply(&run_id, input, refused, None, false, &seal, trace);
                     }
-                    self.batch.remembered.push(crate::replay::Remembered {
-                        partition,
-                        key,
-                        issued_at,
-                        at: c.at,
-                    });
+                    self.batch
+                        .remembered
+                        .push(crate::replay_window::Remembered {
+                            partition,
+                            key,
+                            issued_at,
+                            at: c.at,
+                        });
                 }
                 let input = match self.sealing(state.as_ref(), input)? {
                     Ok((run_seal, opened)) => {

@@ -37,7 +37,7 @@ use crate::batch::{InputRef, Output, Source};
 use crate::convert;
 use crate::driver::Error;
 use crate::engine::Engine;
-use crate::keys::Verdict;
+use crate::keyring::Verdict;
 
 /// How many times an input's records may be refused by Kafka before the input is
 /// dead-lettered by reference: once to rule out a passing refusal, then set aside.

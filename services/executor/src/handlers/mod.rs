@@ -2,18 +2,18 @@
 //! policy, and one way of telling outcomes apart), `mcp` (one tool of an MCP server), `echo` and `sleep` for demos and
 //! tests.
 
-mod echo;
 mod http;
 mod llm;
+mod local;
 mod mcp;
 
 use std::time::Duration;
 
 use serde_json::Value;
 
-pub use echo::{Echo, Sleep};
 pub use http::{Http, HttpConfig};
 pub use llm::{Llm, LlmConfig};
+pub use local::{Echo, Sleep};
 pub use mcp::{Mcp, McpConfig};
 
 use crate::handler::HandlerError;

@@ -334,7 +334,7 @@ impl Engine {
                 .to_millis()
                 .unwrap_or(last_appends[&message.partition()]);
             if canonical && keyed {
-                if let crate::keys::Verdict::Signed = self.keys.verdict(message, &command) {
+                if let crate::keyring::Verdict::Signed = self.keys.verdict(message, &command) {
                     found.push(Remembered {
                         partition: message.partition(),
                         key: (command.tenant, command.run_id, command.command_id),
