@@ -992,15 +992,14 @@ async fn a_gateway_killed_after_publishing_applies_each_retried_command_once() {
     );
 }
 
-// ---------------------------------------------------------------- known defects
+// ---------------------------------------------------------------- found by the soak
 
-/// KNOWN DEFECT (executor), a reproducer kept ignored until it is fixed: a reconcilable
-/// attempt that times out before any executor took it is re-dispatched as attempt 2; an
-/// executor that then starts gets both attempts, runs them at once, both ask the receiver
-/// ("not found"), both call: two effects where SPEC §10 promises one. Found by the soak
-/// (seed 1795947140307420890 with `SORTIE_SOAK_RECON_TIMEOUT=3s`). A fix: run one attempt
-/// of an operation at a time in the executor (its intents share a partition), so the
-/// later attempt's lookup sees the earlier one's effect.
+/// A reconcilable attempt that times out before any executor took it is re-dispatched as
+/// attempt 2; an executor that then starts gets both attempts. It runs one attempt of an
+/// operation at a time (its intents share a partition), so the later attempt's lookup
+/// sees the earlier one's effect: one effect, as SPEC §10 promises. Found by the soak
+/// (seed 1795947140307420890 with `SORTIE_SOAK_RECON_TIMEOUT=3s`), when both attempts
+/// ran at once, both heard "not found" and both called.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcilable_attempts_never_both_call_the_receiver() {
     let stack = Stack::start("crash-recon-race", &[]).await;

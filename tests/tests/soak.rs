@@ -53,13 +53,12 @@ impl Plan {
 
 /// The reconcilable step's timeout (`SORTIE_SOAK_RECON_TIMEOUT`, default 8s).
 ///
-/// Known defect (executor): when a reconcilable attempt times out before the executor
-/// got to it (the executor was down), the reducer dispatches attempt 2 and a restarted
-/// executor runs both attempts at once; both ask the receiver, both hear "not found",
-/// both call: two effects. Until the executor runs one attempt of an operation at a
-/// time, the default timeout outlasts the outages this soak causes;
-/// `SORTIE_SOAK_RECON_TIMEOUT=3s` shows the defect (and `crash.rs` has an ignored
-/// reproducer).
+/// A timeout shorter than the executor outages this soak causes (`3s`) re-dispatches an
+/// attempt the down executor never took, so a restarted executor holds two attempts of
+/// one operation: the case that found the executor running both at once (it now runs
+/// one attempt of an operation at a time; `crash.rs`
+/// `reconcilable_attempts_never_both_call_the_receiver` keeps it). Set it to `3s` to
+/// soak that path.
 fn recon_timeout() -> String {
     std::env::var("SORTIE_SOAK_RECON_TIMEOUT").unwrap_or_else(|_| "8s".to_owned())
 }
