@@ -89,6 +89,14 @@ impl Crash {
             &["default"],
             &["--static-membership", "--fault", fault],
         );
+        // The run starts once the executor serves the queue: an intent that reached it
+        // only after the step's 2 s timeout would not be called (it is late), and the
+        // fault point would never be reached.
+        sortie_tests::wait_until("the executor to be assigned the queue", LONG, || {
+            let assigned = executor.log_text().contains("Partitions assigned");
+            async move { assigned }
+        })
+        .await;
         let run = format!("run-{class}");
         stack
             .send(&start_run(&run, "pay", r#"{"amount": 42}"#))
@@ -1015,5 +1023,185 @@ edges:
         count.load(Ordering::SeqCst),
         2,
         "only the new run called the model; the first run's answer came from its history"
+    );
+}
+
+/// A node that holds its slot for two minutes.
+const HOG: &str = "id: hog\nversion: 1\nnodes:\n  - {id: hang, tool: sleep, side_effect: pure, args: {ms: 120000}, timeout: 180s}\n";
+/// A node that answers at once.
+const QUICK: &str = "id: quick\nversion: 1\nnodes:\n  - {id: hello, tool: echo, side_effect: pure, args: {hello: world}}\n";
+
+/// Tenants share a queue's slots. One tenant's steps hang for two minutes: six of them,
+/// in one partition, take six of the executor's 8 slots; then 24 more, in another
+/// partition, ahead of another tenant's one quick step. The executor reads past them,
+/// holds them per tenant, and the hog stops at its cap (6 of 8), so the quick step runs at
+/// once instead of two minutes later. Killed then, the executor's successor is handed
+/// every held intent again: none was committed past, though the quick one above them in
+/// their partition was done.
+///
+/// Seen red: with `--tenant-max-in-flight 8` (one tenant may take every slot) the quick
+/// run does not end within the wait; with an offset tracked only once its intent runs,
+/// the successor is handed none of the 24 (it holds 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_holding_every_slot_leaves_room_for_another() {
+    let stack = Stack::start("exec-share", &[HOG, QUICK]).await;
+    let _reducer = stack.reducer("0");
+    let partitions: u32 = 12; // topology/topics.yaml, intents.{queue}
+    let partition_of = |tenant: &str, run: &str, step: &str, tool: &str, args: Value| {
+        let op = sortie_core::ids::operation_id(tenant, run, step, tool, &args);
+        (sortie_wire::partition_for(op.as_bytes(), partitions), op)
+    };
+    let (target, quick_op) = partition_of(
+        "quiet",
+        "quick-1",
+        "hello#1",
+        "echo",
+        json!({"hello": "world"}),
+    );
+    let hog_partition =
+        |run: &str| partition_of("hog", run, "hang#1", "sleep", json!({"ms": 120000}));
+    let hogs_in = |partition: i32, n: usize| -> Vec<String> {
+        (0..)
+            .map(|i| format!("hog-{i}"))
+            .filter(|run| hog_partition(run).0 == partition)
+            .take(n)
+            .collect()
+    };
+    let start_hogs = |runs: Vec<String>| {
+        let stack = &stack;
+        async move {
+            for run in &runs {
+                let mut start = start_run(run, "hog", "{}");
+                start.tenant = "hog".into();
+                stack.send(&start).await;
+            }
+            let states = stack
+                .wait_for_states("the hog steps to be dispatched", &runs, LONG, |s| {
+                    s.steps.contains_key("hang#1")
+                })
+                .await;
+            assert_eq!(
+                states[&runs[0]].steps["hang#1"].operation_id,
+                hog_partition(&runs[0]).1,
+                "the test computes the intents' partition"
+            );
+            runs
+        }
+    };
+    let mut hogs = start_hogs(hogs_in((target + 1) % partitions as i32, 6)).await;
+    let executor = stack.executor_process("executor", &["default"], &["--max-in-flight", "8"]);
+    held_and_running(&executor, 0, 6).await;
+    hogs.extend(start_hogs(hogs_in(target, 24)).await);
+    let mut start = start_run("quick-1", "quick", "{}");
+    start.tenant = "quiet".into();
+    stack.send(&start).await;
+    stack
+        .wait_for_states(
+            "the quick run to end while the hog's steps hang",
+            &["quick-1".to_owned()],
+            Duration::from_secs(45),
+            status_is(RunStatus::Succeeded),
+        )
+        .await;
+    let states = stack.states().await;
+    assert_eq!(states["quick-1"].steps["hello#1"].operation_id, quick_op);
+    let hogging = hogs
+        .iter()
+        .filter(|run| states[*run].steps["hang#1"].status.is_in_flight())
+        .count();
+    assert_eq!(
+        hogging, 30,
+        "the hog's steps still hang: the quick one did not wait for them"
+    );
+    held_and_running(&executor, 24, 6).await;
+
+    let mut executor = executor;
+    executor.kill();
+    let executor = stack.executor_process("executor-2", &["default"], &["--max-in-flight", "8"]);
+    held_and_running(&executor, 24, 6).await;
+}
+
+/// Waits until `executor` holds `held` intents of the default queue and runs `running`.
+async fn held_and_running(executor: &sortie_tests::stack::Process, held: usize, running: usize) {
+    let url = executor.metrics_url().await;
+    let what = format!("{held} intents of the default queue to be held and {running} to run");
+    sortie_tests::wait_until(&what, LONG, || async {
+        let metrics = sortie_tests::stack::scrape(&url).await;
+        let gauge = |name| sortie_tests::stack::metric_sum(&metrics, name, &[("queue", "default")]);
+        gauge("sortie_executor_held") == held as f64
+            && gauge("sortie_executor_in_flight") == running as f64
+    })
+    .await;
+}
+
+/// An attempt the reducer gave up on while its intent waited is never called late. An
+/// `unsafe` step's intent waits in the topic (no executor) past its 2 s timeout: the run
+/// needs reconciliation. When an executor comes, it does not call; the operator's "it
+/// failed" is then true, and attempt 2 is the only call the receiver ever sees.
+///
+/// Seen red: without the deadline check the late executor calls attempt 1, and the ledger
+/// records two effects of one operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsafe_attempt_given_up_on_is_never_called_late() {
+    let stack = Stack::start("exec-late", &[]).await;
+    let ledger = stack.ledger_process("ledger", "plain").await;
+    stack
+        .publish(&pay_graph_with_timeout("pay", "unsafe", &ledger.url, "2s"))
+        .await;
+    let _reducer = stack.reducer("0");
+    stack
+        .send(&start_run("run-late", "pay", r#"{"amount": 5}"#))
+        .await;
+    let states = stack
+        .wait_for_states(
+            "the run to need reconciliation with no executor",
+            &["run-late".to_owned()],
+            LONG,
+            status_is(RunStatus::NeedsReconciliation),
+        )
+        .await;
+    let op = states["run-late"].steps["pay#1"].operation_id.clone();
+    let executor = stack.executor_process("executor", &["default"], &[]);
+    // Either it skips the attempt (its log says so) or it calls it: the assertion below
+    // tells which.
+    sortie_tests::wait_until("the executor to take the expired attempt", LONG, || {
+        let skipped = executor
+            .log_text()
+            .contains("deadline passed before it got a slot");
+        let (ledger, op) = (&ledger, op.clone());
+        async move { skipped || ledger.snapshot().await.calls(&op) > 0 }
+    })
+    .await;
+    assert_eq!(
+        ledger.snapshot().await.calls(&op),
+        0,
+        "attempt 1 was not called"
+    );
+    stack
+        .send(&command(
+            "run-late",
+            "reconcile-late",
+            w::CommandBody::ReconcileOperation(w::ReconcileOperation {
+                operation_id: op.clone(),
+                outcome: w::ReconcileOutcome::Failed,
+                output: None,
+                error: Some("the receiver never saw it".into()),
+            }),
+        ))
+        .await;
+    let states = stack
+        .wait_for_states(
+            "the run to succeed on attempt 2",
+            &["run-late".to_owned()],
+            LONG,
+            status_is(RunStatus::Succeeded),
+        )
+        .await;
+    assert_eq!(states["run-late"].steps["pay#1"].attempt, 2);
+    let ledger = ledger.snapshot().await;
+    assert_eq!(
+        (ledger.effects(&op), ledger.calls(&op)),
+        (1, 1),
+        "{ledger:#?}"
     );
 }

@@ -33,6 +33,23 @@ pub struct Args {
     /// Most intents running at once, per queue.
     #[arg(long, env = "SORTIE__EXECUTOR__MAX_IN_FLIGHT", default_value_t = 16)]
     max_in_flight: usize,
+    /// Most intents of one tenant running at once, per queue (default: ¾ of
+    /// --max-in-flight), so one tenant never holds every slot.
+    #[arg(long, env = "SORTIE__EXECUTOR__TENANT_MAX_IN_FLIGHT")]
+    tenant_max_in_flight: Option<usize>,
+    /// A tenant's share of a queue's slots when several wait, as TENANT=WEIGHT (1 to
+    /// 1000; unnamed tenants weigh 1). Repeatable; comma-separated in the variable.
+    #[arg(
+        long = "tenant-weight",
+        env = "SORTIE__EXECUTOR__TENANT_WEIGHTS",
+        value_delimiter = ',',
+        value_parser = sortie_executor::fair::FairShareConfig::parse_weight
+    )]
+    tenant_weights: Vec<(String, u32)>,
+    /// Most intents read ahead and held for their tenant's turn, per queue (default: 64
+    /// per slot, 64 to 4,096).
+    #[arg(long, env = "SORTIE__EXECUTOR__MAX_HELD")]
+    max_held: Option<usize>,
     #[arg(
         long,
         env = "SORTIE__EXECUTOR__COMMIT_INTERVAL_MS",
@@ -144,6 +161,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     config.static_membership = args.static_membership;
     config.max_in_flight = args.max_in_flight;
+    config.fair_share = sortie_executor::fair::FairShareConfig {
+        tenant_max_in_flight: args.tenant_max_in_flight,
+        weights: args.tenant_weights.into_iter().collect(),
+        max_held: args.max_held,
+    };
     config.commit_interval = Duration::from_millis(args.commit_interval_ms);
     config.drain_timeout = Duration::from_millis(args.drain_timeout_ms);
     config.session_timeout = Duration::from_millis(args.session_timeout_ms);

@@ -35,6 +35,7 @@
 //! reported by reference (`sortie-blob`).
 
 pub mod egress;
+pub mod fair;
 pub mod fault;
 pub mod handler;
 pub mod handlers;

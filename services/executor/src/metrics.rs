@@ -16,6 +16,12 @@ pub const RESULTS: &str = "sortie_executor_results_total";
 pub const STEP_SECONDS: &str = "sortie_step_duration_seconds";
 /// Intents being worked on, by `queue`.
 pub const IN_FLIGHT: &str = "sortie_executor_in_flight";
+/// Intents read and held for a slot (fair share between tenants), by `queue`.
+pub const HELD: &str = "sortie_executor_held";
+/// How long an intent was held before it got a slot, by `queue`.
+pub const HELD_SECONDS: &str = "sortie_executor_held_seconds";
+/// Intents not called because their attempt's deadline passed before they got a slot.
+pub const EXPIRED: &str = "sortie_executor_expired_total";
 /// Intents handed back uncalled (revocation or shutdown before their pre-call commit).
 pub const HANDED_BACK: &str = "sortie_executor_handed_back_total";
 /// Records sent to the dead-letter topic, by `reason`.
@@ -29,12 +35,20 @@ pub const BLOB_READS: &str = "sortie_executor_blob_reads_total";
 pub const BLOB_WRITE_FAILURES: &str = "sortie_executor_blob_write_failures_total";
 
 /// Explicit buckets: without them the exporter renders histograms as summaries.
-pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[(
-    STEP_SECONDS,
-    &[
-        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-    ],
-)];
+pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
+    (
+        STEP_SECONDS,
+        &[
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+        ],
+    ),
+    (
+        HELD_SECONDS,
+        &[
+            0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+        ],
+    ),
+];
 
 /// Describes every metric (call once, after the recorder is installed).
 pub fn describe() {
@@ -50,6 +64,19 @@ pub fn describe() {
         "Duration of one handler call (one attempt), by tool and outcome (succeeded, retryable, permanent, unknown)."
     );
     describe_gauge!(IN_FLIGHT, "Intents being worked on, by queue.");
+    describe_gauge!(
+        HELD,
+        "Intents read and held for a slot (tenants share a queue's slots), by queue."
+    );
+    describe_histogram!(
+        HELD_SECONDS,
+        Unit::Seconds,
+        "How long an intent was held before it got a slot, by queue."
+    );
+    describe_counter!(
+        EXPIRED,
+        "Intents not called because their attempt's deadline passed before they got a slot (reported as a retryable failure)."
+    );
     describe_counter!(
         HANDED_BACK,
         "Intents handed back without a call: their partition was revoked, or the executor stopped, before their pre-call commit."
@@ -67,6 +94,7 @@ pub fn describe() {
         "Step outputs that could not be stored in the blob store."
     );
     counter!(HANDED_BACK).increment(0);
+    counter!(EXPIRED).increment(0);
     counter!(BLOB_WRITE_FAILURES).increment(0);
 }
 
@@ -84,6 +112,18 @@ pub(crate) fn intent(queue: &str) {
 
 pub(crate) fn in_flight(queue: &str, n: usize) {
     gauge!(IN_FLIGHT, "queue" => queue.to_owned()).set(n as f64);
+}
+
+pub(crate) fn held(queue: &str, n: usize) {
+    gauge!(HELD, "queue" => queue.to_owned()).set(n as f64);
+}
+
+pub(crate) fn admitted(queue: &str, waited: Duration) {
+    histogram!(HELD_SECONDS, "queue" => queue.to_owned()).record(waited.as_secs_f64());
+}
+
+pub(crate) fn expired() {
+    counter!(EXPIRED).increment(1);
 }
 
 pub(crate) fn call(tool: &str, outcome: &'static str, took: Duration) {

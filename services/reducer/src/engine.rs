@@ -554,9 +554,15 @@ impl Engine {
                         partition: None,
                         key: intent.operation_id.clone().into_bytes(),
                         value: Some(value),
-                        headers: vec![trace
-                            .child(&format!("{}/{}", intent.operation_id, intent.attempt))
-                            .header()],
+                        headers: vec![
+                            trace
+                                .child(&format!("{}/{}", intent.operation_id, intent.attempt))
+                                .header(),
+                            (
+                                sortie_wire::TENANT_HEADER.to_owned(),
+                                Some(intent.tenant.clone().into_bytes()),
+                            ),
+                        ],
                         source: source.clone(),
                     });
                 }

@@ -18,6 +18,10 @@ pub mod signing;
 mod topics;
 pub mod trace;
 
+/// The header naming an intent's tenant, written by the reducer so that an executor can
+/// share a queue's slots between tenants before it decodes anything.
+pub const TENANT_HEADER: &str = "sortie-tenant";
+
 pub use codec::{from_datum, to_datum, Codec, CodecConfig, DecodeError, EncodeError};
 pub use partitioner::{murmur2, partition_for};
 pub use records::Record;

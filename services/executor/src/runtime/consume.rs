@@ -11,18 +11,91 @@ pub(super) struct Assigned {
     /// of a revoked assignment cannot mark offsets of a new one.
     pub(super) epoch: u64,
     pub(super) tracker: PartitionTracker<Waiter>,
+    /// How many of the tracker's pending offsets are held (read, not yet running).
+    pub(super) held: usize,
 }
 
-#[derive(Default)]
+/// An intent read and held until its tenant gets a slot (`crate::fair`). Its offset is
+/// tracked as pending: no commit passes it until it has run.
+pub(super) struct Held {
+    pub(super) message: OwnedMessage,
+    pub(super) epoch: u64,
+    pub(super) task: u64,
+    pub(super) since: Instant,
+}
+
+impl Held {
+    fn bytes(&self) -> usize {
+        self.message.payload().map_or(0, <[u8]>::len) + self.message.key().map_or(0, <[u8]>::len)
+    }
+}
+
+/// The tenant an intent's header names (the reducer writes it); an intent without one
+/// (written before the header existed) shares the unnamed tenant's slots.
+fn tenant_of(message: &OwnedMessage) -> String {
+    message
+        .headers()
+        .and_then(|headers| {
+            headers
+                .iter()
+                .find(|h| h.key == sortie_wire::TENANT_HEADER)
+                .and_then(|h| h.value)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .map(str::to_owned)
+        })
+        .unwrap_or_default()
+}
+
 pub(super) struct QueueState {
     pub(super) partitions: HashMap<i32, Assigned>,
+    /// Intents holding a slot: running, or taken back after a pre-call commit.
     pub(super) in_flight: usize,
+    /// Intents read and not yet running, per tenant, and what each tenant runs.
+    pub(super) fair: FairShare<Held>,
+    pub(super) held_bytes: usize,
     /// A task waits for a commit: commit now, not at the next interval.
     pub(super) urgent: bool,
     /// Shutting down: revocation does not wait for in-flight intents.
     pub(super) closing: bool,
     pub(super) next_epoch: u64,
+    /// Every task not yet ended (running, or waiting for its pre-call commit).
     pub(super) tasks: HashMap<u64, AbortHandle>,
+}
+
+impl QueueState {
+    fn new(fair: FairShare<Held>) -> Self {
+        Self {
+            partitions: HashMap::new(),
+            in_flight: 0,
+            fair,
+            held_bytes: 0,
+            urgent: false,
+            closing: false,
+            next_epoch: 0,
+            tasks: HashMap::new(),
+        }
+    }
+
+    /// Drops the held intents of `partitions` (revoked: their new owner reads them
+    /// again); they stay pending in their trackers until those are dropped too.
+    fn drop_held(&mut self, partitions: impl Fn(i32) -> bool) {
+        let mut bytes = 0;
+        let mut by_partition: HashMap<i32, usize> = HashMap::new();
+        self.fair.retain(|held| {
+            let drop = partitions(held.message.partition());
+            if drop {
+                bytes += held.bytes();
+                *by_partition.entry(held.message.partition()).or_default() += 1;
+            }
+            !drop
+        });
+        self.held_bytes = self.held_bytes.saturating_sub(bytes);
+        for (partition, n) in by_partition {
+            if let Some(assigned) = self.partitions.get_mut(&partition) {
+                assigned.held = assigned.held.saturating_sub(n);
+            }
+        }
+    }
 }
 
 /// The state of one queue's consumer, shared with its tasks and rebalance callbacks.
@@ -120,10 +193,11 @@ impl Shared {
         loop {
             self.commit(consumer, Some(revoked));
             let state = self.lock();
+            // Held intents are not waited for: they have not started, and stay uncommitted.
             let pending: usize = revoked
                 .iter()
                 .filter_map(|p| state.partitions.get(p))
-                .map(|a| a.tracker.pending())
+                .map(|a| a.tracker.pending().saturating_sub(a.held))
                 .sum();
             if pending == 0 || state.closing || Instant::now() >= deadline {
                 if pending > 0 {
@@ -138,6 +212,7 @@ impl Shared {
         }
         self.commit(consumer, Some(revoked));
         let mut state = self.lock();
+        state.drop_held(|p| revoked.contains(&p));
         for partition in revoked {
             if let Some(mut assigned) = state.partitions.remove(partition) {
                 for waiter in assigned.tracker.hand_back() {
@@ -156,6 +231,9 @@ pub(super) struct Ticket {
     pub(super) offset: i64,
     pub(super) epoch: u64,
     pub(super) task: u64,
+    pub(super) tenant: Arc<str>,
+    /// Whether the task holds a slot now: not while it waits for its pre-call commit.
+    pub(super) holding: AtomicBool,
 }
 
 impl Ticket {
@@ -175,6 +253,10 @@ impl Ticket {
 
     /// Marks the offset committable before the call and waits for a commit to cover it.
     /// False: the partition was revoked (or the executor is stopping) first; do not call.
+    ///
+    /// The wait holds no slot: the commit may wait for a lower offset that is held for
+    /// its tenant's turn, and that intent must be able to get a slot. Once covered, the
+    /// call takes its slot back, over the limits if need be (it was admitted once).
     pub(super) async fn commit_first(&self) -> bool {
         let (tx, rx) = oneshot::channel();
         {
@@ -189,16 +271,31 @@ impl Ticket {
                 _ => return false,
             }
             state.urgent = true;
+            if self.holding.swap(false, Ordering::SeqCst) {
+                state.in_flight = state.in_flight.saturating_sub(1);
+                state.fair.finished(&self.tenant);
+            }
         }
         self.shared.changed.notify_all();
-        rx.await.unwrap_or(false)
+        let go = rx.await.unwrap_or(false);
+        if go {
+            let mut state = self.shared.lock();
+            if !self.holding.swap(true, Ordering::SeqCst) {
+                state.in_flight += 1;
+                state.fair.resume(&self.tenant);
+            }
+        }
+        go
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
-        state.in_flight = state.in_flight.saturating_sub(1);
+        if self.holding.swap(false, Ordering::SeqCst) {
+            state.in_flight = state.in_flight.saturating_sub(1);
+            state.fair.finished(&self.tenant);
+        }
         state.tasks.remove(&self.task);
         drop(state);
         self.shared.changed.notify_all();
@@ -246,6 +343,7 @@ impl ConsumerContext for QueueContext {
                         Assigned {
                             epoch,
                             tracker: PartitionTracker::default(),
+                            held: 0,
                         },
                     );
                 }
@@ -275,7 +373,10 @@ impl QueueConsumer {
             topic: topic.clone(),
             queue: queue.to_owned(),
             health: worker.health.clone(),
-            state: Mutex::new(QueueState::default()),
+            state: Mutex::new(QueueState::new(FairShare::new(
+                &config.fair_share,
+                config.max_in_flight,
+            ))),
             changed: Condvar::new(),
             drain_timeout: config.drain_timeout,
             watchdog: Watchdog::start(config.stall_grace, "executor"),
@@ -313,6 +414,7 @@ impl QueueConsumer {
 
     pub(super) fn run(self, runtime: &Handle, stop: &AtomicBool) {
         let max = self.worker.config.max_in_flight;
+        let max_held = self.worker.config.fair_share.held_cap(max);
         let interval = self.worker.config.commit_interval;
         let pass_timeout = self.worker.config.pass_timeout();
         let mut last_commit = Instant::now();
@@ -320,23 +422,27 @@ impl QueueConsumer {
         let mut paused = false;
         let mut full_since: Option<Instant> = None;
         while !stop.load(Ordering::Relaxed) {
-            let (urgent, in_flight) = {
+            self.admit(runtime, max);
+            let (urgent, in_flight, full) = {
                 let state = self.shared.lock();
-                (state.urgent, state.in_flight)
+                let full = state.fair.held() >= max_held
+                    || state.held_bytes >= crate::fair::MAX_HELD_BYTES;
+                meter::held(&self.shared.queue, state.fair.held());
+                (state.urgent, state.in_flight, full)
             };
             meter::in_flight(&self.shared.queue, in_flight);
             if urgent || last_commit.elapsed() >= interval {
                 self.shared.commit(&self.consumer, None);
                 last_commit = Instant::now();
             }
-            // Full: wait for a slot without polling — briefly. A queue that stays full
-            // (slow tools) pauses its assignment and polls on: not polling at all would
-            // exceed max.poll.interval.ms (the member would be kicked out with work in
-            // flight), while paused partitions deliver nothing and rebalances are served.
-            // Not paused at once: a resumed partition waits for the broker's next fetch
-            // (up to fetch.wait.max.ms), which would throttle fast tools to a batch per
-            // fetch. Paused again on every pass, so partitions assigned meanwhile are too.
-            let full = in_flight >= max;
+            // Full (as many intents held as it may hold): wait for a slot without
+            // polling — briefly. A queue that stays full (slow tools) pauses its
+            // assignment and polls on: not polling at all would exceed
+            // max.poll.interval.ms (the member would be kicked out with work in flight),
+            // while paused partitions deliver nothing and rebalances are served. Not
+            // paused at once: a resumed partition waits for the broker's next fetch (up
+            // to fetch.wait.max.ms), which would throttle fast tools to a batch per fetch.
+            // Paused again on every pass, so partitions assigned meanwhile are too.
             if !full {
                 full_since = None;
                 if paused {
@@ -345,7 +451,7 @@ impl QueueConsumer {
                 }
             } else if full_since.get_or_insert_with(Instant::now).elapsed() < PAUSE_WHEN_FULL_FOR {
                 let state = self.shared.lock();
-                if state.in_flight >= max && !state.urgent {
+                if state.fair.held() >= max_held && !state.urgent {
                     let _ = self
                         .shared
                         .changed
@@ -384,7 +490,7 @@ impl QueueConsumer {
                 Some(Ok(message)) => {
                     let message = message.detach();
                     next_task += 1;
-                    self.dispatch(runtime, message, next_task);
+                    self.hold(message, next_task);
                 }
             }
         }
@@ -410,26 +516,64 @@ impl QueueConsumer {
         }
     }
 
-    /// Hands one intent to a task. A record of a partition this consumer does not own
-    /// (it can only be a leftover of a revoked assignment) is left alone: not tracked,
-    /// never committed, delivered again to the owner.
-    pub(super) fn dispatch(&self, runtime: &Handle, message: OwnedMessage, task: u64) {
+    /// Holds one intent for its tenant's turn, its offset tracked from now on. A record
+    /// of a partition this consumer does not own (it can only be a leftover of a revoked
+    /// assignment) is left alone: not tracked, never committed, delivered again to the
+    /// owner.
+    pub(super) fn hold(&self, message: OwnedMessage, task: u64) {
         let mut state = self.shared.lock();
         let Some(assigned) = state.partitions.get_mut(&message.partition()) else {
             return;
         };
         assigned.tracker.track(message.offset());
-        meter::intent(&self.shared.queue);
-        let ticket = Ticket {
-            shared: self.shared.clone(),
-            partition: message.partition(),
-            offset: message.offset(),
+        assigned.held += 1;
+        let held = Held {
             epoch: assigned.epoch,
             task,
+            since: Instant::now(),
+            message,
         };
-        state.in_flight += 1;
-        let handle = runtime.spawn(self.worker.clone().process(ticket, message));
-        state.tasks.insert(task, handle.abort_handle());
+        meter::intent(&self.shared.queue);
+        state.held_bytes += held.bytes();
+        let tenant = tenant_of(&held.message);
+        state.fair.hold(&tenant, held);
+    }
+
+    /// Gives free slots to held intents, tenant by tenant (`crate::fair`), each to a task.
+    pub(super) fn admit(&self, runtime: &Handle, max: usize) {
+        let mut state = self.shared.lock();
+        while state.in_flight < max {
+            let Some((tenant, held)) = state.fair.admit() else {
+                return;
+            };
+            state.held_bytes = state.held_bytes.saturating_sub(held.bytes());
+            let partition = held.message.partition();
+            let current = match state.partitions.get_mut(&partition) {
+                Some(assigned) if assigned.epoch == held.epoch => {
+                    assigned.held = assigned.held.saturating_sub(1);
+                    true
+                }
+                _ => false,
+            };
+            if !current {
+                // Of an assignment since revoked: its new owner runs it.
+                state.fair.finished(&tenant);
+                continue;
+            }
+            meter::admitted(&self.shared.queue, held.since.elapsed());
+            let ticket = Ticket {
+                shared: self.shared.clone(),
+                partition,
+                offset: held.message.offset(),
+                epoch: held.epoch,
+                task: held.task,
+                tenant,
+                holding: AtomicBool::new(true),
+            };
+            state.in_flight += 1;
+            let handle = runtime.spawn(self.worker.clone().process(ticket, held.message));
+            state.tasks.insert(held.task, handle.abort_handle());
+        }
     }
 
     /// Shutdown: finish in-flight intents (committing as they complete) for up to the
@@ -439,7 +583,7 @@ impl QueueConsumer {
         loop {
             self.shared.commit(&self.consumer, None);
             let state = self.shared.lock();
-            if state.in_flight == 0 || Instant::now() >= deadline {
+            if state.tasks.is_empty() || Instant::now() >= deadline {
                 break;
             }
             let _ = self
@@ -450,6 +594,7 @@ impl QueueConsumer {
         let aborted: Vec<AbortHandle> = {
             let mut state = self.shared.lock();
             state.closing = true;
+            state.drop_held(|_| true);
             for assigned in state.partitions.values_mut() {
                 for waiter in assigned.tracker.hand_back() {
                     let _ = waiter.send(false);

@@ -58,6 +58,23 @@ impl Worker {
 
     pub(super) async fn perform(&self, ticket: &Ticket, intent: &StepIntent, started_at: i64) {
         let fault = |point| fault::check(self.config.fault, point, &intent.operation_id);
+        if let Some(deadline) = attempt_deadline(intent).filter(|d| started_at >= *d) {
+            // The reducer's timer for this attempt has fired (or is about to): it has
+            // retried it or left it to an operator. A call now would be one it no longer
+            // expects; for an `unsafe` step, one an operator may have just ruled out.
+            meter::expired();
+            tracing::info!(
+                late_ms = started_at - deadline,
+                "The attempt's deadline passed before it got a slot; not calling."
+            );
+            let error = HandlerError::retryable(
+                "deadline_passed",
+                "the attempt's deadline passed before an executor could start it",
+            );
+            self.report(intent, Err(error), started_at).await;
+            ticket.done();
+            return;
+        }
         let call = match Call::from_intent(intent, self.config.default_timeout) {
             Ok(call) => call,
             Err(error) => {
@@ -291,6 +308,17 @@ impl Worker {
     pub(super) async fn ask_first(&self, call: &Call) -> Option<Result<Value, HandlerError>> {
         settle(call, self.handlers.lookup(call).await)
     }
+}
+
+/// When the reducer gives up on this attempt, if the node set a timeout: the attempt's
+/// `issued_at` (the reducer's clock when it dispatched) plus that timeout. (Without one,
+/// the reducer's default for guarded classes depends on the run's rules, which an intent
+/// does not carry: no deadline is assumed.)
+pub(super) fn attempt_deadline(intent: &StepIntent) -> Option<i64> {
+    intent
+        .timeout_ms
+        .filter(|t| *t > 0)
+        .map(|t| intent.issued_at.saturating_add(t))
 }
 
 /// A lock per reconcilable operation with an attempt in this process.

@@ -7,10 +7,21 @@
 //! `<prefix>executor.<queue>` (so every process serving a queue shares that queue's
 //! partitions, whatever other queues it serves). `read_committed`, no auto-commit, no
 //! auto offset store, `cooperative-sticky`. Each intent runs as a tokio task; at most
-//! `max_in_flight` per queue (a queue full for more than 2 s has its partitions paused
-//! while the thread keeps polling, so the member stays in the group).
-//! Results go to `partition_for(run_id, N)` of `step-results` (N read from metadata at
-//! start), keyed by operation id, from one idempotent `acks=all` producer.
+//! `max_in_flight` per queue. Results go to `partition_for(run_id, N)` of
+//! `step-results` (N read from metadata at start), keyed by operation id, from one
+//! idempotent `acks=all` producer.
+//!
+//! # Tenants share a queue
+//!
+//! Intents are read ahead of the free slots and *held* per tenant (`crate::fair`, ADR
+//! 0030): a free slot goes to the tenant running the fewest for its weight, and no tenant
+//! runs more than its cap (¾ of the slots unless configured), so one tenant's burst or
+//! hung steps never keep another's intents from running. A queue holding its bound (by
+//! count or bytes) for more than 2 s has its partitions paused while the thread keeps
+//! polling, so the member stays in the group. A held intent's offset is tracked like a
+//! running one, so no commit passes it. An intent whose attempt's deadline passed while
+//! it was held (or in the topic) is not called: it is reported as a retryable failure
+//! (`deadline_passed`), since the reducer has already given up on that attempt.
 //!
 //! # Offset commits
 //!
@@ -67,6 +78,7 @@ use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 use tracing::Instrument as _;
 
+use crate::fair::{FairShare, FairShareConfig};
 use crate::fault::{self, FaultPoint};
 use crate::handler::{Call, HandlerError, Handlers, Lookup};
 use crate::health::Health;
@@ -103,6 +115,9 @@ pub struct ExecutorConfig {
     pub static_membership: bool,
     /// Most intents running at once, per queue.
     pub max_in_flight: usize,
+    /// How tenants share each queue's slots: a cap per tenant, weights, and how many
+    /// intents may be read ahead and held for their tenant's turn (`crate::fair`).
+    pub fair_share: FairShareConfig,
     /// How often completed offsets are committed (guarded classes commit at once).
     pub commit_interval: Duration,
     /// How long revocation and shutdown wait for in-flight intents.
@@ -142,6 +157,7 @@ impl ExecutorConfig {
             executor_id: format!("executor-{}", std::process::id()),
             static_membership: false,
             max_in_flight: 16,
+            fair_share: FairShareConfig::default(),
             commit_interval: Duration::from_millis(100),
             drain_timeout: Duration::from_secs(10),
             session_timeout: Duration::from_secs(10),
