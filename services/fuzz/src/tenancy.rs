@@ -257,96 +257,146 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
     let mut rng = Rng(plan.seed);
     let canary_key = |i: usize| format!("canary-{}-{i}", plan.seed % 100_000);
     let every = (plan.cases / plan.canaries.max(1)).max(1);
-    let mut canaries: Vec<(String, Instant)> = Vec::new();
+    // Canaries are watched while the attack goes on, so each one's latency is its own:
+    // from its start to the first poll that sees it ended (every 200 ms).
+    let canaries: Mutex<Vec<(String, Instant)>> = Mutex::new(Vec::new());
+    let ended: Mutex<BTreeMap<String, (String, Instant, Value)>> = Mutex::new(BTreeMap::new());
+    let attacking = std::sync::atomic::AtomicBool::new(true);
+    let canary_count = || canaries.lock().unwrap_or_else(|e| e.into_inner()).len();
+    let some_canary = |n: usize| {
+        let canaries = canaries.lock().unwrap_or_else(|e| e.into_inner());
+        canaries
+            .get(n % canaries.len().max(1))
+            .map(|(run, _)| run.clone())
+    };
     let mut attacker_runs: Vec<String> = Vec::new();
-    for case in 0..plan.cases {
-        if case % every == 0 && canaries.len() < plan.canaries {
-            let i = canaries.len();
-            match start_canary(target, &http, &canary_key(i)).await {
-                Ok(run) => canaries.push((run, Instant::now())),
-                Err(e) => report
-                    .problems
-                    .push(format!("canary {i} did not start: {e}")),
+    let attack = async {
+        let outcome: anyhow::Result<()> = async {
+            for case in 0..plan.cases {
+                if case % every == 0 && canary_count() < plan.canaries {
+                    let i = canary_count();
+                    match start_canary(target, &http, &canary_key(i)).await {
+                        Ok(run) => canaries
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push((run, Instant::now())),
+                        Err(e) => report
+                            .problems
+                            .push(format!("canary {i} did not start: {e}")),
+                    }
+                }
+                let kind = match rng.below(6) {
+                    0 => "id_squat",
+                    1 => "cross_command",
+                    2 => "cross_http",
+                    _ => "attacker_run",
+                };
+                let kind = match kind {
+                    "attacker_run" => {
+                        let id = &graphs[rng.below(graphs.len())];
+                        let run = format!("atk-{}-{case}", plan.seed % 100_000);
+                        let input = json!({"n": rng.below(1_000_000)});
+                        start_signed(target, &producer, &run, id, &input).await?;
+                        attacker_runs.push(run);
+                        if id.starts_with("steal") {
+                            "secret_read"
+                        } else if id.starts_with("ssrf") {
+                            "ssrf"
+                        } else if id == "giant" {
+                            "giant_answer"
+                        } else {
+                            "endless_answer"
+                        }
+                    }
+                    "id_squat" => {
+                        // The id a victim's start under a coming key derives.
+                        let ahead = canary_count() + rng.below(4);
+                        let run = sortie_core::ids::keyed_run_id(
+                            &target.victim.tenant,
+                            &canary_key(ahead),
+                        );
+                        start_signed(target, &producer, &run, &graphs[0], &json!({"n": 0})).await?;
+                        "id_squat"
+                    }
+                    "cross_command" => {
+                        if let Some(run) = some_canary(rng.below(usize::MAX)) {
+                            let forged = rng.below(3) == 0;
+                            cross_command(target, &producer, &run, rng.below(5), forged).await?;
+                        }
+                        "cross_command"
+                    }
+                    _ => {
+                        if let Some(run) = some_canary(rng.below(usize::MAX)) {
+                            let token =
+                                &target.attacker.tokens[rng.below(target.attacker.tokens.len())];
+                            cross_http(target, &http, token, &run, &answers, &mut report).await;
+                        }
+                        "cross_http"
+                    }
+                };
+                *report.by_kind.entry(kind.into()).or_default() += 1;
             }
+            while canary_count() < plan.canaries {
+                let i = canary_count();
+                match start_canary(target, &http, &canary_key(i)).await {
+                    Ok(run) => canaries
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((run, Instant::now())),
+                    Err(e) => {
+                        report
+                            .problems
+                            .push(format!("canary {i} did not start: {e}"));
+                        break;
+                    }
+                }
+            }
+            Ok(())
         }
-        let kind = match rng.below(6) {
-            0 => "id_squat",
-            1 => "cross_command",
-            2 => "cross_http",
-            _ => "attacker_run",
-        };
-        let kind = match kind {
-            "attacker_run" => {
-                let id = &graphs[rng.below(graphs.len())];
-                let run = format!("atk-{}-{case}", plan.seed % 100_000);
-                let input = json!({"n": rng.below(1_000_000)});
-                start_signed(target, &producer, &run, id, &input).await?;
-                attacker_runs.push(run);
-                if id.starts_with("steal") {
-                    "secret_read"
-                } else if id.starts_with("ssrf") {
-                    "ssrf"
-                } else if id == "giant" {
-                    "giant_answer"
-                } else {
-                    "endless_answer"
-                }
-            }
-            "id_squat" => {
-                // The id a victim's start under a coming key derives.
-                let ahead = canaries.len() + rng.below(4);
-                let run = sortie_core::ids::keyed_run_id(&target.victim.tenant, &canary_key(ahead));
-                start_signed(target, &producer, &run, &graphs[0], &json!({"n": 0})).await?;
-                "id_squat"
-            }
-            "cross_command" => {
-                if let Some((run, _)) = canaries.get(rng.below(canaries.len().max(1))) {
-                    let forged = rng.below(3) == 0;
-                    cross_command(target, &producer, run, rng.below(5), forged).await?;
-                }
-                "cross_command"
-            }
-            _ => {
-                if let Some((run, _)) = canaries.get(rng.below(canaries.len().max(1))) {
-                    let token = &target.attacker.tokens[rng.below(target.attacker.tokens.len())];
-                    cross_http(target, &http, token, run, &answers, &mut report).await;
-                }
-                "cross_http"
-            }
-        };
-        *report.by_kind.entry(kind.into()).or_default() += 1;
-    }
-    while canaries.len() < plan.canaries {
-        let i = canaries.len();
-        match start_canary(target, &http, &canary_key(i)).await {
-            Ok(run) => canaries.push((run, Instant::now())),
-            Err(e) => {
-                report
-                    .problems
-                    .push(format!("canary {i} did not start: {e}"));
-                break;
-            }
-        }
-    }
-
+        .await;
+        attacking.store(false, std::sync::atomic::Ordering::SeqCst);
+        outcome
+    };
     // The canaries end within their bound, on the victim's own graph.
-    let deadline = Instant::now() + plan.settle;
-    let mut ended: BTreeMap<String, (String, Instant, Value)> = BTreeMap::new();
-    while ended.len() < canaries.len() && Instant::now() < deadline {
-        for (run, _) in &canaries {
-            if ended.contains_key(run) {
-                continue;
-            }
-            if let Ok(state) = get_run(&target.gateway_url, &http, &target.victim.token, run).await
-            {
-                let status = state["status"].as_str().unwrap_or_default().to_owned();
-                if ["succeeded", "failed", "cancelled"].contains(&status.as_str()) {
-                    ended.insert(run.clone(), (status, Instant::now(), state));
+    let watch = async {
+        let mut deadline = None;
+        loop {
+            if !attacking.load(std::sync::atomic::Ordering::SeqCst) {
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + plan.settle);
+                let done = ended.lock().unwrap_or_else(|e| e.into_inner()).len();
+                if done >= canary_count() || Instant::now() >= deadline {
+                    break;
                 }
             }
+            let pending: Vec<String> = {
+                let ended = ended.lock().unwrap_or_else(|e| e.into_inner());
+                let canaries = canaries.lock().unwrap_or_else(|e| e.into_inner());
+                canaries
+                    .iter()
+                    .map(|(run, _)| run.clone())
+                    .filter(|run| !ended.contains_key(run))
+                    .collect()
+            };
+            for run in pending {
+                if let Ok(state) =
+                    get_run(&target.gateway_url, &http, &target.victim.token, &run).await
+                {
+                    let status = state["status"].as_str().unwrap_or_default().to_owned();
+                    if ["succeeded", "failed", "cancelled"].contains(&status.as_str()) {
+                        ended
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(run, (status, Instant::now(), state));
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    };
+    let (attacked, ()) = tokio::join!(attack, watch);
+    attacked?;
+    let canaries = canaries.into_inner().unwrap_or_else(|e| e.into_inner());
+    let ended = ended.into_inner().unwrap_or_else(|e| e.into_inner());
     report.canaries_started = canaries.len();
     let mut latencies = Vec::new();
     for (run, started) in &canaries {

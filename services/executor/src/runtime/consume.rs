@@ -498,7 +498,7 @@ impl QueueConsumer {
     }
 
     /// Pauses (or resumes) every partition assigned now. A record fetched before a pause
-    /// may still arrive: it is dispatched (one over the limit) rather than skipped.
+    /// may still arrive: it is held (one over the bound) rather than skipped.
     pub(super) fn set_paused(&self, pause: bool) {
         let Ok(assignment) = self.consumer.assignment() else {
             return;

@@ -93,8 +93,8 @@ mod produce;
 use consume::*;
 use dispatch::*;
 
-/// How long a queue may stay full (every slot taken) before its partitions are paused
-/// and the consumer polls again; well below `max.poll.interval.ms`.
+/// How long a queue may stay full (as many intents held as it may hold) before its
+/// partitions are paused and the consumer polls again; well below `max.poll.interval.ms`.
 const PAUSE_WHEN_FULL_FOR: Duration = Duration::from_secs(2);
 
 /// How an executor process runs.
