@@ -362,4 +362,40 @@ fi
 mounts=$(grep -c 'claimName: sortie-blobs' "$out/blobs-file.yaml")
 [ "$mounts" -eq 4 ] || { echo "FAIL: the blob claim is mounted in $mounts workloads, not the gateway and 3 executors" >&2; exit 1; }
 echo "   off by default; a file:// store's claim mounted in the gateway and every executor; S3 with Secret credentials in production"
+echo "== an executor of its own image"
+"$HELM" template sortie "$CHART" --namespace sortie --kube-version "$KUBE_VERSION" \
+    --set-json 'executors=[{"name":"default","queues":["default"],"tenantWeights":{"acme":3}},{"name":"refunds","queues":["refunds"],"image":{"repository":"registry.example.com/refund-executor","tag":"1.4.0"},"command":["refund-executor"],"args":["--verbose"],"egressAllow":["10.0.0.0/8"],"tenantSecrets":{"acme":"acme-keys"}}]' \
+    --show-only templates/executors.yaml >"$out/own-image.yaml"
+"$KUBECONFORM" -strict -summary -kubernetes-version "$KUBE_VERSION" \
+    -schema-location "$SCHEMAS/{{ .NormalizedKubernetesVersion }}-standalone{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
+    "$out/own-image.yaml" >/dev/null
+"$TOOLS/venv/bin/python" - "$out/own-image.yaml" <<'PY'
+# Proven able to fail: with the entry's image ignored this printed "refunds: image
+# sortie:…" and exited 1.
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "Deployment"]
+def container(name):
+    d = next(d for d in docs if d["metadata"]["name"].endswith(f"executor-{name}"))
+    return d["spec"]["template"]["spec"]["containers"][0]
+failures = []
+own, default = container("refunds"), container("default")
+env = {e["name"]: e.get("value") for e in own["env"]}
+if own["image"] != "registry.example.com/refund-executor:1.4.0":
+    failures.append(f'refunds: image {own["image"]}')
+if own.get("command") != ["refund-executor"] or own.get("args") != ["--verbose"]:
+    failures.append(f'refunds: command {own.get("command")} args {own.get("args")}')
+for name, value in (("SORTIE__EXECUTOR__QUEUES", "refunds"), ("SORTIE__EXECUTOR__EGRESS_ALLOW", "10.0.0.0/8"),
+                    ("SORTIE__EXECUTOR__SECRETS_DIR", "/var/run/sortie/secrets")):
+    if env.get(name) != value:
+        failures.append(f"refunds: {name}={env.get(name)!r}, not {value!r}")
+if own.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/readyz":
+    failures.append("refunds: no /readyz readiness probe")
+if not default["image"].startswith("sortie:") or default["args"][0] != "executor":
+    failures.append(f'default: {default["image"]} {default["args"]}')
+if {e["name"]: e.get("value") for e in default["env"]}.get("SORTIE__EXECUTOR__TENANT_WEIGHTS") != "acme=3":
+    failures.append("default: no tenant weights")
+if failures:
+    sys.exit("FAIL: " + "; ".join(failures))
+print("   its image, command, arguments and queues; the same variables and probes; the others unchanged")
+PY
 echo "== helm chart OK"
