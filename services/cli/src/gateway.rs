@@ -133,6 +133,19 @@ pub struct Args {
     blob_threshold: usize,
     #[command(flatten)]
     seal: crate::seal::SealArgs,
+    /// Starts (and forks) one tenant may make a second through this gateway; past it a
+    /// start is answered 429 `start_rate_exceeded` with `Retry-After`, publishing
+    /// nothing. Unset: unbounded.
+    #[arg(long, env = "SORTIE__GATEWAY__TENANT_START_RATE")]
+    tenant_start_rate: Option<f64>,
+    /// Starts one tenant may make at once after a quiet spell (with --tenant-start-rate;
+    /// default: the rate rounded up).
+    #[arg(
+        long,
+        env = "SORTIE__GATEWAY__TENANT_START_BURST",
+        requires = "tenant_start_rate"
+    )]
+    tenant_start_burst: Option<u32>,
     /// Live event streams one tenant may hold open at once (429 `too_many_streams` above).
     #[arg(
         long,
@@ -211,6 +224,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         threshold: args.blob_threshold,
     });
     config.max_streams_per_tenant = args.max_streams_per_tenant;
+    if let Some(rate) = args.tenant_start_rate {
+        let burst = args.tenant_start_burst.unwrap_or(rate.ceil() as u32);
+        config.start_rate = Some(
+            sortie_gateway::admission::StartRate::new(rate, burst)
+                .map_err(|e| anyhow::anyhow!("--tenant-start-rate: {e}"))?,
+        );
+    }
     config.max_connections = args.max_connections;
     config.max_connections_per_address = args.max_connections_per_address;
     config.header_read_timeout = std::time::Duration::from_millis(args.header_read_timeout_ms);

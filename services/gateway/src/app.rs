@@ -78,6 +78,8 @@ pub(crate) struct Inner {
     view_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Open live event streams per tenant.
     streams: Mutex<HashMap<String, usize>>,
+    /// Each tenant's start tokens (`crate::admission`).
+    admission: crate::admission::Admission,
     /// The blob store of `config.blobs`, opened.
     pub blobs: Option<Arc<dyn sortie_blob::BlobStore>>,
     /// The run data keys of `config.seal`, opened.
@@ -160,6 +162,7 @@ impl AppState {
             keyring.map(|file| (file, config.require_signatures)),
         );
         tokio::spawn(auth::watch(auth.clone(), stop.subscribe()));
+        let start_rate = config.start_rate;
         Ok(AppState {
             inner: Arc::new(Inner {
                 config,
@@ -175,6 +178,7 @@ impl AppState {
                 stop_graphs,
                 view_task: Mutex::new(Some(view_task)),
                 streams: Mutex::new(HashMap::new()),
+                admission: crate::admission::Admission::new(start_rate),
                 blobs,
                 run_keys,
             }),
@@ -184,6 +188,22 @@ impl AppState {
     /// Takes one of `tenant`'s live-stream slots, or `None` when all
     /// `max_streams_per_tenant` are taken. The slot is given back when the returned
     /// guard drops, i.e. when the stream ends or its client leaves.
+    /// Takes one of `tenant`'s start tokens, or refuses the start: 429
+    /// `start_rate_exceeded` with `Retry-After` (`crate::admission`).
+    pub(crate) fn admit_start(&self, tenant: &str) -> Result<(), ApiError> {
+        self.inner.admission.admit(tenant).map_err(|wait| {
+            let rate = self.inner.config.start_rate.map_or(0.0, |r| r.per_second);
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "start_rate_exceeded",
+                format!(
+                    "tenant {tenant} starts runs faster than this gateway admits ({rate} a second); nothing was published, try again after Retry-After"
+                ),
+            )
+            .retry_after(wait)
+        })
+    }
+
     pub(crate) fn stream_slot(&self, tenant: &str) -> Option<StreamSlot> {
         let mut streams = self
             .inner

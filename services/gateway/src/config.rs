@@ -64,6 +64,10 @@ pub struct GatewayConfig {
     /// Largest request body accepted (413 above).
     #[serde(default = "default_max_body")]
     pub max_body_bytes: usize,
+    /// How fast one tenant may start runs (and forks) through this gateway; past it a
+    /// start is answered 429 `start_rate_exceeded` with `Retry-After`. `None`: unbounded.
+    #[serde(default)]
+    pub start_rate: Option<crate::admission::StartRate>,
     /// Live event streams (`/events/stream`) one tenant may hold open at once; one more
     /// is refused 429 `too_many_streams` until a stream closes.
     #[serde(default = "default_max_streams")]
@@ -320,6 +324,7 @@ impl GatewayConfig {
             read_wait_timeout: default_answer_timeout(),
             max_body_bytes: default_max_body(),
             max_streams_per_tenant: default_max_streams(),
+            start_rate: None,
             max_connections: default_max_connections(),
             max_connections_per_address: default_max_connections_per_address(),
             header_read_timeout: default_header_read_timeout(),

@@ -14,6 +14,8 @@ pub struct ApiError {
     pub details: Option<Value>,
     /// Answer with `Connection: close` (the request's body was left unread).
     pub close: bool,
+    /// Answer with `Retry-After: <seconds>`.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -24,7 +26,15 @@ impl ApiError {
             message: message.into(),
             details: None,
             close: false,
+            retry_after: None,
         }
+    }
+
+    /// The same answer, telling the client when to try again (whole seconds, at least 1).
+    pub fn retry_after(mut self, wait: std::time::Duration) -> Self {
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        self.retry_after = Some(seconds.max(1));
+        self
     }
 
     /// The same answer, telling the client the connection closes after it.
@@ -113,6 +123,12 @@ impl IntoResponse for ApiError {
             map.extend(extra);
         }
         let mut response = (self.status, Json(json!({ "error": error }))).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(seconds),
+            );
+        }
         if self.close {
             response.headers_mut().insert(
                 axum::http::header::CONNECTION,

@@ -10,6 +10,7 @@
 //! The gateway never decides anything about a run and never asks the reducer: it checks
 //! who is calling and what they may see, publishes, and reports what the log says.
 
+pub mod admission;
 mod api;
 mod app;
 pub mod auth;

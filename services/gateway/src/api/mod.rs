@@ -355,6 +355,8 @@ async fn start_run(
     ) {
         run_id = signals::correlated(&caller.tenant, &body.graph_id, &label, &body.labels)?;
     }
+    // Before anything is stored or published: a start past the tenant's rate costs nothing.
+    app.admit_start(&caller.tenant)?;
     let input = body.input.unwrap_or_else(|| json!({}));
     let input = app.payload(&caller.tenant, &run_id, "input", input).await?;
     let input = app.seal(&caller.tenant, &run_id, input, true).await?;
@@ -1381,6 +1383,8 @@ async fn fork_run(
         None => source.input.clone(),
     };
     limits::payload("input", &input)?;
+    // A fork starts a run: it spends one of the tenant's start tokens.
+    app.admit_start(&caller.tenant)?;
     // The new run's payloads, the source's state included, sealed with the new run's key.
     let seal = app.run_seal(&caller.tenant, &new_id, true).await?;
     let input = {
