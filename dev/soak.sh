@@ -8,8 +8,8 @@
 #   SORTIE_SOAK_SEED=1795947140307420890 dev/soak.sh   # replay a seed
 #
 # The schedule also has a second reducer join the group and leave it (SIGTERM).
-# Also: SORTIE_SOAK_RECON_TIMEOUT (the reconcilable step's timeout, default 8s; see the
-# known defect in soak.rs). Logs of every process: target/test-runs/t.soak.*/.
+# Also: SORTIE_SOAK_RECON_TIMEOUT (the reconcilable step's timeout; drawn from the seed,
+# 3s or 8s, otherwise: see soak.rs). Logs of every process: target/test-runs/t.soak.*/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SORTIE_SOAK_RUNS=${SORTIE_SOAK_RUNS:-500}
