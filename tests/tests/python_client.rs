@@ -597,6 +597,9 @@ edges:
         pub crash: bool,
         /// A ledger fault armed before the run starts.
         pub fault: Option<Value>,
+        /// Start the executor only once the run has given up on the step (its timeout
+        /// passed with no executor): the intent reaches it late.
+        pub late: bool,
     }
 
     /// The run's state once it stopped running, the ledger a moment later, and the
@@ -617,7 +620,7 @@ edges:
             }
             Impl::Python => Running::Python(story.executor_with(crash, "http")),
         };
-        let mut executor = start(case.crash);
+        let mut executor = (!case.late).then(|| start(case.crash));
         let run = "run-conformance";
         story
             .stack
@@ -627,12 +630,32 @@ edges:
                 r#"{"amount": 42}"#,
             ))
             .await;
+        if case.late {
+            story
+                .stack
+                .wait_for_states("the step to time out", &[run.to_owned()], LONG, |s| {
+                    s.status == RunStatus::NeedsReconciliation
+                })
+                .await;
+            executor = Some(start(false));
+            // It reports the attempt without a call, or calls it: the ledger tells which.
+            sortie_tests::wait_until("the executor to take the late attempt", LONG, || async {
+                let skipped = story.stack.results().await.iter().any(|r| {
+                    r.run_id == run
+                        && r.error
+                            .as_ref()
+                            .is_some_and(|e| e.code == "deadline_passed")
+                });
+                skipped || !story.ledger.snapshot().await.calls.is_empty()
+            })
+            .await;
+        }
         if case.crash {
             sortie_tests::wait_until("the call to reach the ledger", LONG, || async {
                 !story.ledger.snapshot().await.calls.is_empty()
             })
             .await;
-            match &mut executor {
+            match executor.as_mut().expect("started before the run") {
                 Running::Rust(process) => {
                     sortie_tests::wait_until("the executor to die after the call", LONG, || {
                         let exited = process.try_exit().is_some();
@@ -650,15 +673,13 @@ edges:
                 }
             }
             drop(executor);
-            executor = start(false);
+            executor = Some(start(false));
         }
         let states = story
             .stack
             .wait_for_states("the run to stop running", &[run.to_owned()], LONG, |s| {
-                matches!(
-                    s.status,
-                    RunStatus::Succeeded | RunStatus::Failed | RunStatus::NeedsReconciliation
-                )
+                matches!(s.status, RunStatus::Succeeded | RunStatus::Failed)
+                    || (s.status == RunStatus::NeedsReconciliation && !case.late)
             })
             .await;
         // Time for a repeated call, if there were one, to reach the ledger.
@@ -694,6 +715,7 @@ async fn conformance_keyed_crash_after_the_call_takes_effect_once() {
             mode: "keyed",
             crash: true,
             fault: None,
+            late: false,
         },
         |imp, state, ledger, op| {
             assert_eq!(state.status, RunStatus::Succeeded, "{imp:?}");
@@ -717,6 +739,7 @@ async fn conformance_unsafe_crash_after_the_call_is_never_repeated() {
             mode: "plain",
             crash: true,
             fault: None,
+            late: false,
         },
         |imp, state, ledger, _| {
             assert_eq!(state.status, RunStatus::NeedsReconciliation, "{imp:?}");
@@ -737,6 +760,7 @@ async fn conformance_reconcilable_crash_after_the_call_asks_and_does_not_call_ag
             mode: "reconcilable",
             crash: true,
             fault: None,
+            late: false,
         },
         |imp, state, ledger, _| {
             assert_eq!(state.status, RunStatus::Succeeded, "{imp:?}");
@@ -760,6 +784,7 @@ async fn conformance_a_retryable_failure_is_tried_again() {
             mode: "keyed",
             crash: false,
             fault: Some(serde_json::json!({"status": 503, "times": 1})),
+            late: false,
         },
         |imp, state, ledger, _| {
             assert_eq!(state.status, RunStatus::Succeeded, "{imp:?}");
@@ -780,11 +805,41 @@ async fn conformance_a_permanent_failure_fails_the_run() {
             mode: "keyed",
             crash: false,
             fault: Some(serde_json::json!({"status": 400, "times": 1})),
+            late: false,
         },
         |imp, state, ledger, _| {
             assert_eq!(state.status, RunStatus::Failed, "{imp:?}");
             assert_eq!(state.steps["pay#1"].attempt, 1, "{imp:?}");
             assert_eq!(ledger.total_effects(), 0, "{imp:?}: {ledger:#?}");
+        },
+    )
+    .await;
+}
+
+/// Conformance, an `unsafe` attempt that reaches an executor after the reducer gave up on
+/// it (no executor until its 4 s timeout passed; the run needs reconciliation): it is
+/// reported `deadline_passed` without a call, a definite outcome the reducer takes, so the
+/// run goes on with attempt 2 — the only call the receiver sees — and needs no operator.
+///
+/// Seen red: with the deadline check skipped in the Python executor, the Python run
+/// succeeded on the late attempt 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_an_unsafe_attempt_given_up_on_is_never_called_late() {
+    both(
+        || Case {
+            class: "unsafe",
+            mode: "plain",
+            crash: false,
+            fault: None,
+            late: true,
+        },
+        |imp, state, ledger, op| {
+            assert_eq!(state.status, RunStatus::Succeeded, "{imp:?}");
+            assert_eq!(
+                state.steps["pay#1"].attempt, 2,
+                "{imp:?}: the late attempt 1 was not the one called"
+            );
+            assert_eq!(ledger.calls(op), 1, "{imp:?}: {ledger:#?}");
         },
     )
     .await;

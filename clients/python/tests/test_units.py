@@ -8,7 +8,7 @@ import unittest
 
 from sortie_client import Found, NotFound, Permanent, RecordedFailed, Retryable, Unknown
 from sortie_client.client import correlated_run_id, load_signing_key
-from sortie_client.executor import Call, Executor, _OperationLocks, _Output, _Tracker
+from sortie_client.executor import Call, Executor, _OperationLocks, _Output, _Tracker, _attempt_deadline
 from sortie_client.follower import Chain, ChainBroken, Event
 from sortie_client.wire import murmur2, partition_for, read_properties
 
@@ -26,6 +26,17 @@ class Murmur2(unittest.TestCase):
         ]:
             self.assertEqual(murmur2(text.encode()), expected, text)
         self.assertEqual(partition_for("run-py", 3), 2)
+
+
+class Deadline(unittest.TestCase):
+    def test_an_attempts_deadline_is_its_issue_time_plus_its_timeout(self):
+        import datetime
+
+        self.assertEqual(_attempt_deadline({"issued_at": 1000, "timeout_ms": 2000}), 3000)
+        at = datetime.datetime.fromtimestamp(1.5, tz=datetime.timezone.utc)
+        self.assertEqual(_attempt_deadline({"issued_at": at, "timeout_ms": 500}), 2000)
+        for no_timeout in (None, 0, -1):
+            self.assertIsNone(_attempt_deadline({"issued_at": 1000, "timeout_ms": no_timeout}))
 
 
 class Tracker(unittest.TestCase):

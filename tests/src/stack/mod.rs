@@ -398,6 +398,28 @@ impl Stack {
         out
     }
 
+    /// Every step result (read_committed).
+    pub async fn results(&self) -> Vec<w::StepResult> {
+        let mut out = Vec::new();
+        for message in crate::read_all(
+            &self.bootstrap,
+            &self.topics.step_results(),
+            Isolation::ReadCommitted,
+        )
+        .await
+        {
+            if let Some(payload) = message.payload() {
+                out.push(
+                    self.codec
+                        .decode::<w::StepResult>(Some(payload))
+                        .await
+                        .expect("decode step result"),
+                );
+            }
+        }
+        out
+    }
+
     pub async fn dead_letters(&self) -> Vec<w::DeadLetter> {
         let mut out = Vec::new();
         for message in crate::read_all(

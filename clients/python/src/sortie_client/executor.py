@@ -377,6 +377,18 @@ def _blob(v: Dict[str, Any]) -> bool:
     return isinstance(v.get("$blob"), str) and v["$blob"].startswith("sortie-blob:")
 
 
+def _attempt_deadline(intent: Dict[str, Any]) -> Optional[int]:
+    """When the reducer gives up on this attempt: its ``issued_at`` plus the node's
+    ``timeout_ms`` (none without one)."""
+    timeout_ms = intent.get("timeout_ms")
+    issued_at = intent.get("issued_at")
+    if not timeout_ms or timeout_ms <= 0 or issued_at is None:
+        return None
+    if hasattr(issued_at, "timestamp"):  # a timestamp-millis decoded as a datetime
+        issued_at = int(issued_at.timestamp() * 1000)
+    return int(issued_at) + int(timeout_ms)
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -600,6 +612,13 @@ class Executor:
         def report(outcome: Any) -> None:
             self._report(intent, outcome, started_at)
 
+        deadline = _attempt_deadline(intent)
+        if deadline is not None and started_at >= deadline:
+            # The reducer has already retried this attempt or left it to an operator,
+            # whose ruling a late call would make false.
+            report(Retryable("deadline_passed", "the attempt's deadline passed before an executor could start it"))
+            ticket.done()
+            return
         try:
             call = self._call(intent)
         except HandlerError as e:

@@ -21,7 +21,8 @@
 //! polling, so the member stays in the group. A held intent's offset is tracked like a
 //! running one, so no commit passes it. An intent whose attempt's deadline passed while
 //! it was held (or in the topic) is not called: it is reported as a retryable failure
-//! (`deadline_passed`), since the reducer has already given up on that attempt.
+//! (`deadline_passed`), since the reducer has already given up on that attempt; that
+//! definite outcome lets the reducer retry it, even an `unsafe` step left to an operator.
 //!
 //! # Offset commits
 //!
