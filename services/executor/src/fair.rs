@@ -182,14 +182,6 @@ impl<T> FairShare<T> {
     pub fn running(&self, tenant: &str) -> usize {
         self.tenants.get(tenant).map_or(0, |t| t.running)
     }
-
-    /// How many items are held per tenant (tenants holding none left out).
-    pub fn held_by_tenant(&self) -> impl Iterator<Item = (&str, usize)> {
-        self.tenants
-            .iter()
-            .filter(|(_, t)| !t.held.is_empty())
-            .map(|(name, t)| (name.as_ref(), t.held.len()))
-    }
 }
 
 #[cfg(test)]
