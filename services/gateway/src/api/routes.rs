@@ -26,25 +26,25 @@ macro_rules! routes {
 }
 
 routes! {
-    "/healthz" => { GET: healthz }
-    "/readyz" => { GET: readyz }
+    "/healthz" => { GET: service::healthz }
+    "/readyz" => { GET: service::readyz }
     "/metrics" => { GET: crate::metrics::render }
-    "/openapi.json" => { GET: openapi_json }
-    "/v1/runs" => { POST: start_run, GET: list_runs }
+    "/openapi.json" => { GET: service::openapi_json }
+    "/v1/runs" => { POST: starts::start_run, GET: reads::list_runs }
     "/v1/inbox" => { GET: crate::inbox::inbox }
-    "/v1/me" => { GET: me }
-    "/v1/runs/{run_id}" => { GET: get_run, DELETE: delete_run }
-    "/v1/runs/{run_id}/resume" => { POST: resume_run }
-    "/v1/runs/{run_id}/cancel" => { POST: cancel_run }
+    "/v1/me" => { GET: service::me }
+    "/v1/runs/{run_id}" => { GET: reads::get_run, DELETE: operator::delete_run }
+    "/v1/runs/{run_id}/resume" => { POST: decisions::resume_run }
+    "/v1/runs/{run_id}/cancel" => { POST: decisions::cancel_run }
     "/v1/runs/{run_id}/signals/{name}" => { POST: signals::signal_run }
     "/v1/signals/{name}" => { POST: signals::signal_correlated }
-    "/v1/runs/{run_id}/events" => { GET: events }
-    "/v1/runs/{run_id}/conversation" => { GET: conversation }
-    "/v1/runs/{run_id}/events/stream" => { GET: events_stream }
-    "/v1/runs/{run_id}/checkpoints/{checkpoint_id}" => { GET: checkpoint }
-    "/v1/runs/{run_id}/fork" => { POST: fork_run }
-    "/v1/runs/{run_id}/blobs/{sha256}" => { GET: blob }
-    "/v1/runs/{run_id}/operations/{operation_id}/reconcile" => { POST: reconcile }
+    "/v1/runs/{run_id}/events" => { GET: events::events }
+    "/v1/runs/{run_id}/conversation" => { GET: reads::conversation }
+    "/v1/runs/{run_id}/events/stream" => { GET: events::events_stream }
+    "/v1/runs/{run_id}/checkpoints/{checkpoint_id}" => { GET: reads::checkpoint }
+    "/v1/runs/{run_id}/fork" => { POST: fork::fork_run }
+    "/v1/runs/{run_id}/blobs/{sha256}" => { GET: blobs::blob }
+    "/v1/runs/{run_id}/operations/{operation_id}/reconcile" => { POST: operator::reconcile }
     "/v1/runs/{run_id}/operations/{operation_id}/why" => { GET: crate::why::why }
 }
 
