@@ -2,6 +2,7 @@
 //! file; `advance` is the engine they share, moving a run forward after any change.
 
 mod advance;
+mod agent_loop;
 mod budget;
 mod cancel;
 mod child;
@@ -9,12 +10,15 @@ mod context;
 mod converse;
 mod forget;
 pub mod fork;
+mod precheck;
 pub mod reconcile;
 mod report;
 mod resume;
 mod signal;
 mod start;
+mod template;
 mod timer;
+mod wind_down;
 
 use serde_json::Value;
 
@@ -31,8 +35,10 @@ use crate::{
     status::RunStatus,
 };
 
-pub use advance::approved_args;
-pub(crate) use advance::{advance, begin_failure, is_tool_call};
+pub(crate) use advance::advance;
+pub(crate) use agent_loop::is_tool_call;
+pub use template::approved_args;
+pub(crate) use wind_down::begin_failure;
 
 /// What applying one input produced.
 #[derive(Debug, Clone, PartialEq)]
