@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
@@ -29,6 +28,7 @@ use sortie_wire::{Codec, Topics};
 
 use crate::kafka::{hostile, Context, Expect};
 use crate::mutate::Rng;
+use crate::produce::headers;
 
 /// What to attack and what to watch.
 #[derive(Debug, Clone)]
@@ -199,14 +199,12 @@ pub async fn run(target: &Target, plan: &Plan) -> anyhow::Result<Report> {
         }
         let record = hostile(&mut rng, &context);
         *report.by_kind.entry(record.kind.to_owned()).or_default() += 1;
-        let mut headers = OwnedHeaders::new();
-        for (key, value) in &record.headers {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value),
-            });
-        }
-        let mut future = FutureRecord::to(&record.topic).headers(headers);
+        let mut future = FutureRecord::to(&record.topic).headers(headers(
+            record
+                .headers
+                .iter()
+                .map(|(key, value)| (key.as_str(), value.as_slice())),
+        ));
         if let Some(key) = &record.key {
             future = future.key(key);
         }

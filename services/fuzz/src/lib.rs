@@ -15,5 +15,6 @@ pub mod decoders;
 pub mod http;
 pub mod kafka;
 pub mod mutate;
+mod produce;
 pub mod tenancy;
 pub mod values;

@@ -29,8 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureProducer;
 use serde::Serialize;
 use serde_json::{json, Value};
 use sortie_core::Graph;
@@ -41,6 +40,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use crate::mutate::Rng;
+use crate::produce::send;
 
 /// What the victim's data is marked with, so a leak is found wherever it lands.
 pub const VICTIM_PAYLOAD: &str = "victim-payload-7f3a";
@@ -540,35 +540,6 @@ async fn publish(
         &target.attacker.publisher.0,
     )
     .await
-}
-
-async fn send(
-    producer: &FutureProducer,
-    topic: &str,
-    key: &str,
-    partition: Option<i32>,
-    value: &[u8],
-    signer: &Signer,
-) -> anyhow::Result<()> {
-    let mut headers = OwnedHeaders::new();
-    for (name, bytes) in signer.headers(value) {
-        headers = headers.insert(Header {
-            key: name,
-            value: Some(&bytes),
-        });
-    }
-    let mut record = FutureRecord::to(topic)
-        .key(key)
-        .payload(value)
-        .headers(headers);
-    if let Some(partition) = partition {
-        record = record.partition(partition);
-    }
-    producer
-        .send(record, Duration::from_secs(30))
-        .await
-        .map_err(|(e, _)| anyhow::anyhow!("producing to {topic}: {e}"))?;
-    Ok(())
 }
 
 /// A command of the attacker's (tenant `tenant`), signed by its service key.
