@@ -2,13 +2,12 @@
 //! graphs, and the services themselves (`sortie reducer`).
 
 use clap::{Parser, Subcommand};
+use sortie_process::{connection, seal, telemetry};
 
 mod audit;
 mod bench;
 mod broker;
-mod connection;
 mod dev;
-mod executor;
 mod fuzz;
 mod gateway;
 mod graph;
@@ -20,8 +19,6 @@ mod reducer;
 mod registry;
 mod replay;
 mod run;
-mod seal;
-mod telemetry;
 mod topology;
 
 #[derive(Debug, Parser)]
@@ -55,7 +52,7 @@ enum Command {
     /// Run a reducer instance: folds commands and step results into run state, exactly once.
     Reducer(reducer::Args),
     /// Run a stateless executor for one or more queues.
-    Executor(executor::Args),
+    Executor(sortie_executor::command::Args),
     /// Run the HTTP gateway (the run API and read views).
     Gateway(gateway::Args),
     /// Command-signing keys: make one and add it to a keyring.
@@ -92,7 +89,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Topology(args) => topology::run(args).await,
         Command::Registry(args) => registry::run(args).await,
         Command::Reducer(args) => reducer::run(args).await,
-        Command::Executor(args) => executor::run(args).await,
+        Command::Executor(args) => {
+            sortie_executor::command::run(args, sortie_executor::Handlers::builtin_with).await
+        }
         Command::Gateway(args) => gateway::run(args).await,
         Command::Keys(args) => keys::run(args).await,
         Command::Ledger(args) => ledger::run(args).await,
@@ -105,26 +104,7 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub(crate) async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => return std::future::pending().await,
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
-}
+pub(crate) use sortie_process::shutdown_signal;
 
 /// Binds `addr` for `what`; an address already taken (or not ours to take) fails with the
 /// address and the flag that changes it, not the bare OS error.

@@ -34,6 +34,7 @@
 //! a call; an output over the threshold is stored before its result is produced and
 //! reported by reference (`sortie-blob`).
 
+pub mod command;
 pub mod egress;
 pub mod fair;
 pub mod fault;

@@ -58,6 +58,27 @@ pub fn sortie_bin() -> PathBuf {
         .clone()
 }
 
+/// The executor of your own that `examples/rust-executor` builds (a project outside the
+/// workspace, on the workspace's target directory so it reuses what is built), built once
+/// per test process.
+pub fn own_executor_bin() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let root = crate::workspace_root();
+            let status = Command::new(env!("CARGO"))
+                .args(["build", "-q", "--locked", "--manifest-path"])
+                .arg(root.join("examples/rust-executor/Cargo.toml"))
+                .env("CARGO_TARGET_DIR", root.join("target"))
+                .current_dir(&root)
+                .status()
+                .expect("cargo build runs");
+            assert!(status.success(), "building examples/rust-executor failed");
+            root.join("target").join("debug").join("my-executor")
+        })
+        .clone()
+}
+
 #[derive(Debug)]
 pub struct Stack {
     pub bootstrap: String,

@@ -4,10 +4,13 @@
 #[allow(unused_imports)]
 use super::*;
 
-/// A `sortie` child process whose output goes to a log file under target/test-runs.
+/// A `sortie` child process (or another program's, e.g. [`own_executor_bin`]) whose
+/// output goes to a log file under target/test-runs.
 #[derive(Debug)]
 pub struct Process {
     pub(crate) child: Child,
+    /// The program (a supervisor starts it again).
+    pub(crate) program: PathBuf,
     pub log: PathBuf,
     /// Where this spawn's output starts in the (appended) log.
     pub(crate) log_start: u64,
@@ -17,21 +20,27 @@ pub struct Process {
 
 /// Starts `sortie` with `args`, its output appended to `log`.
 pub(crate) fn spawn_logged(log: PathBuf, args: Vec<String>) -> Process {
+    spawn_program(sortie_bin(), log, args)
+}
+
+/// Starts `program` with `args`, its output appended to `log`.
+pub(crate) fn spawn_program(program: PathBuf, log: PathBuf, args: Vec<String>) -> Process {
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&log)
         .expect("log file");
     let log_start = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let child = Command::new(sortie_bin())
+    let child = Command::new(&program)
         .args(&args)
         .env("RUST_LOG", "info,sortie_reducer=debug")
         .stdout(Stdio::from(file.try_clone().expect("log handle")))
         .stderr(Stdio::from(file))
         .spawn()
-        .expect("spawn sortie");
+        .unwrap_or_else(|e| panic!("spawning {}: {e}", program.display()));
     Process {
         child,
+        program,
         log,
         log_start,
         args,
@@ -70,7 +79,11 @@ impl Process {
                                 "supervisor: {} ended itself as wedged; starting it again",
                                 current.log.display()
                             );
-                            let again = spawn_logged(current.log.clone(), current.args.clone());
+                            let again = spawn_program(
+                                current.program.clone(),
+                                current.log.clone(),
+                                current.args.clone(),
+                            );
                             *current = again;
                             restarts.fetch_add(1, Ordering::Relaxed);
                         }

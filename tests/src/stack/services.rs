@@ -91,9 +91,25 @@ impl Stack {
     /// `["--static-membership"]` so a restart under the same name takes its partitions
     /// back at once, `["--fault", "executor.after_call"]`).
     pub fn executor_process(&self, name: &str, queues: &[&str], extra: &[&str]) -> Process {
+        let mut args = vec!["executor".to_owned()];
+        args.extend(self.executor_args(name, queues, extra));
+        spawn_logged(self.dir.join(format!("{name}.log")), args)
+    }
+
+    /// [`Stack::executor_process`] with the executor of your own that
+    /// `examples/rust-executor` builds ([`own_executor_bin`]): the same flags.
+    pub fn own_executor_process(&self, name: &str, queues: &[&str], extra: &[&str]) -> Process {
+        let args = self.executor_args(name, queues, extra);
+        spawn_program(
+            own_executor_bin(),
+            self.dir.join(format!("{name}.log")),
+            args,
+        )
+    }
+
+    fn executor_args(&self, name: &str, queues: &[&str], extra: &[&str]) -> Vec<String> {
         let queues = queues.join(",");
         let mut args = vec![
-            "executor",
             "--bootstrap-servers",
             &self.bootstrap,
             "--registry-url",
@@ -120,7 +136,7 @@ impl Stack {
             "::1/128",
         ];
         args.extend_from_slice(extra);
-        self.spawn(name, &args)
+        args.into_iter().map(str::to_owned).collect()
     }
 }
 

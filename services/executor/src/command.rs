@@ -1,16 +1,22 @@
-//! `sortie executor`: a stateless executor for one or more queues, until Ctrl-C or SIGTERM
-//! (then it finishes or hands back its in-flight intents).
+//! `sortie executor` as a library: its flags ([`Args`]) and what it does with them
+//! ([`run`]), so an executor binary of your own, with your handlers beside the built-in
+//! ones, takes the same flags and environment variables, reads the same Kafka properties
+//! file and serves the same `/metrics`, `/healthz` and `/readyz` ([`main`]). It runs until
+//! Ctrl-C or SIGTERM, then finishes or hands back its in-flight intents.
 
 use std::time::Duration;
 
-use sortie_executor::{Egress, ExecutorConfig, FaultPoint, Handlers};
+use sortie_process::{connection, seal, telemetry};
 use sortie_wire::Topics;
 
+use crate::{Egress, ExecutorConfig, FaultPoint, Handlers};
+
+/// The flags of `sortie executor`, each with its `SORTIE__EXECUTOR__*` variable.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     // --bootstrap-servers, --registry-url, --prefix, --kafka-properties.
     #[command(flatten)]
-    connection: crate::connection::Connection,
+    connection: connection::Connection,
     /// Queues to serve (`sortie.intents.<queue>`); repeat the flag or separate by commas.
     #[arg(
         long = "queue",
@@ -43,7 +49,7 @@ pub struct Args {
         long = "tenant-weight",
         env = "SORTIE__EXECUTOR__TENANT_WEIGHTS",
         value_delimiter = ',',
-        value_parser = sortie_executor::fair::FairShareConfig::parse_weight
+        value_parser = crate::fair::FairShareConfig::parse_weight
     )]
     tenant_weights: Vec<(String, u32)>,
     /// Most intents read ahead and held for their tenant's turn, per queue (default: 64
@@ -93,7 +99,7 @@ pub struct Args {
     #[arg(long, env = "SORTIE__EXECUTOR__BLOB_THRESHOLD", default_value_t = sortie_blob::DEFAULT_THRESHOLD)]
     blob_threshold: usize,
     #[command(flatten)]
-    seal: crate::seal::SealArgs,
+    seal: seal::SealArgs,
     /// How long past its own timeout an offset commit may block before the executor
     /// exits with status 75 for its supervisor to restart it with fresh clients (a
     /// wedged librdkafka call; see `sortie_kafka::watchdog`).
@@ -143,7 +149,43 @@ pub struct Args {
     print_config: bool,
 }
 
-pub async fn run(args: Args) -> anyhow::Result<()> {
+/// The command line of an executor binary of your own: [`Args`] and the logging flags.
+#[derive(Debug, clap::Parser)]
+#[command(version, about = "A Sortie executor: serves queues with its handlers")]
+struct Standalone {
+    #[command(flatten)]
+    args: Args,
+    #[command(flatten)]
+    log: telemetry::LogArgs,
+}
+
+/// Everything `main` of an executor binary of your own does: parses the command line
+/// (the flags of `sortie executor`, and `--log-level`/`--log-format`), starts logging and
+/// [`run`]s with the handlers `handlers` makes (given the egress policy the flags set, for
+/// [`Handlers::builtin_with`]).
+///
+/// ```no_run
+/// # use sortie_executor::Handlers;
+/// #[tokio::main]
+/// async fn main() -> anyhow::Result<()> {
+///     sortie_executor::command::main(|egress| {
+///         let handlers = Handlers::builtin_with(egress);
+///         // handlers.register("inventory", Inventory::default());
+///         handlers
+///     })
+///     .await
+/// }
+/// ```
+pub async fn main(handlers: impl FnOnce(&Egress) -> Handlers) -> anyhow::Result<()> {
+    let cli = <Standalone as clap::Parser>::parse();
+    telemetry::init_logging(&cli.log);
+    run(cli.args, handlers).await
+}
+
+/// Serves the queues `args` names with the handlers `handlers` makes, with the metrics
+/// and health server, until Ctrl-C or SIGTERM: `sortie executor` is
+/// `run(args, Handlers::builtin_with)`.
+pub async fn run(args: Args, handlers: impl FnOnce(&Egress) -> Handlers) -> anyhow::Result<()> {
     let queues: Vec<String> = args
         .queues
         .iter()
@@ -161,7 +203,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     config.static_membership = args.static_membership;
     config.max_in_flight = args.max_in_flight;
-    config.fair_share = sortie_executor::fair::FairShareConfig {
+    config.fair_share = crate::fair::FairShareConfig {
         tenant_max_in_flight: args.tenant_max_in_flight,
         weights: args.tenant_weights.into_iter().collect(),
         max_held: args.max_held,
@@ -179,7 +221,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         threshold: args.blob_threshold,
     });
     if let Some(dir) = args.secrets_dir {
-        sortie_executor::secrets::set_dir(dir);
+        crate::secrets::set_dir(dir);
     }
     let mut egress = Egress::default();
     for rule in args.egress_allow.iter().filter(|r| !r.trim().is_empty()) {
@@ -200,22 +242,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(point) = config.fault {
         tracing::warn!(%point, "Fault injection is ON: this executor will die (or hang, or leave its group, as the point says) there.");
     }
-    let metrics =
-        crate::telemetry::install_metrics(&[sortie_executor::metrics::HISTOGRAM_BUCKETS])?;
-    sortie_executor::metrics::describe();
-    let health = sortie_executor::health::Health::default();
+    let metrics = telemetry::install_metrics(&[crate::metrics::HISTOGRAM_BUCKETS])?;
+    crate::metrics::describe();
+    let health = crate::health::Health::default();
     let readiness = health.clone();
-    crate::telemetry::serve_ops(
+    telemetry::serve_ops(
         args.metrics_addr.as_deref(),
         "127.0.0.1:9465",
         metrics,
         std::sync::Arc::new(move || readiness.readiness()),
     )
     .await?;
-    sortie_executor::run_with_health(
+    crate::run_with_health(
         config,
-        Handlers::builtin_with(&egress),
-        crate::shutdown_signal(),
+        handlers(&egress),
+        sortie_process::shutdown_signal(),
         health,
     )
     .await?;

@@ -1,22 +1,32 @@
-//! A user's own executor binary: the built-in handlers plus two of their own.
-//!
-//! Against the dev stack (broker, registry, topology, a reducer):
+//! An executor binary of your own: Sortie's built-in handlers (`http`, `llm`, `mcp`,
+//! `echo`, `sleep`) plus two of yours, with every flag, environment variable and endpoint
+//! of `sortie executor` (`--queue`, `--kafka-properties`, `--seal-*`, `/healthz`,
+//! `/metrics`, ...): `my-executor --help` lists them.
 //!
 //! ```text
-//! cargo run -p sortie-executor --example custom_handler
+//! cargo run -- --queue custom
 //! ```
 //!
-//! then give a graph node `tool: shout` (or `tool: inventory`) on queue `default`. Config
-//! comes from the same environment variables as `sortie executor`.
+//! then give a graph node `tool: shout` (or `tool: inventory`) and `queue: custom`
+//! (docs/guides/custom-handlers.md).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use serde_json::{json, Value};
-use sortie_executor::{
-    Call, ExecutorConfig, HandlerError, Handlers, KafkaConfig, Lookup, StepHandler, Topics,
-};
+use sortie_executor::{Call, HandlerError, Lookup, StepHandler};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    sortie_executor::command::main(|egress| {
+        let mut handlers = sortie_executor::Handlers::builtin_with(egress);
+        handlers
+            .register("shout", Shout)
+            .register("inventory", Inventory::default());
+        handlers
+    })
+    .await
+}
 
 /// The simplest handler: no receiver, the output is computed from the args.
 struct Shout;
@@ -57,36 +67,4 @@ impl StepHandler for Inventory {
             None => Lookup::NotFound,
         })
     }
-}
-
-#[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    let env = |key: &str, default: &str| std::env::var(key).unwrap_or_else(|_| default.to_owned());
-    let mut config = ExecutorConfig::new(
-        KafkaConfig::new(env("SORTIE__KAFKA__BOOTSTRAP_SERVERS", "127.0.0.1:9092")),
-        env("SORTIE__REGISTRY__URL", "http://127.0.0.1:8081"),
-        Topics::new(env("SORTIE__TOPICS__PREFIX", "sortie.")),
-        env("SORTIE__EXECUTOR__QUEUES", "default")
-            .split(',')
-            .map(str::to_owned)
-            .collect(),
-    );
-    config.default_timeout = Duration::from_secs(10);
-
-    let mut handlers = Handlers::builtin();
-    handlers
-        .register("shout", Shout)
-        .register("inventory", Inventory::default());
-
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    sortie_executor::run(config, handlers, shutdown).await?;
-    Ok(())
 }
