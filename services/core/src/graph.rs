@@ -7,6 +7,9 @@
 //! Loops are not edges: an agent node asks for further steps in its output
 //! (`next_steps`), bounded by the graph's `max_steps`. Detached nodes (no edges) serve as
 //! compensations or as steps an agent may request.
+//!
+//! Here: the graph and its edges. Beside it: `node` (nodes and their policies), `tools`
+//! (what a tool loop offers its model), `published` (the published graphs), `validate`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,37 +19,16 @@ use serde_json::Value;
 use crate::{
     duration::Millis,
     json, mcp,
-    signal::{self, OnWaitTimeout, SignalWait},
+    signal::{self, OnWaitTimeout},
 };
 
-/// What retrying a node's call may mean for its receiver (SPEC §4.2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SideEffect {
-    /// No external effect: retry freely.
-    Pure,
-    /// Repeating is harmless: retry with the same operation id.
-    Idempotent,
-    /// The receiver dedupes on the operation id: retry with the same operation id.
-    Keyed,
-    /// The receiver answers "what happened to operation X": ask before retrying.
-    Reconcilable,
-    /// Neither: never retry on an unknown outcome; an operator records it.
-    Unsafe,
-}
+mod node;
+mod published;
+mod tools;
+mod validate;
 
-impl SideEffect {
-    /// Whether an attempt whose outcome is unknown may simply be tried again.
-    pub fn retries_unknown(self) -> bool {
-        matches!(
-            self,
-            SideEffect::Pure
-                | SideEffect::Idempotent
-                | SideEffect::Keyed
-                | SideEffect::Reconcilable
-        )
-    }
-}
+pub use node::{Approval, ModelApi, Node, OnReject, OnTimeout, RetryPolicy, SideEffect};
+pub use published::{qualified_id, GraphRef, Graphs};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -171,244 +153,6 @@ impl OnBudgetExceeded {
 fn default_max_steps() -> u32 {
     100
 }
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Node {
-    pub id: String,
-    /// Handler the executor runs: `http`, `llm`, `echo`, `sleep` or a user's own.
-    pub tool: String,
-    /// Executor queue (topic `sortie.intents.<queue>`).
-    #[serde(default = "default_queue")]
-    pub queue: String,
-    pub side_effect: SideEffect,
-    /// Argument template: strings `$input.x`, `$steps.<node>.output.x` are replaced.
-    #[serde(default = "empty_object")]
-    pub args: Value,
-    /// Handler configuration (endpoint, model, ...), passed through to the executor.
-    #[serde(default = "empty_object")]
-    pub config: Value,
-    #[serde(default)]
-    pub retry: RetryPolicy,
-    /// Per-attempt timeout; when it passes without a result the outcome is unknown.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout: Option<Millis>,
-    /// The approval gate (`approval:` is accepted as another name for it).
-    #[serde(default, alias = "approval", skip_serializing_if = "Option::is_none")]
-    pub interrupt_before: Option<Approval>,
-    #[serde(default)]
-    pub on_reject: OnReject,
-    /// A detached node run after the approval and before the approved call, to check the
-    /// business state again ("is the order still refundable?"). The call runs only when the
-    /// check succeeds with `ok: true` in its output; otherwise the run follows `on_reject`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub precheck: Option<String>,
-    /// A detached node that undoes this one on cancellation or terminal failure.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub compensate_with: Option<String>,
-    /// Detached nodes this node may ask for in its output's `next_steps`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub may_request: Vec<String>,
-    /// A tool loop: these `may_request` nodes are offered to the model as tools (see
-    /// [`Graph::tool_specs`]) and the model's `tool_calls` become their steps.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tools: Vec<String>,
-    /// MCP servers whose tools are offered to the model too (all of a server's, or the
-    /// listed ones): a tool loop, as `tools`, over the tools pinned at publication.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub mcp: Vec<mcp::McpOffer>,
-    /// What the node does, in a sentence; a tool's description for the model.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub description: Option<String>,
-    /// The JSON schema of the arguments a model passes when it calls this node as a tool;
-    /// absent: derived from the declared `args` (see [`Graph::tool_specs`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub input_schema: Option<Value>,
-    /// A wait for an outside signal instead of a call ([`crate::signal`]): such a node's
-    /// `tool` is [`signal::WAIT_TOOL`] and its side effect `pure`, filled in when the
-    /// definition is parsed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub wait: Option<SignalWait>,
-    /// Starts a run of another graph and waits for it ([`crate::child`]): `args` are its
-    /// input. Such a node's `tool` is [`crate::child::CHILD_TOOL`] and its side effect
-    /// `idempotent`, filled in when the definition is parsed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub run: Option<crate::child::ChildRun>,
-    /// A conversation ([`crate::converse`]): after an answer without tool calls the run
-    /// waits for the person's next message and calls the model again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub conversation: Option<crate::converse::Conversation>,
-}
-
-/// The model API an `llm` node speaks (`config.api`), which decides the shape of its
-/// messages, tool specs and tool results.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ModelApi {
-    /// OpenAI chat completions (the default).
-    OpenAi,
-    /// Anthropic Messages: `tool_use` / `tool_result` content blocks.
-    Anthropic,
-}
-
-impl Node {
-    /// `config.api`: `anthropic`, else OpenAI chat completions.
-    pub fn model_api(&self) -> ModelApi {
-        match self.config.get("api").and_then(Value::as_str) {
-            Some("anthropic") => ModelApi::Anthropic,
-            _ => ModelApi::OpenAi,
-        }
-    }
-}
-
-fn default_queue() -> String {
-    "default".to_owned()
-}
-
-fn empty_object() -> Value {
-    Value::Object(serde_json::Map::new())
-}
-
-/// A node's retry policy; each field left out takes its default (`retry: {max_attempts:
-/// 5}` keeps the default backoff).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RetryPolicy {
-    pub max_attempts: u32,
-    pub initial_backoff: Millis,
-    pub max_backoff: Millis,
-    pub multiplier: f64,
-    /// Fraction of the backoff added or removed, derived from the operation id (no RNG).
-    pub jitter: f64,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        Self {
-            max_attempts: 3,
-            initial_backoff: Millis(1_000),
-            max_backoff: Millis(60_000),
-            multiplier: 2.0,
-            jitter: 0.2,
-        }
-    }
-}
-
-impl RetryPolicy {
-    /// Delay before attempt `attempt + 1`, with deterministic jitter from `seed`.
-    pub fn backoff(&self, attempt: u32, seed: &str) -> i64 {
-        let exponent = attempt.saturating_sub(1).min(30) as i32;
-        let base = (self.initial_backoff.0 as f64) * self.multiplier.powi(exponent);
-        let base = base.min(self.max_backoff.0 as f64);
-        let hash = json::sha256_hex(&[seed, &attempt.to_string()]);
-        let unit =
-            u64::from_str_radix(&hash[..12], 16).unwrap_or(0) as f64 / (0xffff_ffff_ffffu64 as f64);
-        let factor = 1.0 + self.jitter * (2.0 * unit - 1.0);
-        (base * factor).max(0.0).round() as i64
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Approval {
-    #[serde(default = "default_approval_reason")]
-    pub reason: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub required_role: Option<String>,
-    /// The group notified to decide: a label (decisions are not limited to it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub approver_group: Option<String>,
-    /// Only members of this group (the approver token's `groups`) may decide. Escalation
-    /// hands the gate to the next group of `escalation`, whose members alone decide then.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub group: Option<String>,
-    /// How long the approval may wait. Nothing waits forever by default: 7 days.
-    #[serde(default = "default_approval_timeout")]
-    pub timeout: Millis,
-    #[serde(default)]
-    pub on_timeout: OnTimeout,
-    /// Approver groups to escalate to, in order, when `on_timeout: escalate`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub escalation: Vec<String>,
-    /// Distinct approvals required.
-    #[serde(default = "one")]
-    pub quorum: u32,
-    /// Whether an approver's edited payload may replace the arguments without a new approval.
-    #[serde(default)]
-    pub allow_edits: bool,
-}
-
-fn default_approval_reason() -> String {
-    "a person approves this step".to_owned()
-}
-
-fn default_approval_timeout() -> Millis {
-    Millis(7 * 86_400_000)
-}
-
-fn one() -> u32 {
-    1
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OnTimeout {
-    #[default]
-    Fail,
-    Cancel,
-    Escalate,
-}
-
-impl OnTimeout {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OnTimeout::Fail => "fail",
-            OnTimeout::Cancel => "cancel",
-            OnTimeout::Escalate => "escalate",
-        }
-    }
-}
-
-/// `on_reject: fail` or `on_reject: {goto: <node>}`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "OnRejectRepr", into = "OnRejectRepr")]
-pub enum OnReject {
-    /// The run fails (compensations run).
-    #[default]
-    Fail,
-    /// Skip the node and continue at another (detached) node instead.
-    Goto(String),
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(untagged)]
-enum OnRejectRepr {
-    Word(String),
-    Goto { goto: String },
-}
-
-impl TryFrom<OnRejectRepr> for OnReject {
-    type Error = String;
-
-    fn try_from(repr: OnRejectRepr) -> Result<Self, String> {
-        match repr {
-            OnRejectRepr::Word(word) if word == "fail" => Ok(OnReject::Fail),
-            OnRejectRepr::Word(word) => Err(format!(
-                "on_reject is `fail` or `{{goto: <node>}}`, not {word:?}"
-            )),
-            OnRejectRepr::Goto { goto } => Ok(OnReject::Goto(goto)),
-        }
-    }
-}
-
-impl From<OnReject> for OnRejectRepr {
-    fn from(value: OnReject) -> Self {
-        match value {
-            OnReject::Fail => OnRejectRepr::Word("fail".into()),
-            OnReject::Goto(goto) => OnRejectRepr::Goto { goto },
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Edge {
@@ -463,9 +207,6 @@ pub struct InvalidGraph(pub Vec<GraphError>);
 pub const MAX_NODES: usize = 1_000;
 /// Most edges in one graph.
 pub const MAX_EDGES: usize = 10_000;
-
-mod validate;
-
 impl Graph {
     /// Parses a graph from YAML or JSON (JSON is YAML) and validates it.
     pub fn parse(text: &str) -> Result<Graph, InvalidGraph> {
@@ -500,157 +241,6 @@ impl Graph {
     pub fn all_nodes(&self) -> impl Iterator<Item = &Node> {
         self.nodes.iter().chain(self.mcp_nodes.iter())
     }
-
-    /// One node per pinned tool some node offers (each once, whoever offers it).
-    fn derive_mcp_nodes(&self) -> Vec<Node> {
-        let wanted = mcp::wanted(&self.mcp_servers, &self.nodes);
-        let mut out = Vec::new();
-        for server in &self.mcp_servers {
-            let (Some(want), Some(pinned)) = (wanted.get(&server.name), &server.pinned) else {
-                continue;
-            };
-            for tool in &pinned.tools {
-                if want.as_ref().is_none_or(|set| set.contains(&tool.name)) {
-                    out.push(mcp::tool_node(server, tool));
-                }
-            }
-        }
-        out
-    }
-
-    /// The tools `node` offers its model, in order: its `tools`, then each offered MCP
-    /// server's (listed or pinned order). Empty: the node is not a tool loop.
-    pub fn offers(&self, node: &Node) -> Vec<String> {
-        let mut out = node.tools.clone();
-        for offer in &node.mcp {
-            let Some(server) = self.mcp_servers.iter().find(|s| s.name == offer.server) else {
-                continue;
-            };
-            for tool in mcp::offered(server, offer) {
-                let id = mcp::node_id(server, tool);
-                if !out.contains(&id) {
-                    out.push(id);
-                }
-            }
-        }
-        out
-    }
-
-    /// Whether `node` is a tool loop: it offers its model tools (nodes or MCP tools), or is
-    /// a conversation.
-    pub fn is_tool_loop(&self, node: &Node) -> bool {
-        !node.tools.is_empty() || !node.mcp.is_empty() || node.conversation.is_some()
-    }
-
-    /// Whether `node` may ask for a step of `target`: one of its `may_request`, or an MCP
-    /// tool it offers.
-    pub fn may_request(&self, node: &Node, target: &str) -> bool {
-        node.may_request.iter().any(|m| m == target)
-            || (!node.mcp.is_empty() && self.offers(node).iter().any(|o| o == target))
-    }
-
-    /// Whether `node` may ask for any step at all.
-    pub fn requests_steps(&self, node: &Node) -> bool {
-        !node.may_request.is_empty() || !node.mcp.is_empty()
-    }
-
-    /// The config an intent of `node` carries: the node's, and for an `mcp` node the
-    /// server's url and auth reference from `mcp_servers`.
-    pub fn step_config(&self, node: &Node) -> Value {
-        if node.tool == mcp::MCP_TOOL {
-            mcp::step_config(&self.mcp_servers, &node.config)
-        } else {
-            node.config.clone()
-        }
-    }
-
-    /// MCP servers some node offers whose tool lists are not pinned yet (publishing pins
-    /// them; a graph on the graphs topic must have none).
-    pub fn unpinned_mcp_servers(&self) -> Vec<&str> {
-        mcp::unpinned(&self.mcp_servers, &self.nodes)
-    }
-
-    /// Which tools of which server publishing must pin: every tool (`None`) or the listed
-    /// ones, by server name.
-    pub fn mcp_tools_to_pin(&self) -> BTreeMap<String, Option<BTreeSet<String>>> {
-        mcp::wanted(&self.mcp_servers, &self.nodes)
-    }
-
-    /// This graph with `server`'s pinned list set (and its tools' nodes derived), checked
-    /// as any definition.
-    pub fn with_pinned(&self, server: &str, pinned: mcp::Pinned) -> Result<Graph, InvalidGraph> {
-        let mut graph = self.clone();
-        if let Some(s) = graph.mcp_servers.iter_mut().find(|s| s.name == server) {
-            s.pinned = Some(pinned);
-        }
-        graph.validate()?;
-        graph.mcp_nodes = graph.derive_mcp_nodes();
-        Ok(graph)
-    }
-
-    /// The `tools` a tool-loop node offers its model, in its API's shape (OpenAI
-    /// functions, or Anthropic `{name, description, input_schema}`): one per name in
-    /// [`Graph::offers`], named after the tool's node. The parameters are the node's
-    /// `input_schema` (an MCP tool's pinned schema), else derived from its declared `args`:
-    /// an object value is the property's schema as written, a string its description (a
-    /// string property), any other literal gives its type. Every declared argument is
-    /// required.
-    pub fn tool_specs(&self, node: &Node) -> Value {
-        let api = node.model_api();
-        let specs = self
-            .offers(node)
-            .iter()
-            .filter_map(|name| self.node(name))
-            .map(|tool| {
-                let parameters = tool.input_schema.clone().unwrap_or_else(|| {
-                    let mut properties = serde_json::Map::new();
-                    let mut required = Vec::new();
-                    if let Value::Object(args) = &tool.args {
-                        for (name, declared) in args {
-                            let schema = match declared {
-                                Value::Object(_) => declared.clone(),
-                                Value::String(text) => {
-                                    serde_json::json!({"type": "string", "description": text})
-                                }
-                                Value::Bool(_) => serde_json::json!({"type": "boolean"}),
-                                Value::Number(_) => serde_json::json!({"type": "number"}),
-                                Value::Array(_) => serde_json::json!({"type": "array"}),
-                                Value::Null => serde_json::json!({}),
-                            };
-                            properties.insert(name.clone(), schema);
-                            required.push(Value::String(name.clone()));
-                        }
-                    }
-                    serde_json::json!({
-                        "type": "object",
-                        "properties": properties,
-                        "required": required,
-                    })
-                });
-                let description = tool
-                    .description
-                    .clone()
-                    .unwrap_or_else(|| format!("Runs step {}.", tool.id));
-                match api {
-                    ModelApi::OpenAi => serde_json::json!({
-                        "type": "function",
-                        "function": {
-                            "name": tool.id,
-                            "description": description,
-                            "parameters": parameters,
-                        },
-                    }),
-                    ModelApi::Anthropic => serde_json::json!({
-                        "name": tool.id,
-                        "description": description,
-                        "input_schema": parameters,
-                    }),
-                }
-            })
-            .collect();
-        Value::Array(specs)
-    }
-
     /// The node that waits for signal `name`, if any: a waiting node, or a conversation
     /// whose messages it carries (names are unique among both).
     pub fn waiting_for(&self, name: &str) -> Option<&Node> {
@@ -806,103 +396,6 @@ fn fill_waiting_nodes(document: &mut serde_yaml::Value) -> bool {
     any
 }
 
-/// Identifies a published graph version.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct GraphRef {
-    pub id: String,
-    pub version: u32,
-}
-
-/// `tenant/id` for a tenant's graph, `id` for a graph of every tenant. Unambiguous: a
-/// graph id never contains `/`, so the owner is everything before the last one.
-pub fn qualified_id(owner: Option<&str>, id: &str) -> String {
-    match owner {
-        Some(owner) => format!("{owner}/{id}"),
-        None => id.to_owned(),
-    }
-}
-
-/// The published graphs, as the reducer's global table knows them.
-///
-/// **Namespaces.** A graph belongs to one tenant or to every tenant (its publication's
-/// `tenant`; a graph of every tenant needs a publisher key for `*`). Versions are kept per
-/// pinned id ([`Graph::pinned_id`]): `refund@3` of tenant `acme` (`acme/refund`) and of
-/// tenant `globex` never meet, and neither meets a global `refund@3`. A start names the
-/// short id and [`Graphs::resolve`] reads it in its own tenant's namespace first, then the
-/// global one; a run pins the qualified id, so what it runs never changes under it when
-/// its tenant publishes the same id later, and no tenant's graph is ever another's.
-#[derive(Debug, Clone, Default)]
-pub struct Graphs {
-    by_id: BTreeMap<String, BTreeMap<u32, Graph>>,
-}
-
-impl Graphs {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds a published version under its pinned id (owner included). Versions are
-    /// immutable: a second, different definition of the same version is refused and the
-    /// first one stays.
-    pub fn insert(&mut self, graph: Graph) -> Result<(), GraphError> {
-        let versions = self.by_id.entry(graph.pinned_id()).or_default();
-        match versions.get(&graph.version) {
-            Some(existing) if existing != &graph => Err(GraphError {
-                node: None,
-                problem: format!(
-                    "{} is already published with another definition",
-                    graph.key()
-                ),
-            }),
-            Some(_) => Ok(()),
-            None => {
-                versions.insert(graph.version, graph);
-                Ok(())
-            }
-        }
-    }
-
-    /// A version of a pinned id (`tenant/id` for a tenant's graph), or the latest when
-    /// `version` is `None`. What a run pinned is looked up with this.
-    pub fn get(&self, pinned_id: &str, version: Option<u32>) -> Option<&Graph> {
-        let versions = self.by_id.get(pinned_id)?;
-        match version {
-            Some(v) => versions.get(&v),
-            None => versions.values().next_back(),
-        }
-    }
-
-    /// The graph a start of `tenant` naming `id` runs: the tenant's own graph of that id
-    /// when it has published one (every version read there, none mixed in from elsewhere),
-    /// else the graph of every tenant. A qualified id (`tenant/id`) is read only as the
-    /// tenant's own: another tenant's graph is never found.
-    pub fn resolve(&self, tenant: &str, id: &str, version: Option<u32>) -> Option<&Graph> {
-        if let Some((owner, _)) = id.rsplit_once('/') {
-            return if owner == tenant {
-                self.get(id, version)
-            } else {
-                None
-            };
-        }
-        let own = qualified_id(Some(tenant), id);
-        if self.by_id.contains_key(&own) {
-            self.get(&own, version)
-        } else {
-            self.get(id, version)
-        }
-    }
-
-    pub fn all(&self) -> impl Iterator<Item = &Graph> {
-        self.by_id.values().flat_map(|v| v.values())
-    }
-
-    /// The graphs `tenant` can start: its own and those of every tenant.
-    pub fn visible_to<'a>(&'a self, tenant: &'a str) -> impl Iterator<Item = &'a Graph> + 'a {
-        self.all()
-            .filter(move |g| g.owner.as_deref().is_none_or(|owner| owner == tenant))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1010,32 +503,5 @@ edges:
     fn missing_side_effect_is_refused() {
         let found = problems("id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo}\n");
         assert!(found.iter().any(|p| p.contains("side_effect")), "{found:?}");
-    }
-
-    #[test]
-    fn backoff_grows_is_capped_and_deterministic() {
-        let policy = RetryPolicy::default();
-        let first = policy.backoff(1, "op");
-        assert_eq!(first, policy.backoff(1, "op"));
-        assert!((800..=1200).contains(&first), "{first}");
-        assert!((1600..=2400).contains(&policy.backoff(2, "op")));
-        assert!(policy.backoff(20, "op") <= 72_000);
-    }
-
-    #[test]
-    fn published_versions_are_immutable() {
-        let mut graphs = Graphs::new();
-        let g =
-            Graph::parse("id: g\nversion: 1\nnodes:\n  - {id: a, tool: echo, side_effect: pure}\n")
-                .expect("valid");
-        graphs.insert(g.clone()).expect("first");
-        graphs.insert(g.clone()).expect("same again");
-        let mut changed = g;
-        changed.nodes[0].tool = "http".into();
-        assert!(graphs.insert(changed).is_err());
-        assert_eq!(
-            graphs.get("g", None).map(|g| g.nodes[0].tool.as_str()),
-            Some("echo")
-        );
     }
 }
