@@ -27,11 +27,17 @@ enum Sub {
 
 #[derive(Debug, clap::Args)]
 struct WhyArgs {
-    /// The operation id (what the receiver got as Idempotency-Key).
-    operation_id: String,
+    /// The operation id (what the receiver got as Idempotency-Key); or name it by its run
+    /// and node (`--run R --node N`).
+    #[arg(required_unless_present = "node")]
+    operation_id: Option<String>,
     /// The run that dispatched it (otherwise every history is searched).
     #[arg(long)]
     run: Option<String>,
+    /// The node whose operation it is, in `--run` (a tool a model called is a node too);
+    /// refused, with their ids, when the node dispatched several operations.
+    #[arg(long, requires = "run", conflicts_with = "operation_id")]
+    node: Option<String>,
     /// The keyring signed commands and graphs are checked against (the reducers').
     #[arg(long, env = "SORTIE_KEYRING")]
     keyring: Option<std::path::PathBuf>,
@@ -163,8 +169,21 @@ async fn why(args: WhyArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(sortie_wire::signing::Keyring::load)
         .transpose()?;
-    let operation = args.operation_id.clone();
+    let (run, node) = (args.run.clone(), args.node.clone());
+    let given = args.operation_id.clone();
     let work = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let operation = match (given, run, node) {
+            (Some(operation), _, _) => operation,
+            (None, Some(run), Some(node)) => {
+                let histories = audit::histories(&kafka, &topics, &codec, &runtime)?;
+                operation_of(
+                    histories.get(&run).map_or(&[][..], Vec::as_slice),
+                    &run,
+                    &node,
+                )?
+            }
+            _ => bail!("name the operation: its id, or --run and --node"),
+        };
         let found = audit::why(
             &kafka,
             &topics,
@@ -194,7 +213,7 @@ async fn why(args: WhyArgs) -> anyhow::Result<()> {
     let Some(found) = found else {
         bail!(
             "no run dispatched operation {} (or the named run has no history)",
-            args.operation_id
+            args.operation_id.as_deref().unwrap_or_default()
         );
     };
     let chain = found.chain;
@@ -217,4 +236,27 @@ async fn why(args: WhyArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The one operation `node` dispatched in `run`'s history.
+fn operation_of(history: &[sortie_core::Event], run: &str, node: &str) -> anyhow::Result<String> {
+    if history.is_empty() {
+        bail!("run {run} has no history");
+    }
+    let mut operations: Vec<&str> = history
+        .iter()
+        .filter(|e| matches!(&e.body, sortie_core::EventBody::StepDispatched { node: n, .. } if n == node))
+        .filter_map(|e| e.operation_id.as_deref())
+        .collect();
+    operations.sort_unstable();
+    operations.dedup();
+    match operations.as_slice() {
+        [one] => Ok((*one).to_owned()),
+        [] => bail!("node {node} of run {run} dispatched no operation"),
+        several => bail!(
+            "node {node} of run {run} dispatched {} operations; name one: {}",
+            several.len(),
+            several.join(" ")
+        ),
+    }
 }

@@ -499,6 +499,31 @@ async fn serve(
         keys.kek.display()
     );
 
+    let env_file = data_dir.join("env");
+    let exe = std::env::current_exe()?;
+    write_env_file(
+        &env_file,
+        &[
+            (
+                "PATH",
+                format!("{}:$PATH", exe.parent().unwrap_or(&data_dir).display()),
+            ),
+            ("SORTIE_DEV_DIR", data_dir.display().to_string()),
+            ("SORTIE__GATEWAY__URL", gateway_url.clone()),
+            ("SORTIE_TOKEN", token.clone()),
+            ("SORTIE__KAFKA__BOOTSTRAP_SERVERS", bootstrap.clone()),
+            ("SORTIE__REGISTRY__URL", registry_url.clone()),
+            ("SORTIE_KEYRING", keyring.clone()),
+            ("SORTIE__SEAL__KEYRING", kek.clone()),
+            ("SORTIE__SEAL__KEY_STORE", run_keys.clone()),
+            ("SORTIE_DEV_RECEIVER", receiver_url.clone()),
+        ],
+    )?;
+    say!(
+        "  elsewhere source {} (the sortie binary, this stack's addresses, token and keys)",
+        env_file.display()
+    );
+
     if !args.no_demo {
         demo(&gateway_url, &token).await?;
     }
@@ -521,7 +546,26 @@ async fn serve(
     Ok(())
 }
 
-/// Starts the demo mission and waits until it stops at its approval.
+/// Writes `<data dir>/env`: shell lines exporting what a terminal outside the checkout
+/// needs to use this stack — the `sortie` binary on `PATH`, the addresses, the dev token,
+/// the keyring and the run keys (read by `sortie run`, `graph publish`, `audit`) and the dev
+/// receiver's URL (`SORTIE_DEV_RECEIVER`, for graphs of your own).
+fn write_env_file(path: &Path, vars: &[(&str, String)]) -> anyhow::Result<()> {
+    let mut text = String::from(
+        "# Written by `sortie dev` for this stack: `source` it in a shell outside the checkout.\n",
+    );
+    for (name, value) in vars {
+        // Single-quoted, so nothing in a value is expanded; PATH keeps its `$PATH` tail.
+        let (value, tail) = match value.strip_suffix(":$PATH") {
+            Some(head) => (head, ":\"$PATH\""),
+            None => (value.as_str(), ""),
+        };
+        let quoted = value.replace('\'', "'\\''");
+        text.push_str(&format!("export {name}='{quoted}'{tail}\n"));
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
 /// The dev stack's command keys, under `<data dir>/keys` (made once, then reused).
 struct DevKeys {
     keyring: PathBuf,
@@ -600,6 +644,7 @@ fn dev_keys(data_dir: &Path) -> anyhow::Result<DevKeys> {
     Ok(keys)
 }
 
+/// Starts the demo mission and waits until it stops at its approval.
 async fn demo(gateway: &str, token: &str) -> anyhow::Result<()> {
     let client = reqwest::Client::new();
     let started: Value = client

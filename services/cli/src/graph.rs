@@ -42,8 +42,9 @@ enum Action {
         signing_key: Option<PathBuf>,
         /// Check the versions already published against this keyring (the reducers'):
         /// an unsigned or forged record neither counts as published nor blocks the real
-        /// one. Without it, only the signing key's own signatures are trusted.
-        #[arg(long, env = "SORTIE_KEYRING", requires = "signing_key")]
+        /// one. Without it, only the signing key's own signatures are trusted (read only
+        /// when signing).
+        #[arg(long, env = "SORTIE_KEYRING")]
         keyring: Option<PathBuf>,
         /// Publish unsigned even where the dev stack's publisher key is at hand
         /// (reducers that require signatures, as `sortie dev` does, refuse such graphs).
@@ -85,8 +86,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 }
             }
             if signing_key.is_none() && !unsigned {
-                // `sortie dev` requires signed graphs: next to its data, sign as it does.
-                let dev = std::path::Path::new(DEV_KEYS);
+                // `sortie dev` requires signed graphs: next to its data (or where its env
+                // file says it is), sign as it does.
+                let dev = match std::env::var_os("SORTIE_DEV_DIR") {
+                    Some(dir) => PathBuf::from(dir).join("keys"),
+                    None => PathBuf::from(DEV_KEYS),
+                };
                 let (key, ring) = (dev.join("publisher.key"), dev.join("keyring.yaml"));
                 if key.exists() && ring.exists() {
                     eprintln!(
@@ -106,6 +111,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 .as_deref()
                 .map(sortie_wire::signing::Signer::load)
                 .transpose()?;
+            // A keyring checks what is already published against signers of this one;
+            // unsigned, there is nothing to check.
+            let keyring = keyring.filter(|_| signer.is_some());
             let trust = trust(keyring.as_deref())?;
             let codec = codec(&options.registry_url, &topics).await?;
             let signing = Signing {

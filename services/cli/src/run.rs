@@ -42,6 +42,9 @@ enum Sub {
         /// label names the run by it.
         #[arg(long)]
         label: Vec<String>,
+        /// Print only the run's id (for `RUN=$(sortie run start ... -q)`).
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// Approve the run's pending interrupt (or the one named).
     Approve(Decision),
@@ -85,6 +88,9 @@ enum Sub {
         /// Choose the new run's id.
         #[arg(long)]
         new_run_id: Option<String>,
+        /// Print only the new run's id.
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// Show a run: status, pending interrupt, and its timeline (one line per event).
     Get {
@@ -106,6 +112,18 @@ enum Sub {
         /// Follow the run's agent conversation instead of its timeline.
         #[arg(long, conflicts_with = "json")]
         conversation: bool,
+    },
+    /// Wait until the run reaches a status (by default: until it ends), for scripts: exits
+    /// 0 there, non-zero if it ends in another status or the timeout passes first.
+    Wait {
+        run_id: String,
+        /// The status to wait for (waiting_approval, waiting_signal, succeeded, ...);
+        /// repeat for any of several. Default: succeeded, failed or cancelled.
+        #[arg(long = "status", value_name = "STATUS")]
+        statuses: Vec<String>,
+        /// How long to wait, in seconds.
+        #[arg(long, default_value_t = 120)]
+        timeout_s: u64,
     },
     /// List the tenant's runs as a table.
     List {
@@ -216,13 +234,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         token: args.token,
         http: reqwest::Client::new(),
     };
+    let mut quiet = false;
     let answer = match args.command {
         Sub::Start {
             graph_id,
             input,
             run_id,
             label,
+            quiet: q,
         } => {
+            quiet = q;
             let mut body = json!({"graph_id": graph_id, "input": parse_json("--input", &input)?});
             if let Some(run_id) = run_id {
                 body["run_id"] = run_id.into();
@@ -252,7 +273,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             at_version,
             input_patch,
             new_run_id,
+            quiet: q,
         } => {
+            quiet = q;
             let mut body = json!({"at_version": at_version});
             if let Some(patch) = input_patch {
                 body["input_patch"] = parse_json("--input-patch", &patch)?;
@@ -321,6 +344,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             json,
             conversation,
         } => return watch(&client, &run_id, json, conversation).await,
+        Sub::Wait {
+            run_id,
+            statuses,
+            timeout_s,
+        } => return wait(&client, &run_id, &statuses, timeout_s).await,
         Sub::List {
             status,
             graph,
@@ -330,7 +358,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         } => return list(&client, status, graph, &label, limit, json).await,
         Sub::Inbox { all, limit, json } => return inbox(&client, all, limit, json).await,
     };
-    println!("{}", serde_json::to_string_pretty(&answer)?);
+    match answer["run_id"].as_str() {
+        Some(run_id) if quiet => println!("{run_id}"),
+        _ => println!("{}", serde_json::to_string_pretty(&answer)?),
+    }
     Ok(())
 }
 
@@ -727,4 +758,49 @@ async fn inbox(client: &Client, all: bool, limit: usize, as_json: bool) -> anyho
         );
     }
     Ok(())
+}
+
+/// `run wait`: polls the run until its status is one of `statuses` (default: an end).
+async fn wait(
+    client: &Client,
+    run_id: &str,
+    statuses: &[String],
+    timeout_s: u64,
+) -> anyhow::Result<()> {
+    const ENDS: [&str; 3] = ["succeeded", "failed", "cancelled"];
+    let wanted: Vec<&str> = if statuses.is_empty() {
+        ENDS.to_vec()
+    } else {
+        statuses.iter().map(String::as_str).collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
+    loop {
+        let answer = client
+            .send(client.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}")))
+            .await;
+        // A run just started may not be in the read view yet: asked again until the end.
+        let run = match answer {
+            Ok(run) => run,
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => {
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                continue;
+            }
+        };
+        let status = run["status"].as_str().unwrap_or_default().to_owned();
+        if wanted.contains(&status.as_str()) {
+            println!("{run_id} {status}");
+            return Ok(());
+        }
+        if ENDS.contains(&status.as_str()) {
+            bail!("run {run_id} ended {status}, not {}", wanted.join(" or "));
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "run {run_id} is still {status} after {timeout_s} s, not {}",
+                wanted.join(" or ")
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
 }
