@@ -28,7 +28,7 @@ pub(crate) fn parent_of(
 }
 
 /// A command the reducer produces for another run (a child's start or cancel): the
-/// inverse of [`command_from_wire`] for the kinds the fold sends.
+/// inverse of [`crate::command_from_wire`] for the kinds the fold sends.
 pub fn command_to_wire(command: &Command) -> w::RunCommand {
     let body = match &command.body {
         CommandBody::StartRun {
@@ -110,7 +110,7 @@ pub fn command_to_wire(command: &Command) -> w::RunCommand {
 }
 
 /// A report the reducer produces for a parent run's step (its child ended): the inverse
-/// of [`report_from_wire`], as an executor writes it (`executor` names the child run).
+/// of [`crate::report_from_wire`], as an executor writes it (`executor` names the child run).
 pub fn report_to_wire(report: &StepReport, executor: &str) -> w::StepResult {
     let (status, retryable, output, error) = match &report.outcome {
         StepOutcome::Started => (w::StepStatus::Started, false, None, None),

@@ -456,7 +456,7 @@ impl Engine {
                 }
                 if self.fault_once(crate::fault::FaultPoint::FailMidFold) {
                     // The run's state is out of the batch and the fold has answered: the
-                    // worst moment for an error to meet (`driver::Engine::recover`).
+                    // worst moment for an error to meet (`Engine::recover`, driver/pipeline.rs).
                     return Err(Error::Registry(
                         "fault injection: reducer.fail_mid_fold".to_owned(),
                     ));

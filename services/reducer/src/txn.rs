@@ -298,7 +298,7 @@ impl Engine {
     }
 
     /// Notes that `batch` was dropped uncommitted: the consumer must seek back to the
-    /// first offset it read of each partition (see `driver::rewinding`).
+    /// first offset it read of each partition (see `driver::pipeline::rewinding`).
     pub fn dropped(&mut self, batch: &PendingBatch) {
         self.rewind_to(crate::batch::first_offsets([batch]));
     }
