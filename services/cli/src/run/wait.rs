@@ -1,0 +1,50 @@
+//! `run wait`: polls a run until it reaches a status, for scripts.
+
+use anyhow::bail;
+
+use super::Client;
+
+/// `run wait`: polls the run until its status is one of `statuses` (default: an end).
+pub(super) async fn wait(
+    client: &Client,
+    run_id: &str,
+    statuses: &[String],
+    timeout_s: u64,
+) -> anyhow::Result<()> {
+    const ENDS: [&str; 3] = ["succeeded", "failed", "cancelled"];
+    let wanted: Vec<&str> = if statuses.is_empty() {
+        ENDS.to_vec()
+    } else {
+        statuses.iter().map(String::as_str).collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
+    loop {
+        let answer = client
+            .send(client.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}")))
+            .await;
+        // A run just started may not be in the read view yet: asked again until the end.
+        let run = match answer {
+            Ok(run) => run,
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => {
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                continue;
+            }
+        };
+        let status = run["status"].as_str().unwrap_or_default().to_owned();
+        if wanted.contains(&status.as_str()) {
+            println!("{run_id} {status}");
+            return Ok(());
+        }
+        if ENDS.contains(&status.as_str()) {
+            bail!("run {run_id} ended {status}, not {}", wanted.join(" or "));
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!(
+                "run {run_id} is still {status} after {timeout_s} s, not {}",
+                wanted.join(" or ")
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
