@@ -797,6 +797,7 @@ mod tests {
             args: serde_json::json!({"amount": 1}),
             config: serde_json::json!({"url": format!("{}/effects/pay", ledger.url)}),
             timeout: Duration::from_secs(2),
+            progress: Default::default(),
         };
         ledger.fault(serde_json::json!({"status": 429})).await;
         ledger

@@ -32,6 +32,9 @@ pub struct Call {
     /// This attempt's budget. A handler gives up by then, with
     /// [`HandlerError::Unknown`] if its request may have reached the receiver.
     pub timeout: Duration,
+    /// Where to report progress while the call runs (an `llm` step streams its text
+    /// there): [`crate::progress`].
+    pub progress: crate::progress::Progress,
 }
 
 impl Call {
@@ -66,6 +69,7 @@ impl Call {
             args: parse("args", &intent.args)?,
             config: parse("config", &intent.config)?,
             timeout,
+            progress: Default::default(),
         })
     }
 }
@@ -354,6 +358,7 @@ mod tests {
             args: serde_json::json!({"text": "hi"}),
             config: serde_json::json!({}),
             timeout: Duration::from_millis(200),
+            progress: Default::default(),
         }
     }
 

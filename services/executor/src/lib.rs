@@ -42,6 +42,7 @@ pub mod handler;
 pub mod handlers;
 pub mod health;
 pub mod metrics;
+pub mod progress;
 pub mod runtime;
 pub mod secrets;
 mod tracker;
@@ -49,6 +50,7 @@ mod tracker;
 pub use egress::Egress;
 pub use fault::FaultPoint;
 pub use handler::{Call, HandlerError, Handlers, Lookup, StepHandler};
+pub use progress::{Delta, Progress};
 pub use runtime::{run, run_with_health, Error, ExecutorConfig};
 /// Re-exported so a user's executor binary needs only this crate.
 pub use sortie_kafka::KafkaConfig;

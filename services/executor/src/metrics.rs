@@ -24,6 +24,9 @@ pub const HELD_SECONDS: &str = "sortie_executor_held_seconds";
 pub const EXPIRED: &str = "sortie_executor_expired_total";
 /// Intents handed back uncalled (revocation or shutdown before their pre-call commit).
 pub const HANDED_BACK: &str = "sortie_executor_handed_back_total";
+/// Progress deltas of running steps (`sortie.step-deltas`), by `outcome`: `sent`, or
+/// `dropped` (the buffer was full, or the record could not be queued).
+pub const DELTAS: &str = "sortie_executor_deltas_total";
 /// Records sent to the dead-letter topic, by `reason`.
 pub const DEAD_LETTERS: &str = "sortie_dead_letters_total";
 
@@ -93,6 +96,10 @@ pub fn describe() {
         BLOB_WRITE_FAILURES,
         "Step outputs that could not be stored in the blob store."
     );
+    describe_counter!(
+        DELTAS,
+        "Progress deltas of running steps (an llm step's text), by outcome: sent, or dropped (never the step's result)."
+    );
     counter!(HANDED_BACK).increment(0);
     counter!(EXPIRED).increment(0);
     counter!(BLOB_WRITE_FAILURES).increment(0);
@@ -100,6 +107,10 @@ pub fn describe() {
 
 pub(crate) fn blobs_read(outcome: &'static str) {
     counter!(BLOB_READS, "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn deltas(outcome: &'static str, n: usize) {
+    counter!(DELTAS, "outcome" => outcome).increment(n as u64);
 }
 
 pub(crate) fn blob_write_failed() {

@@ -84,6 +84,8 @@ pub(crate) struct Inner {
     pub blobs: Option<Arc<dyn sortie_blob::BlobStore>>,
     /// The run data keys of `config.seal`, opened.
     pub run_keys: Option<sortie_seal::RunKeys>,
+    /// Running steps' recent progress (`crate::deltas`).
+    pub deltas: Arc<crate::deltas::Hub>,
 }
 
 impl AppState {
@@ -162,6 +164,15 @@ impl AppState {
             keyring.map(|file| (file, config.require_signatures)),
         );
         tokio::spawn(auth::watch(auth.clone(), stop.subscribe()));
+        let deltas = Arc::new(crate::deltas::Hub::default());
+        tokio::spawn(crate::deltas::follow(
+            deltas.clone(),
+            config.kafka.clone(),
+            topics.clone(),
+            codec.clone(),
+            run_keys.clone(),
+            stop.subscribe(),
+        ));
         let start_rate = config.start_rate;
         Ok(AppState {
             inner: Arc::new(Inner {
@@ -181,6 +192,7 @@ impl AppState {
                 admission: crate::admission::Admission::new(start_rate),
                 blobs,
                 run_keys,
+                deltas,
             }),
         })
     }

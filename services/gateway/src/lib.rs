@@ -15,6 +15,7 @@ mod api;
 mod app;
 pub mod auth;
 pub mod config;
+pub mod deltas;
 pub mod error;
 mod extract;
 pub mod fault;

@@ -182,6 +182,36 @@ pub enum SideEffectClass {
     Unsafe,
 }
 
+// ---------------------------------------------------------------- sortie.step-deltas
+
+/// What a running step has produced so far (`schemas/step-delta.avsc`): outside the run's
+/// history.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepDelta {
+    pub tenant: String,
+    pub run_id: String,
+    pub step_id: String,
+    pub node: String,
+    pub operation_id: String,
+    pub attempt: i32,
+    pub execution_id: String,
+    pub seq: i64,
+    pub kind: DeltaKind,
+    pub text: String,
+    pub at: Millis,
+}
+
+impl Record for StepDelta {
+    const KIND: RecordKind = RecordKind::StepDelta;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum DeltaKind {
+    Text,
+    Status,
+}
+
 // ---------------------------------------------------------------- sortie.step-results
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

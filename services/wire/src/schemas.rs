@@ -12,10 +12,11 @@ pub enum RecordKind {
     RunState,
     GraphDefinition,
     DeadLetter,
+    StepDelta,
 }
 
 impl RecordKind {
-    pub const ALL: [RecordKind; 7] = [
+    pub const ALL: [RecordKind; 8] = [
         RecordKind::RunCommand,
         RecordKind::StepIntent,
         RecordKind::StepResult,
@@ -23,6 +24,7 @@ impl RecordKind {
         RecordKind::RunState,
         RecordKind::GraphDefinition,
         RecordKind::DeadLetter,
+        RecordKind::StepDelta,
     ];
 
     /// File name under `schemas/`.
@@ -35,6 +37,7 @@ impl RecordKind {
             RecordKind::RunState => "run-state.avsc",
             RecordKind::GraphDefinition => "graph-definition.avsc",
             RecordKind::DeadLetter => "dead-letter.avsc",
+            RecordKind::StepDelta => "step-delta.avsc",
         }
     }
 
@@ -48,6 +51,7 @@ impl RecordKind {
             RecordKind::RunState => "dev.sortie.v1.RunState",
             RecordKind::GraphDefinition => "dev.sortie.v1.GraphDefinition",
             RecordKind::DeadLetter => "dev.sortie.v1.DeadLetter",
+            RecordKind::StepDelta => "dev.sortie.v1.StepDelta",
         }
     }
 
@@ -61,6 +65,7 @@ impl RecordKind {
             RecordKind::RunState => include_str!("../../../schemas/run-state.avsc"),
             RecordKind::GraphDefinition => include_str!("../../../schemas/graph-definition.avsc"),
             RecordKind::DeadLetter => include_str!("../../../schemas/dead-letter.avsc"),
+            RecordKind::StepDelta => include_str!("../../../schemas/step-delta.avsc"),
         }
     }
 

@@ -55,6 +55,12 @@ impl Topics {
         format!("{}dead-letters", self.prefix)
     }
 
+    /// What running steps have produced so far (an `llm` step's text), keyed by run id;
+    /// outside every run's history, kept for a short retention.
+    pub fn step_deltas(&self) -> String {
+        format!("{}step-deltas", self.prefix)
+    }
+
     /// Work for the executors of one queue, keyed by operation id.
     pub fn intents(&self, queue: &str) -> String {
         format!("{}intents.{queue}", self.prefix)

@@ -112,8 +112,11 @@ fn current_schemas_read_every_released_version() {
             checked += 1;
         }
     }
+    // Schemas added since the last release have no released version yet; cutting a
+    // release copies them into `released/` too.
+    const UNRELEASED: &[RecordKind] = &[RecordKind::StepDelta];
     assert!(
-        checked >= RecordKind::ALL.len(),
+        checked >= RecordKind::ALL.len() - UNRELEASED.len(),
         "only {checked} released schemas checked"
     );
 }

@@ -238,6 +238,7 @@ fn call(tool: &str, tenant: &str, config: Value) -> Call {
         args: json!({"messages": [{"role": "user", "content": "hi"}]}),
         config,
         timeout: Duration::from_secs(5),
+        progress: Default::default(),
     }
 }
 

@@ -202,6 +202,7 @@ mod tests {
             args: serde_json::json!({"amount": 5}),
             config,
             timeout,
+            progress: Default::default(),
         }
     }
 

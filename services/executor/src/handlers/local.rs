@@ -65,6 +65,7 @@ mod tests {
             args,
             config: serde_json::json!({}),
             timeout: Duration::from_millis(timeout_ms),
+            progress: Default::default(),
         }
     }
 

@@ -10,6 +10,8 @@ pub(super) struct Worker {
     pub(super) handlers: Handlers,
     pub(super) codec: Codec,
     pub(super) producer: FutureProducer,
+    /// Where handlers' progress goes; `None` without the step-deltas topic.
+    pub(super) deltas: Option<Deltas>,
     pub(super) result_partitions: u32,
     pub(super) health: Health,
     /// A lock per reconcilable operation with an attempt here ([`OperationLocks`]).
@@ -121,6 +123,7 @@ impl Worker {
                 return;
             }
         };
+        let call = self.with_progress(call).await;
         tracing::debug!(class = ?intent.side_effect, "Intent received.");
         if intent.lookup_only {
             // The run is winding down: ask what became of the operation, never call. No
@@ -221,6 +224,20 @@ impl Worker {
             )),
             Err(e) => Err(HandlerError::permanent("unsealable", e.to_string())),
         }
+    }
+
+    /// The call with a progress sink of its own execution (a fresh execution id), whose
+    /// deltas are sealed with the run's key; without deltas, or without the key, progress
+    /// goes nowhere and the call runs all the same.
+    async fn with_progress(&self, mut call: Call) -> Call {
+        let Some(deltas) = &self.deltas else {
+            return call;
+        };
+        match self.run_seal(&call.tenant, &call.run_id).await {
+            Ok(seal) if !seal.is_destroyed() => call.progress = deltas.progress(&call, seal),
+            _ => {}
+        }
+        call
     }
 
     /// The call with its arguments opened (see [`Worker::run_seal`]). A run whose data
@@ -472,6 +489,7 @@ mod tests {
             args: json!({}),
             config,
             timeout: Duration::from_secs(1),
+            progress: Default::default(),
         }
     }
 

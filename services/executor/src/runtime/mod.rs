@@ -88,10 +88,12 @@ use crate::tracker::PartitionTracker;
 
 mod consume;
 mod converse;
+mod deltas;
 mod dispatch;
 mod produce;
 
 use consume::*;
+use deltas::Deltas;
 use dispatch::*;
 
 /// How long a queue may stay full (as many intents held as it may hold) before its
@@ -279,11 +281,38 @@ pub async fn run_with_health(
             .map_err(|e| Error::Setup(e.to_string()))??
     };
 
+    // Progress deltas go to the run's partition of step-deltas, co-partitioned with
+    // step-results; a topology applied before the topic existed runs without them.
+    let deltas = {
+        let topic = config.topics.step_deltas();
+        let (client, probe) = (producer.clone(), topic.clone());
+        match tokio::task::spawn_blocking(move || partition_count(client.client(), &probe))
+            .await
+            .map_err(|e| Error::Setup(e.to_string()))?
+        {
+            Ok(partitions) => {
+                let codec = Codec::new(&CodecConfig {
+                    registry_url: config.registry_url.clone(),
+                    auto_register: config.auto_register,
+                });
+                codec
+                    .prepare(&topic, RecordKind::StepDelta, Duration::from_secs(60))
+                    .await
+                    .map_err(|e| Error::Registry(e.to_string()))?;
+                Some(Deltas::start(producer.clone(), codec, topic, partitions))
+            }
+            Err(error) => {
+                tracing::warn!(%error, "Running without progress deltas (the model's text as it is written): apply the topology to create the topic.");
+                None
+            }
+        }
+    };
     let worker = Arc::new(Worker {
         config,
         handlers,
         codec,
         producer,
+        deltas,
         result_partitions,
         health: health.clone(),
         operations: Default::default(),

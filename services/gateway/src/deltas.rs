@@ -1,0 +1,228 @@
+//! Progress of running steps, live: the gateway follows `sortie.step-deltas` from its end
+//! (every partition, no consumer group offsets) and keeps each run's recent deltas in
+//! memory, opened, for the run's event stream (`GET /v1/runs/{id}/events` as server-sent
+//! events: `event: delta`). Deltas are outside the run's history: nothing here is stored
+//! on disk, replayed or folded, and a gateway that restarts shows only what arrives after.
+//!
+//! A delta's position is its Kafka offset: a run's deltas are all on its canonical
+//! partition, so the offset orders them and means the same on every gateway replica — a
+//! client that reconnects to another replica with `Last-Event-ID` resumes correctly.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use serde_json::{json, Value};
+use sortie_kafka::KafkaConfig;
+use sortie_wire::records as w;
+use sortie_wire::{Codec, Topics};
+use tokio::sync::watch;
+
+/// Deltas kept per run (the oldest go first).
+const PER_RUN: usize = 2_000;
+/// Text kept per run, in bytes.
+const PER_RUN_BYTES: usize = 1 << 20;
+/// Runs kept; past it the least recently updated go.
+const RUNS: usize = 10_000;
+/// A run whose last delta is older than this is forgotten.
+const KEPT_FOR: Duration = Duration::from_secs(10 * 60);
+
+/// One delta as a stream sends it.
+#[derive(Debug, Clone)]
+pub struct Retained {
+    /// Its offset in the run's partition of `sortie.step-deltas`.
+    pub offset: i64,
+    pub tenant: String,
+    /// The delta as JSON (`delta` event data), its text opened.
+    pub data: Value,
+    bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct RunDeltas {
+    items: VecDeque<Retained>,
+    bytes: usize,
+    touched: Option<Instant>,
+}
+
+/// Every run's recent deltas, and a counter that moves when one arrives.
+#[derive(Debug)]
+pub struct Hub {
+    runs: Mutex<HashMap<String, RunDeltas>>,
+    arrived: watch::Sender<u64>,
+}
+
+impl Default for Hub {
+    fn default() -> Hub {
+        Hub {
+            runs: Mutex::new(HashMap::new()),
+            arrived: watch::channel(0).0,
+        }
+    }
+}
+
+impl Hub {
+    /// Moves whenever a delta arrives (for a stream to wake up).
+    pub fn arrivals(&self) -> watch::Receiver<u64> {
+        self.arrived.subscribe()
+    }
+
+    /// `run_id`'s retained deltas of `tenant` after `offset`, oldest first.
+    pub fn after(&self, tenant: &str, run_id: &str, offset: i64) -> Vec<Retained> {
+        let runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+        runs.get(run_id).map_or_else(Vec::new, |run| {
+            run.items
+                .iter()
+                .filter(|d| d.offset > offset && d.tenant == tenant)
+                .cloned()
+                .collect()
+        })
+    }
+
+    /// Keeps one delta (its text opened) at `offset`.
+    pub fn keep(&self, offset: i64, delta: &w::StepDelta, text: String) {
+        let bytes = text.len() + 256;
+        let kind = match delta.kind {
+            w::DeltaKind::Text => "text",
+            w::DeltaKind::Status => "status",
+        };
+        let data = json!({
+            "run_id": delta.run_id,
+            "step_id": delta.step_id,
+            "node": delta.node,
+            "operation_id": delta.operation_id,
+            "attempt": delta.attempt,
+            "execution_id": delta.execution_id,
+            "seq": delta.seq,
+            "kind": kind,
+            "text": text,
+            "at": delta.at,
+            "offset": offset,
+        });
+        let now = Instant::now();
+        {
+            let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+            if runs.len() >= RUNS && !runs.contains_key(&delta.run_id) {
+                runs.retain(|_, run| run.touched.is_some_and(|t| now - t < KEPT_FOR));
+                if runs.len() >= RUNS {
+                    let oldest = runs
+                        .iter()
+                        .min_by_key(|(_, run)| run.touched)
+                        .map(|(id, _)| id.clone());
+                    if let Some(oldest) = oldest {
+                        runs.remove(&oldest);
+                    }
+                }
+            }
+            let run = runs.entry(delta.run_id.clone()).or_default();
+            if run.touched.is_some_and(|t| now - t >= KEPT_FOR) {
+                *run = RunDeltas::default();
+            }
+            run.touched = Some(now);
+            run.bytes += bytes;
+            run.items.push_back(Retained {
+                offset,
+                tenant: delta.tenant.clone(),
+                data,
+                bytes,
+            });
+            while run.items.len() > PER_RUN || run.bytes > PER_RUN_BYTES {
+                match run.items.pop_front() {
+                    Some(gone) => run.bytes -= gone.bytes,
+                    None => break,
+                }
+            }
+        }
+        self.arrived.send_modify(|n| *n += 1);
+    }
+}
+
+/// Follows `sortie.step-deltas` into `hub` from its end until `shutdown`. A topology
+/// without the topic leaves the hub empty (streams carry history only) and says so.
+pub async fn follow(
+    hub: Arc<Hub>,
+    kafka: KafkaConfig,
+    topics: Topics,
+    codec: Arc<Codec>,
+    run_keys: Option<sortie_seal::RunKeys>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let topic = topics.step_deltas();
+    let group = format!("{}gateway-deltas", topics.prefix());
+    let consumer: StreamConsumer = match kafka
+        .client()
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .create()
+    {
+        Ok(consumer) => consumer,
+        Err(error) => {
+            tracing::warn!(%error, "Live step progress is off: no consumer for the deltas topic.");
+            return;
+        }
+    };
+    let partitions = {
+        let (probe, name) = (kafka.clone(), topic.clone());
+        tokio::task::spawn_blocking(move || {
+            let client: rdkafka::consumer::BaseConsumer = probe.client().create().ok()?;
+            sortie_kafka::read::partition_ids(client.client(), &name, Duration::from_secs(10)).ok()
+        })
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+    };
+    if partitions.is_empty() {
+        tracing::warn!(%topic, "Live step progress is off: the topic does not exist (apply the topology).");
+        return;
+    }
+    let mut assignment = TopicPartitionList::new();
+    for partition in &partitions {
+        if let Err(error) = assignment.add_partition_offset(&topic, *partition, Offset::End) {
+            tracing::warn!(%error, "Live step progress is off: the deltas topic cannot be assigned.");
+            return;
+        }
+    }
+    if let Err(error) = consumer.assign(&assignment) {
+        tracing::warn!(%error, "Live step progress is off: the deltas topic cannot be assigned.");
+        return;
+    }
+    tracing::info!(%topic, partitions = partitions.len(), "Following live step progress.");
+    loop {
+        let message = tokio::select! {
+            message = consumer.recv() => message,
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        };
+        let message = match message {
+            Ok(message) => message,
+            Err(error) => {
+                tracing::debug!(%error, "Reading the deltas topic.");
+                continue;
+            }
+        };
+        // A delta that does not decode or open is dropped: it is a hint, never history.
+        let Ok(delta) = codec.decode::<w::StepDelta>(message.payload()).await else {
+            continue;
+        };
+        let Some(text) = opened(&delta, run_keys.as_ref()).await else {
+            continue;
+        };
+        hub.keep(message.offset(), &delta, text);
+    }
+}
+
+/// The delta's text: a JSON string, sealed with the run's key when sealing is on.
+async fn opened(delta: &w::StepDelta, run_keys: Option<&sortie_seal::RunKeys>) -> Option<String> {
+    let mut value: Value = serde_json::from_str(&delta.text).ok()?;
+    if let Some(keys) = run_keys {
+        let seal = keys.seal(&delta.tenant, &delta.run_id).await.ok()?;
+        seal.open(&mut value).ok()?;
+    }
+    match value {
+        Value::String(text) => Some(text),
+        _ => None,
+    }
+}
