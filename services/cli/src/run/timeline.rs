@@ -60,17 +60,28 @@ pub(super) async fn watch(
     }
     let mut timeline = Timeline::new(Style::for_stdout());
     let mut talk = Talk::default();
+    let mut writing = Writing::default();
     let mut response = response;
     let mut buffer = String::new();
     while let Some(chunk) = response.chunk().await? {
         buffer.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = buffer.find("\n\n") {
             let frame: String = buffer.drain(..end + 2).collect();
+            let delta = frame.lines().any(|l| l.trim_end() == "event: delta");
             for line in frame.lines() {
                 let Some(data) = line.strip_prefix("data:") else {
                     continue;
                 };
                 let event: Value = serde_json::from_str(data.trim()).unwrap_or(Value::Null);
+                if delta {
+                    // A running step's text as it is written: not an event of the history,
+                    // so never in --json (one history event per line, as before).
+                    if !as_json {
+                        writing.show(&event)?;
+                    }
+                    continue;
+                }
+                writing.end()?;
                 if as_json {
                     println!("{}", serde_json::to_string(&event)?);
                 } else if conversation {
@@ -88,6 +99,59 @@ pub(super) async fn watch(
         }
     }
     Ok(())
+}
+
+/// A running step's text on its own line, growing as its deltas arrive; the next event
+/// of the history starts a new line. Another execution of the step starts a new line too.
+#[derive(Default)]
+struct Writing {
+    execution: Option<String>,
+}
+
+impl Writing {
+    fn show(&mut self, delta: &Value) -> anyhow::Result<()> {
+        let execution = delta["execution_id"].as_str().unwrap_or_default();
+        let text = delta["text"].as_str().unwrap_or_default();
+        let mut stdout = std::io::stdout().lock();
+        if delta["kind"] == "status" {
+            self.end_locked(&mut stdout)?;
+            writeln!(
+                stdout,
+                "{}  {:<18} {:<11} {text}",
+                human::clock(delta["at"].as_i64().unwrap_or(0)),
+                delta["node"].as_str().unwrap_or("?"),
+                "progress"
+            )?;
+        } else {
+            if self.execution.as_deref() != Some(execution) {
+                self.end_locked(&mut stdout)?;
+                write!(
+                    stdout,
+                    "{}  {:<18} {:<11} ",
+                    human::clock(delta["at"].as_i64().unwrap_or(0)),
+                    delta["node"].as_str().unwrap_or("?"),
+                    "writing"
+                )?;
+                self.execution = Some(execution.to_owned());
+            }
+            // One line: the text's own line breaks are shown as spaces.
+            write!(stdout, "{}", text.replace(['\n', '\r'], " "))?;
+        }
+        stdout.flush()?;
+        Ok(())
+    }
+
+    fn end(&mut self) -> anyhow::Result<()> {
+        let mut stdout = std::io::stdout().lock();
+        self.end_locked(&mut stdout)
+    }
+
+    fn end_locked(&mut self, stdout: &mut impl std::io::Write) -> anyhow::Result<()> {
+        if self.execution.take().is_some() {
+            writeln!(stdout)?;
+        }
+        Ok(())
+    }
 }
 
 /// One timeline line for an event as the gateway renders it (an event this build does not
