@@ -226,3 +226,72 @@ async fn opened(delta: &w::StepDelta, run_keys: Option<&sortie_seal::RunKeys>) -
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delta(tenant: &str, run_id: &str, seq: i64, text: &str) -> w::StepDelta {
+        w::StepDelta {
+            tenant: tenant.into(),
+            run_id: run_id.into(),
+            step_id: "write#1".into(),
+            node: "write".into(),
+            operation_id: "op_1".into(),
+            attempt: 1,
+            execution_id: "exe_1".into(),
+            seq,
+            kind: w::DeltaKind::Text,
+            text: Value::String(text.into()).to_string(),
+            at: 0,
+        }
+    }
+
+    #[test]
+    fn a_run_keeps_its_recent_deltas_for_its_tenant_only_and_within_bounds() {
+        let hub = Hub::default();
+        for offset in 0..(PER_RUN as i64 + 10) {
+            hub.keep(
+                offset,
+                &delta("acme", "r1", offset + 1, "word "),
+                "word ".into(),
+            );
+        }
+        let kept = hub.after("acme", "r1", -1);
+        assert_eq!(kept.len(), PER_RUN, "the oldest go first");
+        assert_eq!(kept[0].offset, 10);
+        assert_eq!(hub.after("acme", "r1", PER_RUN as i64 + 7).len(), 2);
+        assert!(hub.after("globex", "r1", -1).is_empty(), "another tenant's");
+        assert!(hub.after("acme", "r2", -1).is_empty());
+        // Bytes bound a run too: two 600 KiB texts do not both stay.
+        let big = "x".repeat(600 * 1024);
+        hub.keep(1, &delta("acme", "r3", 1, "x"), big.clone());
+        hub.keep(2, &delta("acme", "r3", 2, "x"), big);
+        let kept = hub.after("acme", "r3", -1);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].offset, 2);
+        assert_eq!(
+            kept[0].data["text"].as_str().map(str::len),
+            Some(600 * 1024)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_delta_whose_text_is_not_a_json_string_is_dropped() {
+        for hostile in ["not json", "{\"a\": 1}", "42", "null", "", "\"\\ud800\""] {
+            let mut d = delta("acme", "r1", 1, "");
+            d.text = hostile.into();
+            let opened = opened(&d, None).await;
+            assert!(
+                opened.is_none() || hostile.starts_with('"'),
+                "{hostile:?} opened as {opened:?}"
+            );
+        }
+        assert_eq!(
+            opened(&delta("acme", "r1", 1, "hello"), None)
+                .await
+                .as_deref(),
+            Some("hello")
+        );
+    }
+}
