@@ -15,14 +15,27 @@
 //! last message, a later turn's answer is [`REPLY`] and that message, and a message
 //! saying "goodbye" gets a call to [`STOP_TOOL`] when it is offered (never otherwise).
 //!
-//! `usage` is derived from the request (prompt tokens: a quarter of its characters; 12
-//! completion tokens). Every request and the `usage` answered are kept:
-//! `GET /v1/fake/requests` lists them, oldest first, for tests to assert on.
+//! `usage` is derived from the request (prompt tokens: a quarter of its characters, its
+//! `stream` and `stream_options` left out; 12 completion tokens). Every request and the
+//! message and `usage` answered are kept: `GET /v1/fake/requests` lists them, oldest first,
+//! for tests to assert on.
+//!
+//! It streams (server-sent events) a request with `"stream": true`, in that API's format:
+//! OpenAI `chat.completion.chunk`s ending with `data: [DONE]`, the usage in a last chunk
+//! of its own when `stream_options.include_usage` asks for it; Anthropic's
+//! `message_start`, `ping`, each block's `content_block_start`, deltas and
+//! `content_block_stop`, `message_delta` (stop reason, output tokens) and
+//! `message_stop`. The answer is the one it gives unstreamed (same text, tool calls and
+//! usage), the text a delta per word and a tool call's arguments in pieces. A model
+//! whose name ends in `-slow` (e.g. `fake-agent-slow`) waits [`SLOW_PAUSE`] between
+//! deltas, so a test sees text arrive before the step ends; any other streams at once.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -38,6 +51,11 @@ pub const STOP_TOOL: &str = "end_conversation";
 
 /// Completion tokens of every answer.
 pub const COMPLETION_TOKENS: u64 = 12;
+
+/// What a model name ends with to stream slowly.
+pub const SLOW_SUFFIX: &str = "-slow";
+/// The wait between a slow model's deltas.
+pub const SLOW_PAUSE: Duration = Duration::from_millis(200);
 
 /// One call the fake model answered.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -107,7 +125,7 @@ impl FakeModel {
             }
             None => (json!([{"type": "text", "text": turn.answer()}]), "end_turn"),
         };
-        let input_tokens = request.to_string().len() as u64 / 4;
+        let input_tokens = prompt_tokens(request);
         let usage = json!({"input_tokens": input_tokens, "output_tokens": COMPLETION_TOKENS});
         let message = json!({"role": "assistant", "content": content});
         if let Ok(mut exchanges) = self.exchanges.lock() {
@@ -165,7 +183,7 @@ impl FakeModel {
             }
             None => json!({"role": "assistant", "content": turn.answer()}),
         };
-        let prompt_tokens = request.to_string().len() as u64 / 4;
+        let prompt_tokens = prompt_tokens(request);
         let usage = json!({
             "prompt_tokens": prompt_tokens,
             "completion_tokens": COMPLETION_TOKENS,
@@ -192,6 +210,17 @@ impl FakeModel {
             "usage": usage,
         }))
     }
+}
+
+/// A request's prompt tokens: a quarter of its characters, whether it streams left out
+/// (a streamed answer's usage is the unstreamed one's).
+fn prompt_tokens(request: &Value) -> u64 {
+    let mut counted = request.clone();
+    if let Some(fields) = counted.as_object_mut() {
+        fields.remove("stream");
+        fields.remove("stream_options");
+    }
+    counted.to_string().len() as u64 / 4
 }
 
 /// Where a request's conversation stands: the person's messages, and where the last one is.
@@ -283,6 +312,10 @@ pub fn router(model: Arc<FakeModel>) -> Router {
 
 async fn complete(State(model): State<Arc<FakeModel>>, Json(request): Json<Value>) -> Response {
     match model.answer(&request) {
+        Ok(answer) if request["stream"] == true => {
+            let usage = request["stream_options"]["include_usage"] == true;
+            event_stream(openai_events(&answer, usage), &request).await
+        }
         Ok(answer) => Json(answer).into_response(),
         Err(error) => (
             StatusCode::BAD_REQUEST,
@@ -294,12 +327,282 @@ async fn complete(State(model): State<Arc<FakeModel>>, Json(request): Json<Value
 
 async fn messages(State(model): State<Arc<FakeModel>>, Json(request): Json<Value>) -> Response {
     match model.answer_anthropic(&request) {
+        Ok(answer) if request["stream"] == true => {
+            event_stream(anthropic_events(&answer), &request).await
+        }
         Ok(answer) => Json(answer).into_response(),
         Err(error) => (
             StatusCode::BAD_REQUEST,
             Json(json!({"type": "error", "error": {"type": "invalid_request_error", "message": error}})),
         )
             .into_response(),
+    }
+}
+
+/// One server-sent event of a streamed answer, and whether it is a delta (which a slow
+/// model waits before).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Sent {
+    delta: bool,
+    text: String,
+}
+
+fn data(delta: bool, data: &Value) -> Sent {
+    Sent {
+        delta,
+        text: format!("data: {data}\n\n"),
+    }
+}
+
+fn event(delta: bool, data: &Value) -> Sent {
+    Sent {
+        delta,
+        text: format!(
+            "event: {}\ndata: {data}\n\n",
+            data["type"].as_str().unwrap_or("message")
+        ),
+    }
+}
+
+/// `text` a piece per word, each but the first with the whitespace before it.
+fn words(text: &str) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    let (mut start, mut spaced) = (0, false);
+    for (i, c) in text.char_indices() {
+        if c.is_whitespace() && !spaced && i > start {
+            pieces.push(&text[start..i]);
+            start = i;
+        }
+        spaced = c.is_whitespace();
+    }
+    if start < text.len() {
+        pieces.push(&text[start..]);
+    }
+    pieces
+}
+
+/// `text` in pieces of at most `size` characters.
+fn pieces(text: &str, size: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    chars.chunks(size).map(|c| c.iter().collect()).collect()
+}
+
+/// An OpenAI answer as a stream of `chat.completion.chunk`s.
+fn openai_events(answer: &Value, include_usage: bool) -> Vec<Sent> {
+    let chunk = |choices: Value| {
+        json!({
+            "id": answer["id"],
+            "object": "chat.completion.chunk",
+            "model": answer["model"],
+            "choices": choices,
+        })
+    };
+    let delta = |delta: Value| chunk(json!([{"index": 0, "delta": delta, "finish_reason": null}]));
+    let choice = &answer["choices"][0];
+    let message = &choice["message"];
+    let calls = message["tool_calls"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let opening = if calls.is_empty() {
+        json!("")
+    } else {
+        Value::Null
+    };
+    let mut sent = vec![data(
+        false,
+        &delta(json!({"role": "assistant", "content": opening})),
+    )];
+    for word in words(message["content"].as_str().unwrap_or_default()) {
+        sent.push(data(true, &delta(json!({"content": word}))));
+    }
+    for (index, call) in calls.iter().enumerate() {
+        sent.push(data(
+            true,
+            &delta(json!({"tool_calls": [{
+                "index": index,
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": ""},
+            }]})),
+        ));
+        let arguments = call["function"]["arguments"].as_str().unwrap_or_default();
+        for piece in pieces(arguments, 8) {
+            sent.push(data(
+                true,
+                &delta(json!({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})),
+            ));
+        }
+    }
+    sent.push(data(
+        false,
+        &chunk(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}])),
+    ));
+    if include_usage {
+        let mut last = chunk(json!([]));
+        last["usage"] = answer["usage"].clone();
+        sent.push(data(false, &last));
+    }
+    sent.push(Sent {
+        delta: false,
+        text: "data: [DONE]\n\n".into(),
+    });
+    sent
+}
+
+/// An Anthropic answer as the Messages API streams it.
+fn anthropic_events(answer: &Value) -> Vec<Sent> {
+    let mut started = answer.clone();
+    started["content"] = json!([]);
+    started["stop_reason"] = Value::Null;
+    started["stop_sequence"] = Value::Null;
+    started["usage"]["output_tokens"] = json!(1);
+    let mut sent = vec![
+        event(false, &json!({"type": "message_start", "message": started})),
+        event(false, &json!({"type": "ping"})),
+    ];
+    let blocks = answer["content"].as_array().cloned().unwrap_or_default();
+    for (index, block) in blocks.iter().enumerate() {
+        let mut opened = block.clone();
+        let deltas: Vec<Value> = if block["type"] == "tool_use" {
+            opened["input"] = json!({});
+            let input = block["input"].to_string();
+            std::iter::once(String::new())
+                .chain(pieces(&input, 8))
+                .map(|piece| json!({"type": "input_json_delta", "partial_json": piece}))
+                .collect()
+        } else {
+            opened["text"] = json!("");
+            words(block["text"].as_str().unwrap_or_default())
+                .into_iter()
+                .map(|word| json!({"type": "text_delta", "text": word}))
+                .collect()
+        };
+        sent.push(event(
+            false,
+            &json!({"type": "content_block_start", "index": index, "content_block": opened}),
+        ));
+        for delta in deltas {
+            sent.push(event(
+                true,
+                &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+            ));
+        }
+        sent.push(event(
+            false,
+            &json!({"type": "content_block_stop", "index": index}),
+        ));
+    }
+    sent.push(event(
+        false,
+        &json!({
+            "type": "message_delta",
+            "delta": {"stop_reason": answer["stop_reason"], "stop_sequence": null},
+            "usage": {"output_tokens": answer["usage"]["output_tokens"]},
+        }),
+    ));
+    sent.push(event(false, &json!({"type": "message_stop"})));
+    sent
+}
+
+/// A streamed answer: at once, or a slow model's deltas [`SLOW_PAUSE`] apart.
+async fn event_stream(sent: Vec<Sent>, request: &Value) -> Response {
+    let slow = request["model"]
+        .as_str()
+        .is_some_and(|m| m.ends_with(SLOW_SUFFIX));
+    let body = if slow {
+        paced(sent, SLOW_PAUSE).await
+    } else {
+        Body::from(sent.into_iter().map(|s| s.text).collect::<String>())
+    };
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// A body whose events go out as they would from a model writing them: each delta but
+/// the first `pause` after the one before.
+///
+/// axum builds a body that arrives over time from a `futures` stream (not a dependency of
+/// this crate) or from a request it serves. So the events are written, chunked and
+/// paced, as the body of a request to a one-connection server over an in-memory pipe, and
+/// that request's body, handed over as it arrives, is the answer's.
+async fn paced(sent: Vec<Sent>, pause: Duration) -> Body {
+    use tokio::io::AsyncWriteExt as _;
+    let (mut writer, server) = tokio::io::duplex(64 * 1024);
+    let (hand, handed) = tokio::sync::oneshot::channel::<Body>();
+    let hand = Arc::new(Mutex::new(Some(hand)));
+    let relay = Router::new().fallback(move |body: Body| {
+        let hand = hand.lock().ok().and_then(|mut h| h.take());
+        async move {
+            if let Some(hand) = hand {
+                let _ = hand.send(body);
+            }
+            StatusCode::NO_CONTENT
+        }
+    });
+    // The server stops once the body is handed over and all of it written: what is
+    // written stays readable after the writer is gone, and the connection ends with it.
+    let (taken, handed_over) = tokio::sync::oneshot::channel::<()>();
+    let (written, all_written) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = axum::serve(Pipe(Some(server)), relay)
+            .with_graceful_shutdown(async move {
+                let _ = handed_over.await;
+                let _ = all_written.await;
+            })
+            .await;
+    });
+    tokio::spawn(async move {
+        let write = async {
+            writer
+                .write_all(
+                    b"POST / HTTP/1.1\r\nhost: fake-model\r\ntransfer-encoding: chunked\r\n\r\n",
+                )
+                .await?;
+            let mut first = true;
+            for piece in sent.iter().filter(|s| !s.text.is_empty()) {
+                if piece.delta {
+                    if !first {
+                        tokio::time::sleep(pause).await;
+                    }
+                    first = false;
+                }
+                let chunk = format!("{:x}\r\n{}\r\n", piece.text.len(), piece.text);
+                writer.write_all(chunk.as_bytes()).await?;
+            }
+            writer.write_all(b"0\r\n\r\n").await
+        };
+        let _: std::io::Result<()> = write.await;
+        drop(writer);
+        let _ = written.send(());
+    });
+    let body = handed.await.unwrap_or_default();
+    let _ = taken.send(());
+    body
+}
+
+/// A listener with one connection: the pipe [`paced`] writes into.
+struct Pipe(Option<tokio::io::DuplexStream>);
+
+impl axum::serve::Listener for Pipe {
+    type Io = tokio::io::DuplexStream;
+    type Addr = ();
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.0.take() {
+            Some(io) => (io, ()),
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(())
     }
 }
 
@@ -394,6 +697,240 @@ mod tests {
         assert_eq!(
             last["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
             STOP_TOOL
+        );
+    }
+
+    /// The `data:` of each event of a stream, in order.
+    fn data_of(sent: &[Sent]) -> Vec<String> {
+        sent.iter()
+            .flat_map(|s| s.text.lines())
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn words_keep_their_spaces_and_pieces_their_characters() {
+        assert_eq!(
+            words(FINAL_ANSWER),
+            ["Done:", " both", " tools", " answered."]
+        );
+        assert_eq!(words("  a  b "), ["  a", "  b", " "]);
+        assert!(words("").is_empty());
+        assert_eq!(pieces("{\"é\": 1}", 3), ["{\"é", "\": ", "1}"]);
+    }
+
+    #[test]
+    fn a_streamed_openai_answer_is_the_same_script_in_chunks() {
+        let model = FakeModel::default();
+        let mut request = json!({
+            "model": "fake",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [tool("a"), tool("b")],
+        });
+        let unstreamed = model.answer(&request).unwrap();
+        request["stream"] = json!(true);
+        request["stream_options"] = json!({"include_usage": true});
+        let answer = model.answer(&request).unwrap();
+        assert_eq!(
+            answer["usage"], unstreamed["usage"],
+            "usage ignores streaming"
+        );
+        assert_eq!(model.exchanges()[0].usage, model.exchanges()[1].usage);
+        let chunks = data_of(&openai_events(&answer, true));
+        assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
+        let chunks: Vec<Value> = chunks[..chunks.len() - 1]
+            .iter()
+            .map(|c| serde_json::from_str(c).unwrap())
+            .collect();
+        let arguments: String = chunks
+            .iter()
+            .filter_map(|c| {
+                c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()
+            })
+            .collect();
+        let call = &answer["choices"][0]["message"]["tool_calls"][0];
+        assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+        assert!(
+            chunks
+                .iter()
+                .filter(|c| c["choices"][0]["delta"]["tool_calls"].is_array())
+                .count()
+                > 2
+        );
+        assert_eq!(
+            chunks[1]["choices"][0]["delta"]["tool_calls"][0]["id"],
+            call["id"]
+        );
+        let last = chunks.last().unwrap();
+        assert_eq!(last["usage"], answer["usage"]);
+        assert_eq!(last["choices"], json!([]));
+        // No usage chunk unless asked for; a text answer a delta per word.
+        let text = json!({"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                          "message": {"role": "assistant", "content": FINAL_ANSWER}}]});
+        let chunks: Vec<Value> = data_of(&openai_events(&text, false))
+            .iter()
+            .filter_map(|c| serde_json::from_str(c).ok())
+            .collect();
+        assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+        let said: Vec<&str> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(said, ["", "Done:", " both", " tools", " answered."]);
+    }
+
+    #[test]
+    fn a_streamed_anthropic_answer_is_the_same_script_in_events() {
+        let model = FakeModel::default();
+        let request = json!({
+            "model": "fake",
+            "max_tokens": 100,
+            "stream": true,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "a", "input_schema": {"type": "object",
+                       "properties": {"order_id": {"type": "string"}}}}],
+        });
+        let answer = model.answer_anthropic(&request).unwrap();
+        let sent = anthropic_events(&answer);
+        let names: Vec<&str> = sent
+            .iter()
+            .filter_map(|s| s.text.lines().next()?.strip_prefix("event: "))
+            .collect();
+        assert_eq!(names.first(), Some(&"message_start"));
+        assert_eq!(names.last(), Some(&"message_stop"));
+        let events: Vec<Value> = data_of(&sent)
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let text: String = events
+            .iter()
+            .filter_map(|e| e["delta"]["text"].as_str())
+            .collect();
+        assert_eq!(text, "I will call a.");
+        let input: String = events
+            .iter()
+            .filter_map(|e| e["delta"]["partial_json"].as_str())
+            .collect();
+        assert_eq!(
+            serde_json::from_str::<Value>(&input).unwrap(),
+            answer["content"][1]["input"]
+        );
+        assert_eq!(
+            events[0]["message"]["usage"]["input_tokens"],
+            answer["usage"]["input_tokens"]
+        );
+        let delta = &events[events.len() - 2];
+        assert_eq!(delta["delta"]["stop_reason"], "tool_use");
+        assert_eq!(delta["usage"]["output_tokens"], COMPLETION_TOKENS);
+        assert!(sent.iter().filter(|s| s.delta).count() > 4);
+    }
+
+    /// The executor's `llm` handler against the served fake model, both APIs through a
+    /// whole script: streamed, the recorded output is the unstreamed one and the text
+    /// arrives a word at a time; a `-slow` model's first words arrive well before its end.
+    #[tokio::test]
+    async fn the_llm_handler_streams_the_script_and_records_the_same_output() {
+        use sortie_executor::{Call, Delta, Progress, StepHandler as _};
+        use std::time::Instant;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/v1", listener.local_addr().unwrap());
+        let fake = FakeModel::new();
+        tokio::spawn(serve(listener, fake.clone(), std::future::pending()));
+        let llm = sortie_executor::handlers::Llm::new(sortie_executor::handlers::http_client());
+        let call = |api: &str, model: &str, stream: bool, messages: &Value| {
+            let tools = if api == "anthropic" {
+                json!([{"name": "a", "input_schema": {"type": "object", "properties": {"order_id": {"type": "string"}}}},
+                       {"name": "b", "input_schema": {"type": "object"}}])
+            } else {
+                json!([tool("a"), tool("b")])
+            };
+            Call {
+                operation_id: "op".into(),
+                attempt: 1,
+                tenant: "t".into(),
+                run_id: "r".into(),
+                step_id: "think#1".into(),
+                node: "think".into(),
+                tool: "llm".into(),
+                side_effect: sortie_wire::records::SideEffectClass::Pure,
+                args: json!({"messages": messages, "tools": tools}),
+                config: json!({"base_url": base, "model": model, "api": api, "stream": stream}),
+                timeout: Duration::from_secs(20),
+                progress: Progress::default(),
+            }
+        };
+        for api in ["openai", "anthropic"] {
+            let mut messages = json!([{"role": "user", "content": "hi"}]);
+            for turn in 0..3 {
+                let whole = llm
+                    .call(&call(api, "fake", false, &messages))
+                    .await
+                    .unwrap();
+                let mut streamed = call(api, "fake", true, &messages);
+                let seen = Arc::new(Mutex::new(Vec::new()));
+                let sink = seen.clone();
+                streamed.progress = Progress::new(move |delta| {
+                    if let Delta::Text(text) = delta {
+                        sink.lock().unwrap().push(text);
+                    }
+                });
+                let output = llm.call(&streamed).await.unwrap();
+                assert_eq!(output, whole, "{api}, turn {turn}");
+                let seen = seen.lock().unwrap().clone();
+                match output["content"].as_str() {
+                    Some(text) => {
+                        assert_eq!(seen.concat(), text, "{api}, turn {turn}");
+                        assert!(seen.len() > 1, "{api}, turn {turn}: {seen:?}");
+                    }
+                    None => assert!(seen.is_empty()),
+                }
+                // The next request answers the call (or, after the text, ends the script).
+                let call_id = output["tool_calls"][0]["id"].clone();
+                let next = if api == "anthropic" {
+                    vec![
+                        json!({"role": "assistant", "content": output["blocks"]}),
+                        json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "{}"}]}),
+                    ]
+                } else {
+                    vec![
+                        json!({"role": "assistant", "content": output["content"], "tool_calls": output["tool_calls"]}),
+                        json!({"role": "tool", "tool_call_id": call_id, "content": "{}"}),
+                    ]
+                };
+                messages.as_array_mut().unwrap().extend(next);
+            }
+            let exchanges = fake.exchanges();
+            let last = &exchanges[exchanges.len() - 2..];
+            assert_eq!(last[0].usage, last[1].usage, "{api}");
+            assert_eq!(last[0].message, last[1].message, "{api}");
+        }
+        assert_eq!(fake.exchanges().len(), 12);
+
+        // Slow: the first text arrives at least a pause per later delta before the end.
+        let mut slow = call(
+            "openai",
+            "fake-agent-slow",
+            true,
+            &json!([{"role": "user", "content": "hi"}]),
+        );
+        slow.args["tools"] = json!([]);
+        let first = Arc::new(Mutex::new(None));
+        let sink = first.clone();
+        slow.progress = Progress::new(move |_| {
+            sink.lock().unwrap().get_or_insert_with(Instant::now);
+        });
+        let output = llm.call(&slow).await.unwrap();
+        let ended = Instant::now();
+        assert_eq!(output["content"], FINAL_ANSWER);
+        assert_eq!(output["model"], "fake-agent-slow");
+        let first = first.lock().unwrap().expect("text arrived");
+        let pauses = words(FINAL_ANSWER).len() as u32 - 1;
+        assert!(
+            ended - first >= SLOW_PAUSE * pauses - Duration::from_millis(50),
+            "{:?}",
+            ended - first
         );
     }
 }
