@@ -184,11 +184,7 @@ fn parse_json(what: &str, text: &str) -> anyhow::Result<Value> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let client = Client {
-        base: args.gateway,
-        token: args.token,
-        http: reqwest::Client::new(),
-    };
+    let client = Client::new(args.gateway, args.token)?;
     let mut quiet = false;
     let answer = match args.command {
         Sub::Start {

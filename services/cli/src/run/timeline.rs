@@ -3,7 +3,6 @@
 
 use std::io::Write as _;
 
-use anyhow::bail;
 use serde_json::Value;
 
 use super::Client;
@@ -50,20 +49,23 @@ pub(super) async fn watch(
         )
         .header("Accept", "text/event-stream")
         .send()
-        .await?;
+        .await
+        .map_err(|e| client.unreachable(e))?;
     if !response.status().is_success() {
-        bail!(
-            "{}: {}",
-            response.status(),
-            response.text().await.unwrap_or_default()
-        );
+        let status = response.status();
+        return Err(client.refused(status, &response.text().await.unwrap_or_default()));
     }
     let mut timeline = Timeline::new(Style::for_stdout());
     let mut talk = Talk::default();
     let mut writing = Writing::default();
     let mut response = response;
     let mut buffer = String::new();
-    while let Some(chunk) = response.chunk().await? {
+    let broke = |e| {
+        anyhow::Error::new(e).context(format!(
+            "the gateway's event stream of run {run_id} broke before the run ended"
+        ))
+    };
+    while let Some(chunk) = response.chunk().await.map_err(broke)? {
         buffer.push_str(&String::from_utf8_lossy(&chunk));
         while let Some(end) = buffer.find("\n\n") {
             let frame: String = buffer.drain(..end + 2).collect();
@@ -98,7 +100,12 @@ pub(super) async fn watch(
             }
         }
     }
-    Ok(())
+    // The gateway stopped (or a proxy cut the stream): the run has not ended, and a
+    // script waiting on `watch` must not take this for its end.
+    writing.end()?;
+    anyhow::bail!(
+        "the gateway closed the event stream before run {run_id} ended; follow it again with `sortie run watch {run_id}`"
+    )
 }
 
 /// A running step's text on its own line, growing as its deltas arrive; the next event
