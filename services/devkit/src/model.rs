@@ -30,6 +30,7 @@
 //! whose name ends in `-slow` (e.g. `fake-agent-slow`) waits [`SLOW_PAUSE`] between
 //! deltas, so a test sees text arrive before the step ends; any other streams at once.
 
+use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -314,7 +315,7 @@ async fn complete(State(model): State<Arc<FakeModel>>, Json(request): Json<Value
     match model.answer(&request) {
         Ok(answer) if request["stream"] == true => {
             let usage = request["stream_options"]["include_usage"] == true;
-            event_stream(openai_events(&answer, usage), &request).await
+            event_stream(openai_events(&answer, usage), &request)
         }
         Ok(answer) => Json(answer).into_response(),
         Err(error) => (
@@ -328,7 +329,7 @@ async fn complete(State(model): State<Arc<FakeModel>>, Json(request): Json<Value
 async fn messages(State(model): State<Arc<FakeModel>>, Json(request): Json<Value>) -> Response {
     match model.answer_anthropic(&request) {
         Ok(answer) if request["stream"] == true => {
-            event_stream(anthropic_events(&answer), &request).await
+            event_stream(anthropic_events(&answer), &request)
         }
         Ok(answer) => Json(answer).into_response(),
         Err(error) => (
@@ -506,12 +507,12 @@ fn anthropic_events(answer: &Value) -> Vec<Sent> {
 }
 
 /// A streamed answer: at once, or a slow model's deltas [`SLOW_PAUSE`] apart.
-async fn event_stream(sent: Vec<Sent>, request: &Value) -> Response {
+fn event_stream(sent: Vec<Sent>, request: &Value) -> Response {
     let slow = request["model"]
         .as_str()
         .is_some_and(|m| m.ends_with(SLOW_SUFFIX));
     let body = if slow {
-        paced(sent, SLOW_PAUSE).await
+        paced(sent, SLOW_PAUSE)
     } else {
         Body::from(sent.into_iter().map(|s| s.text).collect::<String>())
     };
@@ -527,83 +528,19 @@ async fn event_stream(sent: Vec<Sent>, request: &Value) -> Response {
 
 /// A body whose events go out as they would from a model writing them: each delta but
 /// the first `pause` after the one before.
-///
-/// axum builds a body that arrives over time from a `futures` stream (not a dependency of
-/// this crate) or from a request it serves. So the events are written, chunked and
-/// paced, as the body of a request to a one-connection server over an in-memory pipe, and
-/// that request's body, handed over as it arrives, is the answer's.
-async fn paced(sent: Vec<Sent>, pause: Duration) -> Body {
-    use tokio::io::AsyncWriteExt as _;
-    let (mut writer, server) = tokio::io::duplex(64 * 1024);
-    let (hand, handed) = tokio::sync::oneshot::channel::<Body>();
-    let hand = Arc::new(Mutex::new(Some(hand)));
-    let relay = Router::new().fallback(move |body: Body| {
-        let hand = hand.lock().ok().and_then(|mut h| h.take());
-        async move {
-            if let Some(hand) = hand {
-                let _ = hand.send(body);
+fn paced(sent: Vec<Sent>, pause: Duration) -> Body {
+    let events = futures::stream::unfold(
+        (sent.into_iter(), true),
+        move |(mut sent, first)| async move {
+            let piece = sent.next()?;
+            if piece.delta && !first {
+                tokio::time::sleep(pause).await;
             }
-            StatusCode::NO_CONTENT
-        }
-    });
-    // The server stops once the body is handed over and all of it written: what is
-    // written stays readable after the writer is gone, and the connection ends with it.
-    let (taken, handed_over) = tokio::sync::oneshot::channel::<()>();
-    let (written, all_written) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = axum::serve(Pipe(Some(server)), relay)
-            .with_graceful_shutdown(async move {
-                let _ = handed_over.await;
-                let _ = all_written.await;
-            })
-            .await;
-    });
-    tokio::spawn(async move {
-        let write = async {
-            writer
-                .write_all(
-                    b"POST / HTTP/1.1\r\nhost: fake-model\r\ntransfer-encoding: chunked\r\n\r\n",
-                )
-                .await?;
-            let mut first = true;
-            for piece in sent.iter().filter(|s| !s.text.is_empty()) {
-                if piece.delta {
-                    if !first {
-                        tokio::time::sleep(pause).await;
-                    }
-                    first = false;
-                }
-                let chunk = format!("{:x}\r\n{}\r\n", piece.text.len(), piece.text);
-                writer.write_all(chunk.as_bytes()).await?;
-            }
-            writer.write_all(b"0\r\n\r\n").await
-        };
-        let _: std::io::Result<()> = write.await;
-        drop(writer);
-        let _ = written.send(());
-    });
-    let body = handed.await.unwrap_or_default();
-    let _ = taken.send(());
-    body
-}
-
-/// A listener with one connection: the pipe [`paced`] writes into.
-struct Pipe(Option<tokio::io::DuplexStream>);
-
-impl axum::serve::Listener for Pipe {
-    type Io = tokio::io::DuplexStream;
-    type Addr = ();
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.0.take() {
-            Some(io) => (io, ()),
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(())
-    }
+            let first = first && !piece.delta;
+            Some((Ok::<_, Infallible>(piece.text), (sent, first)))
+        },
+    );
+    Body::from_stream(events)
 }
 
 async fn requests(State(model): State<Arc<FakeModel>>) -> Json<Vec<Exchange>> {
