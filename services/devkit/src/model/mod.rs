@@ -30,18 +30,24 @@
 //! whose name ends in `-slow` (e.g. `fake-agent-slow`) waits [`SLOW_PAUSE`] between
 //! deltas, so a test sees text arrive before the step ends; any other streams at once.
 
-use std::convert::Infallible;
+mod anthropic;
+mod openai;
+mod stream;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+
+use self::anthropic::anthropic_events;
+use self::openai::openai_events;
+use self::stream::event_stream;
 
 /// The text of the scripted final answer.
 pub const FINAL_ANSWER: &str = "Done: both tools answered.";
@@ -83,133 +89,6 @@ impl FakeModel {
     /// Every call so far, oldest first.
     pub fn exchanges(&self) -> Vec<Exchange> {
         self.exchanges.lock().map(|e| e.clone()).unwrap_or_default()
-    }
-
-    /// The answer to one Anthropic Messages request (the same script), recorded.
-    pub fn answer_anthropic(&self, request: &Value) -> Result<Value, String> {
-        let messages = request
-            .get("messages")
-            .and_then(Value::as_array)
-            .ok_or("messages must be an array")?;
-        if request.get("max_tokens").and_then(Value::as_u64).is_none() {
-            return Err("max_tokens is required".into());
-        }
-        let tools = request
-            .get("tools")
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default();
-        let turn = Turn::of(messages);
-        let answered = messages[turn.since..]
-            .iter()
-            .filter(|m| m["role"] == "user")
-            .filter_map(|m| m["content"].as_array())
-            .flatten()
-            .filter(|b| b["type"] == "tool_result")
-            .count();
-        let (tools, stop) = turn.tools(tools, |t| &t["name"]);
-        let pick = match stop {
-            Some(stop) if turn.goodbye() && answered == 0 => Some(stop),
-            _ => tools.get(answered).filter(|_| answered < 2).cloned(),
-        };
-        let (content, stop_reason) = match pick {
-            Some(tool) => {
-                let name = tool["name"].as_str().unwrap_or_default();
-                let input = arguments(&tool["input_schema"]);
-                (
-                    json!([
-                        {"type": "text", "text": format!("I will call {name}.")},
-                        {"type": "tool_use", "id": format!("toolu_{}_{name}", answered + 1), "name": name, "input": input},
-                    ]),
-                    "tool_use",
-                )
-            }
-            None => (json!([{"type": "text", "text": turn.answer()}]), "end_turn"),
-        };
-        let input_tokens = prompt_tokens(request);
-        let usage = json!({"input_tokens": input_tokens, "output_tokens": COMPLETION_TOKENS});
-        let message = json!({"role": "assistant", "content": content});
-        if let Ok(mut exchanges) = self.exchanges.lock() {
-            exchanges.push(Exchange {
-                request: request.clone(),
-                usage: usage.clone(),
-                message: message.clone(),
-            });
-        }
-        Ok(json!({
-            "id": format!("msg_fake_{}", self.exchanges().len()),
-            "type": "message",
-            "role": "assistant",
-            "model": request.get("model").cloned().unwrap_or(json!("fake")),
-            "content": content,
-            "stop_reason": stop_reason,
-            "usage": usage,
-        }))
-    }
-
-    /// The answer to one request (the script), with the exchange recorded.
-    pub fn answer(&self, request: &Value) -> Result<Value, String> {
-        let messages = request
-            .get("messages")
-            .and_then(Value::as_array)
-            .ok_or("messages must be an array")?;
-        let tools = request
-            .get("tools")
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default();
-        let turn = Turn::of(messages);
-        let answered = messages[turn.since..]
-            .iter()
-            .filter(|m| m["role"] == "tool")
-            .count();
-        let (tools, stop) = turn.tools(tools, |t| &t["function"]["name"]);
-        let pick = match stop {
-            Some(stop) if turn.goodbye() && answered == 0 => Some(stop),
-            _ => tools.get(answered).filter(|_| answered < 2).cloned(),
-        };
-        let message = match pick {
-            Some(tool) => {
-                let name = tool["function"]["name"].as_str().unwrap_or_default();
-                let arguments = arguments(&tool["function"]["parameters"]);
-                json!({
-                    "role": "assistant",
-                    "content": null,
-                    "tool_calls": [{
-                        "id": format!("call_{}_{name}", answered + 1),
-                        "type": "function",
-                        "function": {"name": name, "arguments": arguments.to_string()},
-                    }],
-                })
-            }
-            None => json!({"role": "assistant", "content": turn.answer()}),
-        };
-        let prompt_tokens = prompt_tokens(request);
-        let usage = json!({
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": COMPLETION_TOKENS,
-            "total_tokens": prompt_tokens + COMPLETION_TOKENS,
-        });
-        let finish_reason = if message.get("tool_calls").is_some() {
-            "tool_calls"
-        } else {
-            "stop"
-        };
-        let model = request.get("model").cloned().unwrap_or(json!("fake"));
-        if let Ok(mut exchanges) = self.exchanges.lock() {
-            exchanges.push(Exchange {
-                request: request.clone(),
-                usage: usage.clone(),
-                message: message.clone(),
-            });
-        }
-        Ok(json!({
-            "id": format!("chatcmpl-fake-{}", self.exchanges().len()),
-            "object": "chat.completion",
-            "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
-            "usage": usage,
-        }))
     }
 }
 
@@ -340,209 +219,6 @@ async fn messages(State(model): State<Arc<FakeModel>>, Json(request): Json<Value
     }
 }
 
-/// One server-sent event of a streamed answer, and whether it is a delta (which a slow
-/// model waits before).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Sent {
-    delta: bool,
-    text: String,
-}
-
-fn data(delta: bool, data: &Value) -> Sent {
-    Sent {
-        delta,
-        text: format!("data: {data}\n\n"),
-    }
-}
-
-fn event(delta: bool, data: &Value) -> Sent {
-    Sent {
-        delta,
-        text: format!(
-            "event: {}\ndata: {data}\n\n",
-            data["type"].as_str().unwrap_or("message")
-        ),
-    }
-}
-
-/// `text` a piece per word, each but the first with the whitespace before it.
-fn words(text: &str) -> Vec<&str> {
-    let mut pieces = Vec::new();
-    let (mut start, mut spaced) = (0, false);
-    for (i, c) in text.char_indices() {
-        if c.is_whitespace() && !spaced && i > start {
-            pieces.push(&text[start..i]);
-            start = i;
-        }
-        spaced = c.is_whitespace();
-    }
-    if start < text.len() {
-        pieces.push(&text[start..]);
-    }
-    pieces
-}
-
-/// `text` in pieces of at most `size` characters.
-fn pieces(text: &str, size: usize) -> Vec<String> {
-    let chars: Vec<char> = text.chars().collect();
-    chars.chunks(size).map(|c| c.iter().collect()).collect()
-}
-
-/// An OpenAI answer as a stream of `chat.completion.chunk`s.
-fn openai_events(answer: &Value, include_usage: bool) -> Vec<Sent> {
-    let chunk = |choices: Value| {
-        json!({
-            "id": answer["id"],
-            "object": "chat.completion.chunk",
-            "model": answer["model"],
-            "choices": choices,
-        })
-    };
-    let delta = |delta: Value| chunk(json!([{"index": 0, "delta": delta, "finish_reason": null}]));
-    let choice = &answer["choices"][0];
-    let message = &choice["message"];
-    let calls = message["tool_calls"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    let opening = if calls.is_empty() {
-        json!("")
-    } else {
-        Value::Null
-    };
-    let mut sent = vec![data(
-        false,
-        &delta(json!({"role": "assistant", "content": opening})),
-    )];
-    for word in words(message["content"].as_str().unwrap_or_default()) {
-        sent.push(data(true, &delta(json!({"content": word}))));
-    }
-    for (index, call) in calls.iter().enumerate() {
-        sent.push(data(
-            true,
-            &delta(json!({"tool_calls": [{
-                "index": index,
-                "id": call["id"],
-                "type": "function",
-                "function": {"name": call["function"]["name"], "arguments": ""},
-            }]})),
-        ));
-        let arguments = call["function"]["arguments"].as_str().unwrap_or_default();
-        for piece in pieces(arguments, 8) {
-            sent.push(data(
-                true,
-                &delta(json!({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})),
-            ));
-        }
-    }
-    sent.push(data(
-        false,
-        &chunk(json!([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}])),
-    ));
-    if include_usage {
-        let mut last = chunk(json!([]));
-        last["usage"] = answer["usage"].clone();
-        sent.push(data(false, &last));
-    }
-    sent.push(Sent {
-        delta: false,
-        text: "data: [DONE]\n\n".into(),
-    });
-    sent
-}
-
-/// An Anthropic answer as the Messages API streams it.
-fn anthropic_events(answer: &Value) -> Vec<Sent> {
-    let mut started = answer.clone();
-    started["content"] = json!([]);
-    started["stop_reason"] = Value::Null;
-    started["stop_sequence"] = Value::Null;
-    started["usage"]["output_tokens"] = json!(1);
-    let mut sent = vec![
-        event(false, &json!({"type": "message_start", "message": started})),
-        event(false, &json!({"type": "ping"})),
-    ];
-    let blocks = answer["content"].as_array().cloned().unwrap_or_default();
-    for (index, block) in blocks.iter().enumerate() {
-        let mut opened = block.clone();
-        let deltas: Vec<Value> = if block["type"] == "tool_use" {
-            opened["input"] = json!({});
-            let input = block["input"].to_string();
-            std::iter::once(String::new())
-                .chain(pieces(&input, 8))
-                .map(|piece| json!({"type": "input_json_delta", "partial_json": piece}))
-                .collect()
-        } else {
-            opened["text"] = json!("");
-            words(block["text"].as_str().unwrap_or_default())
-                .into_iter()
-                .map(|word| json!({"type": "text_delta", "text": word}))
-                .collect()
-        };
-        sent.push(event(
-            false,
-            &json!({"type": "content_block_start", "index": index, "content_block": opened}),
-        ));
-        for delta in deltas {
-            sent.push(event(
-                true,
-                &json!({"type": "content_block_delta", "index": index, "delta": delta}),
-            ));
-        }
-        sent.push(event(
-            false,
-            &json!({"type": "content_block_stop", "index": index}),
-        ));
-    }
-    sent.push(event(
-        false,
-        &json!({
-            "type": "message_delta",
-            "delta": {"stop_reason": answer["stop_reason"], "stop_sequence": null},
-            "usage": {"output_tokens": answer["usage"]["output_tokens"]},
-        }),
-    ));
-    sent.push(event(false, &json!({"type": "message_stop"})));
-    sent
-}
-
-/// A streamed answer: at once, or a slow model's deltas [`SLOW_PAUSE`] apart.
-fn event_stream(sent: Vec<Sent>, request: &Value) -> Response {
-    let slow = request["model"]
-        .as_str()
-        .is_some_and(|m| m.ends_with(SLOW_SUFFIX));
-    let body = if slow {
-        paced(sent, SLOW_PAUSE)
-    } else {
-        Body::from(sent.into_iter().map(|s| s.text).collect::<String>())
-    };
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        body,
-    )
-        .into_response()
-}
-
-/// A body whose events go out as they would from a model writing them: each delta but
-/// the first `pause` after the one before.
-fn paced(sent: Vec<Sent>, pause: Duration) -> Body {
-    let events = futures::stream::unfold(
-        (sent.into_iter(), true),
-        move |(mut sent, first)| async move {
-            let piece = sent.next()?;
-            if piece.delta && !first {
-                tokio::time::sleep(pause).await;
-            }
-            let first = first && !piece.delta;
-            Some((Ok::<_, Infallible>(piece.text), (sent, first)))
-        },
-    );
-    Body::from_stream(events)
-}
-
 async fn requests(State(model): State<Arc<FakeModel>>) -> Json<Vec<Exchange>> {
     Json(model.exchanges())
 }
@@ -562,9 +238,10 @@ pub async fn serve(
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use super::stream::words;
     use super::*;
 
-    fn tool(name: &str) -> Value {
+    pub fn tool(name: &str) -> Value {
         json!({"type": "function", "function": {"name": name, "parameters": {
             "type": "object",
             "properties": {"order_id": {"type": "string"}, "amount": {"type": "number"}}
@@ -635,132 +312,6 @@ mod tests {
             last["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
             STOP_TOOL
         );
-    }
-
-    /// The `data:` of each event of a stream, in order.
-    fn data_of(sent: &[Sent]) -> Vec<String> {
-        sent.iter()
-            .flat_map(|s| s.text.lines())
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(str::to_owned)
-            .collect()
-    }
-
-    #[test]
-    fn words_keep_their_spaces_and_pieces_their_characters() {
-        assert_eq!(
-            words(FINAL_ANSWER),
-            ["Done:", " both", " tools", " answered."]
-        );
-        assert_eq!(words("  a  b "), ["  a", "  b", " "]);
-        assert!(words("").is_empty());
-        assert_eq!(pieces("{\"é\": 1}", 3), ["{\"é", "\": ", "1}"]);
-    }
-
-    #[test]
-    fn a_streamed_openai_answer_is_the_same_script_in_chunks() {
-        let model = FakeModel::default();
-        let mut request = json!({
-            "model": "fake",
-            "messages": [{"role": "user", "content": "hi"}],
-            "tools": [tool("a"), tool("b")],
-        });
-        let unstreamed = model.answer(&request).unwrap();
-        request["stream"] = json!(true);
-        request["stream_options"] = json!({"include_usage": true});
-        let answer = model.answer(&request).unwrap();
-        assert_eq!(
-            answer["usage"], unstreamed["usage"],
-            "usage ignores streaming"
-        );
-        assert_eq!(model.exchanges()[0].usage, model.exchanges()[1].usage);
-        let chunks = data_of(&openai_events(&answer, true));
-        assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
-        let chunks: Vec<Value> = chunks[..chunks.len() - 1]
-            .iter()
-            .map(|c| serde_json::from_str(c).unwrap())
-            .collect();
-        let arguments: String = chunks
-            .iter()
-            .filter_map(|c| {
-                c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()
-            })
-            .collect();
-        let call = &answer["choices"][0]["message"]["tool_calls"][0];
-        assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
-        assert!(
-            chunks
-                .iter()
-                .filter(|c| c["choices"][0]["delta"]["tool_calls"].is_array())
-                .count()
-                > 2
-        );
-        assert_eq!(
-            chunks[1]["choices"][0]["delta"]["tool_calls"][0]["id"],
-            call["id"]
-        );
-        let last = chunks.last().unwrap();
-        assert_eq!(last["usage"], answer["usage"]);
-        assert_eq!(last["choices"], json!([]));
-        // No usage chunk unless asked for; a text answer a delta per word.
-        let text = json!({"model": "m", "choices": [{"index": 0, "finish_reason": "stop",
-                          "message": {"role": "assistant", "content": FINAL_ANSWER}}]});
-        let chunks: Vec<Value> = data_of(&openai_events(&text, false))
-            .iter()
-            .filter_map(|c| serde_json::from_str(c).ok())
-            .collect();
-        assert!(chunks.iter().all(|c| c.get("usage").is_none()));
-        let said: Vec<&str> = chunks
-            .iter()
-            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
-            .collect();
-        assert_eq!(said, ["", "Done:", " both", " tools", " answered."]);
-    }
-
-    #[test]
-    fn a_streamed_anthropic_answer_is_the_same_script_in_events() {
-        let model = FakeModel::default();
-        let request = json!({
-            "model": "fake",
-            "max_tokens": 100,
-            "stream": true,
-            "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"name": "a", "input_schema": {"type": "object",
-                       "properties": {"order_id": {"type": "string"}}}}],
-        });
-        let answer = model.answer_anthropic(&request).unwrap();
-        let sent = anthropic_events(&answer);
-        let names: Vec<&str> = sent
-            .iter()
-            .filter_map(|s| s.text.lines().next()?.strip_prefix("event: "))
-            .collect();
-        assert_eq!(names.first(), Some(&"message_start"));
-        assert_eq!(names.last(), Some(&"message_stop"));
-        let events: Vec<Value> = data_of(&sent)
-            .iter()
-            .map(|d| serde_json::from_str(d).unwrap())
-            .collect();
-        let text: String = events
-            .iter()
-            .filter_map(|e| e["delta"]["text"].as_str())
-            .collect();
-        assert_eq!(text, "I will call a.");
-        let input: String = events
-            .iter()
-            .filter_map(|e| e["delta"]["partial_json"].as_str())
-            .collect();
-        assert_eq!(
-            serde_json::from_str::<Value>(&input).unwrap(),
-            answer["content"][1]["input"]
-        );
-        assert_eq!(
-            events[0]["message"]["usage"]["input_tokens"],
-            answer["usage"]["input_tokens"]
-        );
-        let delta = &events[events.len() - 2];
-        assert_eq!(delta["delta"]["stop_reason"], "tool_use");
-        assert_eq!(delta["usage"]["output_tokens"], COMPLETION_TOKENS);
-        assert!(sent.iter().filter(|s| s.delta).count() > 4);
     }
 
     /// The executor's `llm` handler against the served fake model, both APIs through a
