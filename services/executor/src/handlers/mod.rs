@@ -131,7 +131,6 @@ async fn classify(
     response: reqwest::Response,
     class: sortie_wire::records::SideEffectClass,
 ) -> Result<Value, HandlerError> {
-    use sortie_wire::records::SideEffectClass;
     let status = response.status();
     let retry_after = response
         .headers()
@@ -155,15 +154,7 @@ async fn classify(
                 ))
             }
             Err(Unread::TooLarge) => {
-                let message = format!(
-                    "the receiver answered {status} with a body over {MAX_ANSWER_BYTES} bytes; it was not read"
-                );
-                return Err(match class {
-                    SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
-                        HandlerError::unknown("answer_too_large", message)
-                    }
-                    _ => HandlerError::permanent("answer_too_large", message),
-                });
+                return Err(answer_too_large(status, class, "it was not read"));
             }
         };
         let text = String::from_utf8_lossy(&bytes);
@@ -190,6 +181,28 @@ async fn classify(
     } else {
         HandlerError::permanent("unexpected_status", message)
     })
+}
+
+/// The failure of a 2xx answer over [`MAX_ANSWER_BYTES`], read whole ([`classify`]) or
+/// streamed (`llm`), `unread` saying what of it was not read: `answer_too_large`, for
+/// good where the call may be made again (`pure`, `idempotent`, `keyed`) and as an
+/// unknown outcome where it happened and must not be repeated blindly (`reconcilable`,
+/// `unsafe`).
+fn answer_too_large(
+    status: reqwest::StatusCode,
+    class: sortie_wire::records::SideEffectClass,
+    unread: &str,
+) -> HandlerError {
+    use sortie_wire::records::SideEffectClass;
+    let message = format!(
+        "the receiver answered {status} with a body over {MAX_ANSWER_BYTES} bytes; {unread}"
+    );
+    match class {
+        SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
+            HandlerError::unknown("answer_too_large", message)
+        }
+        _ => HandlerError::permanent("answer_too_large", message),
+    }
 }
 
 /// A receiver's text as a step's error keeps it: at most [`MAX_RECEIVER_TEXT`]

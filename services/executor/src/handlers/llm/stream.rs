@@ -13,7 +13,7 @@ use serde_json::Value;
 use sortie_wire::records::SideEffectClass;
 
 use crate::handler::HandlerError;
-use crate::handlers::{receiver_text, MAX_ANSWER_BYTES};
+use crate::handlers::{answer_too_large, receiver_text, MAX_ANSWER_BYTES};
 use crate::progress::Progress;
 
 /// One server-sent event.
@@ -136,7 +136,11 @@ impl<A: Assembly> Reader<A> {
     /// Takes one chunk of the body: the answer when its end came.
     pub fn feed(&mut self, chunk: &[u8], progress: &Progress) -> Result<bool, HandlerError> {
         if self.read + chunk.len() > MAX_ANSWER_BYTES {
-            return Err(too_large(self.status, self.class));
+            return Err(answer_too_large(
+                self.status,
+                self.class,
+                "the rest was not read",
+            ));
         }
         self.read += chunk.len();
         for event in self.parser.feed(chunk) {
@@ -230,20 +234,6 @@ pub(super) fn stream_error(error: &Value) -> HandlerError {
             receiver_text(&error.to_string())
         ),
     )
-}
-
-/// The failure of a stream past [`MAX_ANSWER_BYTES`], as for a body read whole: for good
-/// where the call may be made again, unknown where it must not be repeated blindly.
-fn too_large(status: StatusCode, class: SideEffectClass) -> HandlerError {
-    let message = format!(
-        "the receiver answered {status} with a body over {MAX_ANSWER_BYTES} bytes; the rest was not read"
-    );
-    match class {
-        SideEffectClass::Reconcilable | SideEffectClass::Unsafe => {
-            HandlerError::unknown("answer_too_large", message)
-        }
-        _ => HandlerError::permanent("answer_too_large", message),
-    }
 }
 
 #[cfg(test)]
