@@ -82,6 +82,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Handle::current();
     let verify = replay.verify;
     let keys = replay.seal.config().map(|c| c.open()).transpose()?;
+    crate::reach::both(&replay.connection).await?;
+    let connection = replay.connection;
     // The work runs on the blocking pool while a progress line (terminal only) ticks; what
     // it found is printed afterwards, so the two never share a line.
     let work = tokio::task::spawn_blocking(move || -> anyhow::Result<Outcome> {
@@ -120,8 +122,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             diverged: report.diverged,
         })
     });
-    let outcome =
-        crate::progress::during("audit replay: reading and re-folding histories", work).await??;
+    let outcome = crate::progress::during("audit replay: reading and re-folding histories", work)
+        .await?
+        .map_err(|e| crate::reach::name_the_cause(e, &connection))?;
     match outcome {
         Outcome::State(json) => println!("{json}"),
         Outcome::Report {
@@ -169,6 +172,7 @@ async fn why(args: WhyArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(sortie_wire::signing::Keyring::load)
         .transpose()?;
+    crate::reach::both(&args.connection).await?;
     let (run, node) = (args.run.clone(), args.node.clone());
     let given = args.operation_id.clone();
     let work = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
@@ -209,7 +213,8 @@ async fn why(args: WhyArgs) -> anyhow::Result<()> {
     });
     let found =
         crate::progress::during("audit why: reading the history, graphs and commands", work)
-            .await??;
+            .await?
+            .map_err(|e| crate::reach::name_the_cause(e, &args.connection))?;
     let Some(found) = found else {
         bail!(
             "no run dispatched operation {} (or the named run has no history)",

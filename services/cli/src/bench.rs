@@ -118,6 +118,15 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(bootstrap) = &args.bootstrap {
+        crate::reach::kafka_via(
+            bootstrap,
+            "--bootstrap",
+            "Point --bootstrap at yours, or leave it out for the bench's own broker",
+            crate::reach::PATIENCE,
+        )
+        .await?;
+    }
     let exe = match &args.services_exe {
         Some(exe) => exe.canonicalize()?,
         None => std::env::current_exe()?,

@@ -92,11 +92,21 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "sortie fuzz: seed {seed} (--seed {seed} replays), {} cases",
         args.cases
     );
-    std::fs::create_dir_all(&args.data_dir)?;
-    let data_dir = std::fs::canonicalize(&args.data_dir)?;
+    let data_dir = std::fs::create_dir_all(&args.data_dir)
+        .and_then(|()| std::fs::canonicalize(&args.data_dir))
+        .with_context(|| format!("cannot use --data-dir {}", args.data_dir.display()))?;
     let mut own = None;
     let bootstrap = match &args.bootstrap {
-        Some(bootstrap) => bootstrap.clone(),
+        Some(bootstrap) => {
+            crate::reach::kafka_via(
+                bootstrap,
+                "--bootstrap",
+                "Point --bootstrap at yours, or leave it out for the campaign's own broker",
+                crate::reach::PATIENCE,
+            )
+            .await?;
+            bootstrap.clone()
+        }
         None => {
             let broker = LocalBroker::new(BrokerConfig::new(
                 data_dir.join("kafka"),

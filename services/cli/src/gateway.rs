@@ -204,6 +204,8 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let bootstrap = args.connection.brokers.bootstrap_servers.clone();
+    let registry_url = args.connection.registry_url.clone();
     let mut config = GatewayConfig::new(
         args.connection.kafka_config()?,
         args.connection.registry_url,
@@ -267,7 +269,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         config.jwt = Some(jwt);
     }
     for spec in &args.tokens {
-        config.tokens.push(TokenEntry::from_dev_spec(spec)?);
+        config
+            .tokens
+            .push(TokenEntry::from_dev_spec(spec).map_err(|e| anyhow::anyhow!("--token: {e}"))?);
     }
     if args.print_config {
         println!("{config:#?}");
@@ -284,6 +288,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     sortie_gateway::metrics::expose(metrics);
     let listener = crate::listen(&args.addr, "gateway", "--addr").await?;
     println!("{}", listener.local_addr()?);
-    sortie_gateway::serve(config, listener, crate::shutdown_signal()).await?;
+    if let Err(error) = sortie_gateway::serve(config, listener, crate::shutdown_signal()).await {
+        // Given up on Kafka or the registry: if one does not answer now, that is said first.
+        return Err(crate::reach::explain(error.into(), &bootstrap, Some(&registry_url)).await);
+    }
     Ok(())
 }

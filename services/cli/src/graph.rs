@@ -67,7 +67,7 @@ enum Action {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let options = args.options;
     let kafka = options.kafka_config()?;
-    let topics = Topics::new(options.prefix);
+    let topics = Topics::new(options.prefix.clone());
     match args.action {
         Action::Publish {
             files,
@@ -115,6 +115,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             // unsigned, there is nothing to check.
             let keyring = keyring.filter(|_| signer.is_some());
             let trust = trust(keyring.as_deref())?;
+            crate::reach::both(&options).await?;
             let codec = codec(&options.registry_url, &topics).await?;
             let signing = Signing {
                 signer: signer.as_ref(),
@@ -123,8 +124,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             publish(&kafka, &codec, &topics, &loaded, &by, signing).await
         }
         Action::List { keyring } => {
+            let trust = trust(keyring.as_deref())?;
+            crate::reach::both(&options).await?;
             let codec = codec(&options.registry_url, &topics).await?;
-            list(&kafka, codec, &topics, trust(keyring.as_deref())?).await
+            list(&kafka, codec, &topics, trust).await.with_context(|| {
+                format!(
+                    "reading the graphs from Kafka at {} (--bootstrap-servers)",
+                    options.brokers.bootstrap_servers
+                )
+            })
         }
     }
 }

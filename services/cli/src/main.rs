@@ -1,7 +1,7 @@
 //! `sortie`: the command line for the local broker, the topology, the schema registry,
 //! graphs, and the services themselves (`sortie reducer`).
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use sortie_process::{connection, seal, telemetry};
 
 mod audit;
@@ -15,6 +15,7 @@ mod human;
 mod keys;
 mod ledger;
 mod progress;
+mod reach;
 mod reducer;
 mod registry;
 mod replay;
@@ -81,7 +82,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    // The matches are kept: the executor's flags are another crate's, read here by name.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     telemetry::init_logging(&cli.log);
     match cli.command {
         Command::Dev(args) => dev::run(args).await,
@@ -90,7 +93,27 @@ async fn main() -> anyhow::Result<()> {
         Command::Registry(args) => registry::run(args).await,
         Command::Reducer(args) => reducer::run(args).await,
         Command::Executor(args) => {
-            sortie_executor::command::run(args, sortie_executor::Handlers::builtin_with).await
+            let given = matches.subcommand_matches("executor");
+            let flag = |id: &str| -> Vec<String> {
+                given
+                    .and_then(|m| m.try_get_many::<String>(id).ok().flatten())
+                    .map(|values| values.cloned().collect())
+                    .unwrap_or_default()
+            };
+            check_queues(&flag("queues"))?;
+            let (bootstrap, registry) = (flag("bootstrap_servers"), flag("registry_url"));
+            let ran =
+                sortie_executor::command::run(args, sortie_executor::Handlers::builtin_with).await;
+            match (ran, bootstrap.first()) {
+                // Given up on Kafka or the registry: if one does not answer now, said first.
+                (Err(error), Some(bootstrap)) => {
+                    Err(
+                        reach::explain(error, bootstrap, registry.first().map(String::as_str))
+                            .await,
+                    )
+                }
+                (ran, _) => ran,
+            }
         }
         Command::Gateway(args) => gateway::run(args).await,
         Command::Keys(args) => keys::run(args).await,
@@ -105,6 +128,30 @@ async fn main() -> anyhow::Result<()> {
 }
 
 pub(crate) use sortie_process::shutdown_signal;
+
+/// `sortie executor --queue`: at least one queue, each a legal part of a topic name
+/// (`<prefix>intents.<queue>`), refused here, before anything starts.
+fn check_queues(queues: &[String]) -> anyhow::Result<()> {
+    let named: Vec<&str> = queues
+        .iter()
+        .map(|q| q.trim())
+        .filter(|q| !q.is_empty())
+        .collect();
+    if named.is_empty() {
+        anyhow::bail!(
+            "no queue to serve: name one with --queue NAME (repeat it, or separate by commas; env SORTIE__EXECUTOR__QUEUES)"
+        );
+    }
+    if let Some(bad) = named.iter().find(|q| {
+        !q.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    }) {
+        anyhow::bail!(
+            "--queue {bad:?} cannot be part of a topic name (intents.<queue>): use letters, digits, '.', '_' and '-'"
+        );
+    }
+    Ok(())
+}
 
 /// Binds `addr` for `what`; an address already taken (or not ours to take) fails with the
 /// address and the flag that changes it, not the bare OS error.

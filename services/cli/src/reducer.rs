@@ -134,6 +134,8 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let bootstrap = args.connection.brokers.bootstrap_servers.clone();
+    let registry_url = args.connection.registry_url.clone();
     let mut config = ReducerConfig::new(
         args.connection.kafka_config()?,
         args.connection.registry_url,
@@ -183,9 +185,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         metrics,
         Arc::new(move || readiness.readiness()),
     )
-    .await?;
+    .await
+    .map_err(|e| anyhow::anyhow!("{e:#}; choose another address with --metrics-addr"))?;
     let runtime = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || driver::run_with_health(config, runtime, shutdown, health))
-        .await??;
-    Ok(())
+    let ran = tokio::task::spawn_blocking(move || {
+        driver::run_with_health(config, runtime, shutdown, health)
+    })
+    .await?;
+    // Given up on Kafka or the registry (a message about the commands topic's configs, a
+    // timeout): if one of them does not answer now, that is said first, with its flag.
+    match ran {
+        Ok(()) => Ok(()),
+        Err(error) => {
+            Err(crate::reach::explain(error.into(), &bootstrap, Some(&registry_url)).await)
+        }
+    }
 }

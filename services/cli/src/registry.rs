@@ -4,7 +4,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use anyhow::Context;
 use sortie_registry::Registry;
 
 #[derive(Debug, clap::Args)]
@@ -44,13 +43,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let kafka = args.brokers.kafka_config()?;
-    let registry = Registry::open(&kafka, &args.topic).await.with_context(|| {
-        format!(
-            "opening the registry on topic {} at {}",
-            args.topic, args.brokers.bootstrap_servers
-        )
-    })?;
+    // The address first: a taken one is said at once, not after Kafka has been waited for.
     let listener = crate::listen(&args.addr.to_string(), "schema registry", "--addr").await?;
+    let bootstrap = &args.brokers.bootstrap_servers;
+    tracing::info!(topic = %args.topic, bootstrap_servers = %bootstrap, "Opening the registry's topic.");
+    let registry = match Registry::open(&kafka, &args.topic).await {
+        Ok(registry) => registry,
+        Err(error) => {
+            let error = anyhow::Error::new(error).context(format!(
+                "opening the registry on topic {} at {bootstrap} (--bootstrap-servers)",
+                args.topic
+            ));
+            return Err(crate::reach::explain(error, bootstrap, None).await);
+        }
+    };
     let addr = listener.local_addr()?;
     tracing::info!(
         url = %format!("http://{addr}"),

@@ -64,6 +64,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         shadow_args.connection.reader_codec(),
     );
     let runtime = tokio::runtime::Handle::current();
+    if let Some(key) = &shadow_args.graph {
+        graph_version(key)?;
+    }
     let candidate_file = match &shadow_args.graph_file {
         Some(path) => {
             let mut graph =
@@ -80,6 +83,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     let keys = shadow_args.seal.config().map(|c| c.open()).transpose()?;
+    crate::reach::both(&shadow_args.connection).await?;
     let wanted = shadow_args.graph.clone();
     let only = shadow_args.run.clone();
     let work = tokio::task::spawn_blocking(move || -> anyhow::Result<serde_json::Value> {
@@ -88,10 +92,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let published = table.graphs().clone();
         let candidate: Option<Graph> = match (&wanted, candidate_file) {
             (Some(key), _) => {
-                let (id, version) = key
-                    .split_once('@')
-                    .and_then(|(id, v)| Some((id, v.parse::<u32>().ok()?)))
-                    .with_context(|| format!("--graph {key} is not id@version"))?;
+                let (id, version) = graph_version(key)?;
                 Some(
                     published
                         .get(id, Some(version))
@@ -152,8 +153,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         Ok(json!({"runs": results.len(), "diverged": diverged, "results": results}))
     });
-    let report =
-        crate::progress::during("replay shadow: re-deciding recorded runs", work).await??;
+    let report = crate::progress::during("replay shadow: re-deciding recorded runs", work)
+        .await?
+        .map_err(|e| crate::reach::name_the_cause(e, &shadow_args.connection))?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     let diverged = report["diverged"].as_u64().unwrap_or(0);
     if diverged > 0 {
@@ -161,6 +163,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     eprintln!("{} runs decide the same", report["runs"]);
     Ok(())
+}
+
+/// `--graph`'s `id@version` (`tenant/id@version`), read before anything is connected to.
+fn graph_version(key: &str) -> anyhow::Result<(&str, u32)> {
+    key.split_once('@')
+        .and_then(|(id, v)| Some((id, v.parse::<u32>().ok()?)))
+        .with_context(|| format!("--graph {key} is not id@version (like refund@2)"))
 }
 
 /// The published graphs, with `candidate` standing in for `candidate.id@pinned`.

@@ -59,8 +59,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 min_insync_replicas: options.min_insync_replicas,
             })
         })
-        .with_context(|| format!("cannot use the topology in {}", options.file.display()))?;
+        .with_context(|| {
+            format!(
+                "cannot use the topology in {} (--file; the checkout's is topology/topics.yaml)",
+                options.file.display()
+            )
+        })?;
     let kafka = options.brokers.kafka_config()?;
+    let bootstrap = &options.brokers.bootstrap_servers;
+    crate::reach::kafka(bootstrap, crate::reach::PATIENCE).await?;
     match args.action {
         Action::Check => check(&topology, &kafka).await,
         Action::Apply => apply(&topology, &kafka).await,
@@ -68,7 +75,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn check(topology: &Topology, kafka: &KafkaConfig) -> anyhow::Result<()> {
-    let differences = topology.diff(kafka).await?;
+    let differences = topology.diff(kafka).await.with_context(|| {
+        format!(
+            "reading the topics at {} (--bootstrap-servers)",
+            kafka.bootstrap_servers
+        )
+    })?;
     if differences.is_empty() {
         println!("topology matches");
         return Ok(());
@@ -84,7 +96,14 @@ async fn check(topology: &Topology, kafka: &KafkaConfig) -> anyhow::Result<()> {
 
 async fn apply(topology: &Topology, kafka: &KafkaConfig) -> anyhow::Result<()> {
     let label = format!("topology apply: {} topics", topology.topics().len());
-    let report = crate::progress::during(&label, topology.apply(kafka)).await?;
+    let report = crate::progress::during(&label, topology.apply(kafka))
+        .await
+        .with_context(|| {
+            format!(
+                "applying the topology at {} (--bootstrap-servers)",
+                kafka.bootstrap_servers
+            )
+        })?;
     for topic in &report.created {
         let partitions = topology
             .topics()
