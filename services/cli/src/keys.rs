@@ -80,7 +80,35 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
+/// Each of `values` is a legal id for `flag` (not empty, no control or invisible
+/// character, no surrounding whitespace): a key nobody can name is refused before it is made.
+fn check_ids<'a>(flag: &str, values: impl IntoIterator<Item = &'a String>) -> anyhow::Result<()> {
+    for value in values {
+        sortie_core::limits::check_id(flag, value).map_err(anyhow::Error::msg)?;
+    }
+    Ok(())
+}
+
+/// `path`'s directory exists, so the file can be written there (checked before any file
+/// is written: a secret written next to a keyring that cannot be would block the retry).
+fn check_dir(flag: &str, path: &std::path::Path) -> anyhow::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    anyhow::ensure!(
+        dir.is_dir(),
+        "{flag} {}: the directory {} does not exist",
+        path.display(),
+        dir.display()
+    );
+    Ok(())
+}
+
 fn kek(args: KekArgs) -> anyhow::Result<()> {
+    check_ids("--tenant", [&args.tenant])?;
+    check_ids("--id", [&args.id])?;
+    check_dir("--keyring", &args.keyring)?;
     let existing = match args.keyring.exists() {
         true => Some(
             std::fs::read_to_string(&args.keyring)
@@ -89,7 +117,7 @@ fn kek(args: KekArgs) -> anyhow::Result<()> {
         false => None,
     };
     let text = sortie_seal::kek::Keyring::add(existing.as_deref(), &args.tenant, &args.id)
-        .with_context(|| format!("{}", args.keyring.display()))?;
+        .with_context(|| format!("--keyring {}", args.keyring.display()))?;
     match existing {
         Some(_) => std::fs::write(&args.keyring, text)
             .with_context(|| format!("writing {}", args.keyring.display()))?,
@@ -105,6 +133,13 @@ fn kek(args: KekArgs) -> anyhow::Result<()> {
 }
 
 fn new(args: NewArgs) -> anyhow::Result<()> {
+    check_ids("--id", [&args.id])?;
+    check_ids("--principal", [&args.principal])?;
+    check_ids("--tenant", &args.tenants)?;
+    check_ids("--role", &args.roles)?;
+    check_ids("--group", &args.groups)?;
+    check_dir("--secret", &args.secret)?;
+    check_dir("--keyring", &args.keyring)?;
     anyhow::ensure!(
         !args.secret.exists(),
         "{} exists; not overwriting a key",
@@ -114,7 +149,7 @@ fn new(args: NewArgs) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(&args.keyring)
             .with_context(|| format!("reading {}", args.keyring.display()))?;
         // A keyring that does not load is not made worse.
-        keyring_entries(&text).with_context(|| format!("{}", args.keyring.display()))?
+        keyring_entries(&text).with_context(|| format!("--keyring {}", args.keyring.display()))?
     } else {
         Vec::new()
     };
@@ -130,8 +165,11 @@ fn new(args: NewArgs) -> anyhow::Result<()> {
     entry.publisher = args.publisher;
     entries.push(entry);
     write_secret(&args.secret, &signer.to_file())?;
-    std::fs::write(&args.keyring, keyring_text(&entries))
-        .with_context(|| format!("writing {}", args.keyring.display()))?;
+    if let Err(error) = std::fs::write(&args.keyring, keyring_text(&entries)) {
+        // A secret without its entry would only block the next attempt ("exists").
+        let _ = std::fs::remove_file(&args.secret);
+        return Err(error).with_context(|| format!("writing {}", args.keyring.display()));
+    }
     println!(
         "key {} for {}: secret in {}, entry added to {}",
         args.id,
