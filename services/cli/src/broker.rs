@@ -65,6 +65,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Command::Start(start) => &start.target,
         Command::Stop(target) | Command::Status(target) => target,
     };
+    if let Command::Stop(target) = &args.command {
+        // A data dir that was never made holds no broker: most likely a mistyped
+        // --data-dir, while the broker meant keeps running.
+        anyhow::ensure!(
+            target.data_dir.is_dir(),
+            "no broker data dir at {}: nothing to stop (--data-dir names it; `sortie dev` keeps its broker in target/dev/kafka)",
+            target.data_dir.display()
+        );
+    }
     if target.node_count() > 1 {
         return run_cluster(args).await;
     }
@@ -94,6 +103,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 }
                 Status::Stopped => {
                     println!("stopped: no broker is running in {data_dir}");
+                    if !Path::new(&data_dir).is_dir() {
+                        eprintln!("{data_dir} does not exist: is --data-dir the broker's data dir? (`sortie dev` keeps its broker in target/dev/kafka)");
+                    }
                     std::process::exit(1)
                 }
             }
@@ -107,6 +119,7 @@ async fn run_start(args: StartArgs) -> anyhow::Result<()> {
         None => find_pom()?,
     };
     let mut broker = args.target.broker(pom);
+    needs_pom(&broker)?;
     if args.heap != broker.config().heap {
         let mut config = broker.config().clone();
         config.heap = args.heap;
@@ -234,6 +247,23 @@ async fn run_cluster(args: Args) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The Kafka jars are in the broker's libs dir, or the pom that fetches them exists: not
+/// Maven's page of errors about a missing file.
+fn needs_pom(broker: &LocalBroker) -> anyhow::Result<()> {
+    let pom = &broker.config().pom;
+    let has_jars = std::fs::read_dir(broker.libs_dir())
+        .map(|mut entries| {
+            entries.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("kafka_")))
+        })
+        .unwrap_or(false);
+    anyhow::ensure!(
+        has_jars || pom.is_file(),
+        "no pom at {} to fetch the Kafka jars with: give --pom (the checkout's dev/kafka/pom.xml), or run from the checkout",
+        pom.display()
+    );
+    Ok(())
 }
 
 /// `dev/kafka/pom.xml` in the current dir or an ancestor, else the one of the workspace

@@ -216,6 +216,11 @@ async fn wait_http(
 
 fn dev_token(data_dir: &Path, given: Option<String>) -> anyhow::Result<String> {
     if let Some(token) = given {
+        // The gateway reads it as the last field of `TENANT:PRINCIPAL:ROLES:TOKEN`: a `:`
+        // would cut it, and the token printed would not be the one it takes.
+        if token.is_empty() || token.contains(':') || token.chars().any(char::is_whitespace) {
+            bail!("--token (or SORTIE_TOKEN) {token:?} cannot be the dev token: give one that is not empty, without ':' or whitespace, or leave it out for a generated one");
+        }
         return Ok(token);
     }
     let file = data_dir.join("dev-token");
@@ -232,8 +237,9 @@ fn dev_token(data_dir: &Path, given: Option<String>) -> anyhow::Result<String> {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&args.data_dir)?;
-    let data_dir = std::fs::canonicalize(&args.data_dir)?;
+    let data_dir = std::fs::create_dir_all(&args.data_dir)
+        .and_then(|()| std::fs::canonicalize(&args.data_dir))
+        .with_context(|| format!("cannot use --data-dir {}", args.data_dir.display()))?;
     let logs = data_dir.join("logs");
     std::fs::create_dir_all(&logs)?;
     let token = dev_token(&data_dir, args.token.clone())?;

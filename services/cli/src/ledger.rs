@@ -9,6 +9,8 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use anyhow::Context as _;
+
 use sortie_devkit::ledger::{self, Ledger, Mode};
 use sortie_devkit::receiver;
 
@@ -35,7 +37,10 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let ledger = Arc::new(Ledger::open(&args.file, args.mode)?);
+    let ledger = Arc::new(
+        Ledger::open(&args.file, args.mode)
+            .with_context(|| format!("cannot use --file {}", args.file.display()))?,
+    );
     let listener = crate::listen(&args.addr, "ledger", "--addr").await?;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, mode = %args.mode, file = %args.file.display(), "Ledger listening.");
