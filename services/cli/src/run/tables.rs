@@ -17,6 +17,7 @@ pub(super) async fn list(
     limit: usize,
     as_json: bool,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(limit > 0, "--limit 0 lists nothing: give at least 1");
     let wanted: Vec<(&str, &str)> = labels
         .iter()
         .map(|l| {
@@ -127,6 +128,7 @@ pub(super) async fn inbox(
     limit: usize,
     as_json: bool,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(limit > 0, "--limit 0 lists nothing: give at least 1");
     let answer = client
         .send(
             client
