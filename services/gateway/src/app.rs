@@ -165,14 +165,15 @@ impl AppState {
         );
         tokio::spawn(auth::watch(auth.clone(), stop.subscribe()));
         let deltas = Arc::new(crate::deltas::Hub::default());
-        tokio::spawn(crate::deltas::follow(
+        crate::deltas::follow(
             deltas.clone(),
             config.kafka.clone(),
             topics.clone(),
             codec.clone(),
             run_keys.clone(),
             stop.subscribe(),
-        ));
+        )
+        .await;
         let start_rate = config.start_rate;
         Ok(AppState {
             inner: Arc::new(Inner {

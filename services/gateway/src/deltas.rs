@@ -139,18 +139,40 @@ impl Hub {
     }
 }
 
-/// Follows `sortie.step-deltas` into `hub` from its end until `shutdown`. A topology
-/// without the topic leaves the hub empty (streams carry history only) and says so.
+/// Starts following `sortie.step-deltas` into `hub` from where it ends now (fixed before
+/// this returns, so nothing written after the gateway is up is missed) until `shutdown`.
+/// A topology without the topic leaves the hub empty (streams carry history only) and
+/// says so.
 pub async fn follow(
     hub: Arc<Hub>,
     kafka: KafkaConfig,
     topics: Topics,
     codec: Arc<Codec>,
     run_keys: Option<sortie_seal::RunKeys>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
     let topic = topics.step_deltas();
     let group = format!("{}gateway-deltas", topics.prefix());
+    let ends = {
+        let (kafka, topic, group) = (kafka.clone(), topic.clone(), group.clone());
+        tokio::task::spawn_blocking(move || {
+            let probe: rdkafka::consumer::BaseConsumer =
+                kafka.client().set("group.id", &group).create().ok()?;
+            let partitions =
+                sortie_kafka::read::partition_ids(probe.client(), &topic, Duration::from_secs(10))
+                    .ok()?;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            sortie_kafka::read::watermarks(&probe, &topic, partitions, deadline).ok()
+        })
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+    };
+    if ends.is_empty() {
+        tracing::warn!(%topic, "Live step progress is off: the topic does not exist (apply the topology).");
+        return;
+    }
     let consumer: StreamConsumer = match kafka
         .client()
         .set("group.id", &group)
@@ -164,24 +186,11 @@ pub async fn follow(
             return;
         }
     };
-    let partitions = {
-        let (probe, name) = (kafka.clone(), topic.clone());
-        tokio::task::spawn_blocking(move || {
-            let client: rdkafka::consumer::BaseConsumer = probe.client().create().ok()?;
-            sortie_kafka::read::partition_ids(client.client(), &name, Duration::from_secs(10)).ok()
-        })
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or_default()
-    };
-    if partitions.is_empty() {
-        tracing::warn!(%topic, "Live step progress is off: the topic does not exist (apply the topology).");
-        return;
-    }
     let mut assignment = TopicPartitionList::new();
-    for partition in &partitions {
-        if let Err(error) = assignment.add_partition_offset(&topic, *partition, Offset::End) {
+    for (partition, (_, high)) in &ends {
+        if let Err(error) =
+            assignment.add_partition_offset(&topic, *partition, Offset::Offset(*high))
+        {
             tracing::warn!(%error, "Live step progress is off: the deltas topic cannot be assigned.");
             return;
         }
@@ -190,7 +199,18 @@ pub async fn follow(
         tracing::warn!(%error, "Live step progress is off: the deltas topic cannot be assigned.");
         return;
     }
-    tracing::info!(%topic, partitions = partitions.len(), "Following live step progress.");
+    tracing::info!(%topic, partitions = ends.len(), "Following live step progress.");
+    tokio::spawn(keep(hub, consumer, codec, run_keys, shutdown));
+}
+
+/// Reads the assigned deltas into `hub` until `shutdown`.
+async fn keep(
+    hub: Arc<Hub>,
+    consumer: StreamConsumer,
+    codec: Arc<Codec>,
+    run_keys: Option<sortie_seal::RunKeys>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         let message = tokio::select! {
             message = consumer.recv() => message,

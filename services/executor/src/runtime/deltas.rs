@@ -36,10 +36,18 @@ struct Report {
     delta: Delta,
 }
 
+enum Message {
+    Report(Report),
+    /// Send what is gathered now, then answer.
+    Flush(oneshot::Sender<()>),
+}
+
 /// Where the executor's handlers' progress goes (one per process).
 #[derive(Clone)]
 pub(super) struct Deltas {
-    reports: tokio::sync::mpsc::Sender<Report>,
+    reports: tokio::sync::mpsc::Sender<Message>,
+    /// Whether a report was taken since the last flush.
+    dirty: Arc<AtomicBool>,
 }
 
 impl Deltas {
@@ -51,23 +59,48 @@ impl Deltas {
         topic: String,
         partitions: u32,
     ) -> Deltas {
-        let (reports, mut received) = tokio::sync::mpsc::channel::<Report>(BUFFERED);
+        let (reports, mut received) = tokio::sync::mpsc::channel::<Message>(BUFFERED);
         tokio::spawn(async move {
             while let Some(first) = received.recv().await {
-                let mut batch = vec![first];
+                let mut batch = Vec::new();
+                let mut flushed = Vec::new();
+                match first {
+                    Message::Report(report) => batch.push(report),
+                    Message::Flush(done) => flushed.push(done),
+                }
                 let until = tokio::time::Instant::now() + COALESCE;
-                while let Ok(Some(more)) = tokio::time::timeout_at(until, received.recv()).await {
-                    batch.push(more);
-                    if batch.len() >= 256 {
-                        break;
+                while flushed.is_empty() && batch.len() < 256 {
+                    match tokio::time::timeout_at(until, received.recv()).await {
+                        Ok(Some(Message::Report(report))) => batch.push(report),
+                        Ok(Some(Message::Flush(done))) => flushed.push(done),
+                        Ok(None) | Err(_) => break,
                     }
                 }
                 for delta in coalesce(batch) {
                     send(&producer, &codec, &topic, partitions, delta).await;
                 }
+                for done in flushed {
+                    let _ = done.send(());
+                }
             }
         });
-        Deltas { reports }
+        Deltas {
+            reports,
+            dirty: Arc::default(),
+        }
+    }
+
+    /// Sends every report taken so far before returning (bounded by a second), so a
+    /// step's last text is queued before its result: a client sees the text complete
+    /// before (or with) the result that settles it. Free when nothing was reported.
+    pub(super) async fn flush(&self) {
+        if !self.dirty.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let (done, flushed) = oneshot::channel();
+        if self.reports.send(Message::Flush(done)).await.is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), flushed).await;
+        }
     }
 
     /// The progress sink of one execution of `call`, sealing with `seal`.
@@ -83,14 +116,15 @@ impl Deltas {
             seal,
             seq: Default::default(),
         });
-        let reports = self.reports.clone();
+        let (reports, dirty) = (self.reports.clone(), self.dirty.clone());
         Progress::new(move |delta| {
             let report = Report {
                 execution: execution.clone(),
                 delta,
             };
-            if reports.try_send(report).is_err() {
-                meter::deltas("dropped", 1);
+            match reports.try_send(Message::Report(report)) {
+                Ok(()) => dirty.store(true, Ordering::Release),
+                Err(_) => meter::deltas("dropped", 1),
             }
         })
     }

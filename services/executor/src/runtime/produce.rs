@@ -70,6 +70,10 @@ impl Worker {
         outcome: Result<Value, HandlerError>,
         started_at: i64,
     ) {
+        // The step's progress goes out before its result (ADR 0031).
+        if let Some(deltas) = &self.deltas {
+            deltas.flush().await;
+        }
         // Checked in the form it is produced in: large parts already stored by reference,
         // not yet sealed.
         let outcome = match outcome {

@@ -342,7 +342,13 @@ fn shipped_topology_loads() {
         .collect();
     assert_eq!(
         group,
-        ["commands", "step-results", "run-state", "run-events", "step-deltas"]
+        [
+            "commands",
+            "step-results",
+            "run-state",
+            "run-events",
+            "step-deltas"
+        ]
     );
     assert_eq!(topology.queues(), ["default", "http", "llm"]);
 }
