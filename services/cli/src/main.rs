@@ -93,15 +93,14 @@ async fn main() -> anyhow::Result<()> {
         Command::Registry(args) => registry::run(args).await,
         Command::Reducer(args) => reducer::run(args).await,
         Command::Executor(args) => {
-            let given = matches.subcommand_matches("executor");
-            let flag = |id: &str| -> Vec<String> {
-                given
-                    .and_then(|m| m.try_get_many::<String>(id).ok().flatten())
-                    .map(|values| values.cloned().collect())
-                    .unwrap_or_default()
-            };
-            check_queues(&flag("queues"))?;
-            let (bootstrap, registry) = (flag("bootstrap_servers"), flag("registry_url"));
+            let flag = |id: &str| executor_flag(&matches, id);
+            if let Some(queues) = flag("queues") {
+                check_queues(&queues)?;
+            }
+            let (bootstrap, registry) = (
+                flag("bootstrap_servers").unwrap_or_default(),
+                flag("registry_url").unwrap_or_default(),
+            );
             let ran =
                 sortie_executor::command::run(args, sortie_executor::Handlers::builtin_with).await;
             match (ran, bootstrap.first()) {
@@ -128,6 +127,14 @@ async fn main() -> anyhow::Result<()> {
 }
 
 pub(crate) use sortie_process::shutdown_signal;
+
+/// The values of the executor's flag `id` (its field's name), or `None` if it has no such
+/// flag (then nothing is checked here: the executor checks what it is given itself).
+fn executor_flag(matches: &clap::ArgMatches, id: &str) -> Option<Vec<String>> {
+    let given = matches.subcommand_matches("executor")?;
+    let values = given.try_get_many::<String>(id).ok()?;
+    Some(values.map(|v| v.cloned().collect()).unwrap_or_default())
+}
 
 /// `sortie executor --queue`: at least one queue, each a legal part of a topic name
 /// (`<prefix>intents.<queue>`), refused here, before anything starts.
@@ -173,4 +180,40 @@ pub(crate) fn cannot_listen(
     how: &str,
 ) -> anyhow::Error {
     anyhow::anyhow!("the {what} cannot listen on {addr}: {e}; choose another address with {how}")
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    /// The executor's flags are read by their ids (another crate's field names): a rename
+    /// there must fail here, not switch the checks off.
+    #[test]
+    fn the_executor_flags_read_by_name_are_there() {
+        let matches = super::Cli::command()
+            .try_get_matches_from([
+                "sortie",
+                "executor",
+                "--queue",
+                "a,b",
+                "--bootstrap-servers",
+                "kafka:9092",
+                "--registry-url",
+                "http://registry:8081",
+            ])
+            .expect("parses");
+        let flag = |id| super::executor_flag(&matches, id);
+        assert_eq!(flag("queues"), Some(vec!["a".to_owned(), "b".to_owned()]));
+        assert_eq!(
+            flag("bootstrap_servers"),
+            Some(vec!["kafka:9092".to_owned()])
+        );
+        assert_eq!(
+            flag("registry_url"),
+            Some(vec!["http://registry:8081".to_owned()])
+        );
+        assert!(super::check_queues(&["".to_owned()]).is_err());
+        assert!(super::check_queues(&["a b".to_owned()]).is_err());
+        assert!(super::check_queues(&["payments.eu-1".to_owned()]).is_ok());
+    }
 }
