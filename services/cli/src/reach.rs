@@ -92,8 +92,10 @@ pub async fn both(connection: &crate::connection::Connection) -> anyhow::Result<
     registry(&connection.registry_url, PATIENCE).await
 }
 
-/// A service that failed: if Kafka (or, given, the registry) cannot be reached now, that
-/// is most likely why, and is said first; otherwise the error is returned as it was.
+/// A service that failed: if Kafka cannot be reached now, that is most likely why (it got
+/// nowhere without it), and is said first; so is a registry that does not answer, for an
+/// error about the registry. Any other error is returned as it was (a reducer refusing a
+/// `CreateTime` topic is not blamed on a registry it never asked).
 pub async fn explain(
     error: anyhow::Error,
     bootstrap: &str,
@@ -102,7 +104,7 @@ pub async fn explain(
     if let Err(unreachable) = kafka(bootstrap, Duration::ZERO).await {
         return error.context(unreachable.to_string());
     }
-    if let Some(url) = registry_url {
+    if let Some(url) = registry_url.filter(|_| format!("{error:#}").contains("schema registry")) {
         if let Err(unreachable) = registry(url, Duration::ZERO).await {
             return error.context(unreachable.to_string());
         }
