@@ -1361,3 +1361,95 @@ async fn a_person_talks_with_a_conversation_from_its_run_page() {
         "the console breaks its own policy: {errors:?}"
     );
 }
+
+/// A model's answer grows on the run page while the model writes it (the run's `delta`
+/// events), and gives way to the recorded answer once the step's result arrives: a
+/// conversation whose model streams slowly (`fake-agent-slow`, 200 ms a word) is sent a
+/// 40-word message, and the page shows part of the reply, then all of it in the
+/// conversation, with nothing left "writing".
+///
+/// Seen red with the console's delta handler left out (`onDelta` not passed): the page
+/// never showed the partial reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_answer_grows_on_the_run_page_as_it_is_written() {
+    let fake = sortie_devkit::model::FakeModel::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let model_url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(sortie_devkit::model::serve(
+        listener,
+        fake.clone(),
+        std::future::pending::<()>(),
+    ));
+    let stack = Stack::start("console-stream", &[]).await;
+    let mut graph = chat_graph("slow_talk", &model_url, &[]);
+    graph["nodes"][0]["config"]["model"] = json!("fake-agent-slow");
+    graph["nodes"][0]["timeout"] = json!("60s");
+    stack.publish(&graph.to_string()).await;
+    let blobs = stack.dir.join("blobs");
+    std::fs::create_dir_all(&blobs).expect("blob dir");
+    let store = format!("file://{}", blobs.display());
+    let _reducer = stack.reducer("0");
+    let _executor = stack.executor_process("executor", &["default"], &["--blob-store", &store]);
+    let (_gateway, url) = stack
+        .gateway_process_with(
+            &stack.dir.join("gateway"),
+            &[ALICE],
+            &["--blob-store", &store],
+        )
+        .await;
+    let client = reqwest::Client::new();
+    let answer = client
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth("tok-alice")
+        .json(&json!({"graph_id": "slow_talk", "run_id": "slow-1", "input": {"question": "Hello"}}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(answer.status().as_u16(), 201);
+    sortie_tests::wait_until("the conversation to wait for a message", LONG, || async {
+        run_status(&client, &url, "slow-1").await == "waiting_signal"
+    })
+    .await;
+
+    let browser = Browser::start(&stack.dir.join("chromedriver.log"), 1280, 1000).await;
+    sign_in(&browser, &url, "tok-alice").await;
+    browser.goto(&format!("{url}/ui/#/runs/slow-1")).await;
+    browser
+        .wait_for("the run page", "#run-waits .conversation-wait", LONG)
+        .await;
+    let message: String = (1..=40).map(|n| format!("word{n} ")).collect();
+    let message = message.trim_end().to_owned();
+    let sent = client
+        .post(format!("{url}/v1/runs/slow-1/signals/message"))
+        .bearer_auth("tok-alice")
+        .json(&json!({"payload": {"text": message}}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert!(sent.status().is_success(), "{:?}", sent.text().await);
+
+    let partial = browser
+        .wait_text(
+            "part of the reply, being written",
+            "#run-writing .writing-text",
+            LONG,
+            |t| t.contains("word3") && !t.contains("word40"),
+        )
+        .await;
+    assert!(partial.starts_with("You said:"), "{partial}");
+    browser
+        .wait_text(
+            "the whole reply in the conversation",
+            "#run-conversation",
+            LONG,
+            |t| t.contains("word40"),
+        )
+        .await;
+    sortie_tests::wait_until("nothing left writing", LONG, || async {
+        browser.all("#run-writing .writing").await.is_empty()
+    })
+    .await;
+    assert!(browser.console_errors().await.is_empty());
+}

@@ -132,8 +132,9 @@ async function api(method, path, body, keepSession) {
   return data;
 }
 
-/** Reads the run's SSE stream with the bearer header; calls onEvent per event, reconnects. */
-function follow(runId, after, onEvent, onState) {
+/** Reads the run's SSE stream with the bearer header; calls onEvent per event of the
+ * history and onDelta per delta (a running step's text, outside the history), reconnects. */
+function follow(runId, after, onEvent, onState, onDelta) {
   const control = new AbortController();
   let last = after;
   let stopped = false;
@@ -161,10 +162,15 @@ function follow(runId, after, onEvent, onState) {
           while ((end = buffer.indexOf("\n\n")) >= 0) {
             const block = buffer.slice(0, end);
             buffer = buffer.slice(end + 2);
-            const data = block.split("\n").filter((l) => l.startsWith("data:"))
+            const lines = block.split("\n");
+            const data = lines.filter((l) => l.startsWith("data:"))
               .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
             if (!data) continue;
             const event = JSON.parse(data);
+            if (lines.some((l) => l.replace(/\s+$/, "") === "event: delta")) {
+              if (onDelta) onDelta(event);
+              continue;
+            }
             if (typeof event.seq === "number" && event.seq > last) {
               last = event.seq;
               onEvent(event);
@@ -479,6 +485,11 @@ function runPage(main, runId) {
   const signalLog = el("section", { id: "run-signals" });
   const steps = el("section", { id: "run-steps" });
   const conversation = el("section", { id: "run-conversation" });
+  const writingView = el("section", { id: "run-writing" });
+  // What running steps have written so far, by step: the latest execution's text, until
+  // the step's result arrives (the result is the truth; ADR 0031).
+  const writing = new Map();
+  const settled = new Set();
   const approvals = el("section", { id: "run-approvals" });
   const compensations = el("section", { id: "run-compensations" });
   const checkpoint = el("section", { id: "run-checkpoint" });
@@ -486,7 +497,7 @@ function runPage(main, runId) {
   const messages = el("div", { id: "run-messages" });
   const data = el("section", { id: "run-data" });
   const why = el("section", { id: "run-why" });
-  main.append(head, messages, pending, waits, summary, conversation, steps, signalLog, why, approvals, compensations, data,
+  main.append(head, messages, pending, waits, summary, writingView, conversation, steps, signalLog, why, approvals, compensations, data,
     checkpoint, log);
 
   let scheduled = null;
@@ -829,12 +840,39 @@ function runPage(main, runId) {
     }
   }
 
+  function renderWriting() {
+    if (!writing.size) { clear(writingView); return; }
+    fill(writingView, el("h2", { text: "Writing now" }), ...[...writing.entries()].map(([step, w]) =>
+      el("div", { class: "card writing", "data-step": step },
+        el("p", {}, el("strong", { text: w.node }), el("span", { class: "muted small", text: ` ${step} · attempt ${w.attempt}` }),
+          w.status ? el("span", { class: "muted small writing-status", text: ` · ${w.status}` }) : null),
+        el("div", { class: "turn-text writing-text", text: w.text }))));
+  }
+
   const stop = follow(runId, 0, (event) => {
     events.push(event);
+    const body = event.body ? Object.values(event.body)[0] : null;
+    const kind = event.body ? Object.keys(event.body)[0] : "";
+    if (body && body.step_id && ["StepSucceeded", "StepFailed", "StepOutcomeUnknown"].includes(kind)) {
+      settled.add(`${body.step_id}/${body.attempt}`);
+      const w = writing.get(body.step_id);
+      if (w && w.attempt === body.attempt) { writing.delete(body.step_id); renderWriting(); }
+    }
     refresh();
   }, (state) => {
     live.textContent = state === "live" ? "● live" : state === "gone" ? "" : "reconnecting…";
     live.className = `live ${state}`;
+  }, (delta) => {
+    if (settled.has(`${delta.step_id}/${delta.attempt}`)) return;
+    let w = writing.get(delta.step_id);
+    if (!w || w.execution !== delta.execution_id) {
+      w = { execution: delta.execution_id, node: delta.node, attempt: delta.attempt, text: "", status: "", seq: 0 };
+      writing.set(delta.step_id, w);
+    }
+    if (delta.seq <= w.seq) return;
+    w.seq = delta.seq;
+    if (delta.kind === "status") w.status = delta.text; else w.text += delta.text;
+    renderWriting();
   });
   onLeave(stop);
   refresh();
