@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use sortie_core::seal::Seal as _;
 use sortie_devkit::model::{self, FakeModel};
 use sortie_tests::http::Api;
 use sortie_tests::stack::Stack;
 use sortie_tests::Isolation;
+use sortie_wire::records as w;
 
 const LONG: Duration = Duration::from_secs(90);
 const TOKEN: &str = "acme:user:alice:approver:tok-alice";
@@ -218,7 +220,8 @@ fn run_succeeded(seen: &[Sse]) -> bool {
         })
 }
 
-/// Seen red with the text sent unsealed (the raw-topic check: plaintext on the topic).
+/// Seen red with the text sent unsealed (the raw-topic check: plaintext on the topic), and
+/// with the gateway's check for sealed text skipped (the forged plaintext delta shown).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_models_text_reaches_the_stream_as_it_is_written_sealed_and_outside_the_history() {
     let streaming = Streaming::start("streaming", &[]).await;
@@ -326,6 +329,45 @@ async fn a_models_text_reaches_the_stream_as_it_is_written_sealed_and_outside_th
         "{offsets:?} after {first_offset}"
     );
     assert_eq!(offsets.len(), rest);
+
+    // A sealed run's delta in plaintext is not the executor's: a forged one, then one
+    // sealed with the run's key, on the run's partition; the stream shows the second only.
+    let keys = sortie_seal::SealConfig::new(&streaming.seal[1], streaming.seal[3].clone())
+        .open()
+        .expect("the run keys");
+    let seal = keys.seal("acme", run).await.expect("the run's seal");
+    let topic = stack.topics.step_deltas();
+    let forged = |text: Value, seq: i64| w::StepDelta {
+        tenant: "acme".into(),
+        run_id: run.into(),
+        step_id: "write#1".into(),
+        node: "write".into(),
+        operation_id: "op_forged".into(),
+        attempt: 1,
+        execution_id: "exe_forged".into(),
+        seq,
+        kind: w::DeltaKind::Text,
+        text: text.to_string(),
+        at: 0,
+    };
+    let plain = stack
+        .codec
+        .encode(&topic, &forged(json!("FORGED"), 1))
+        .await
+        .expect("encode");
+    let sealed = stack
+        .codec
+        .encode(&topic, &forged(seal.seal(&json!("SEALED")), 2))
+        .await
+        .expect("encode");
+    sortie_tests::produce(&stack.bootstrap, &topic, &[(run, plain), (run, sealed)]).await;
+    again
+        .until(|seen| seen.iter().any(|e| e.data["text"] == "SEALED"))
+        .await;
+    assert!(
+        again.seen.iter().all(|e| e.data["text"] != "FORGED"),
+        "a plaintext delta shown for a sealed run"
+    );
 }
 
 /// The executor is SIGKILLed while the model streams: the attempt is delivered again, its

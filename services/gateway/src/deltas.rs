@@ -26,6 +26,8 @@ const PER_RUN: usize = 2_000;
 const PER_RUN_BYTES: usize = 1 << 20;
 /// Runs kept; past it the least recently updated go.
 const RUNS: usize = 10_000;
+/// Text kept across every run, in bytes; past it the least recently updated runs go.
+const TOTAL_BYTES: usize = 64 << 20;
 /// A run whose last delta is older than this is forgotten.
 const KEPT_FOR: Duration = Duration::from_secs(10 * 60);
 
@@ -50,14 +52,20 @@ struct RunDeltas {
 /// Every run's recent deltas, and a counter that moves when one arrives.
 #[derive(Debug)]
 pub struct Hub {
-    runs: Mutex<HashMap<String, RunDeltas>>,
+    runs: Mutex<Runs>,
     arrived: watch::Sender<u64>,
+}
+
+#[derive(Debug, Default)]
+struct Runs {
+    by_id: HashMap<String, RunDeltas>,
+    bytes: usize,
 }
 
 impl Default for Hub {
     fn default() -> Hub {
         Hub {
-            runs: Mutex::new(HashMap::new()),
+            runs: Mutex::new(Runs::default()),
             arrived: watch::channel(0).0,
         }
     }
@@ -72,7 +80,7 @@ impl Hub {
     /// `run_id`'s retained deltas of `tenant` after `offset`, oldest first.
     pub fn after(&self, tenant: &str, run_id: &str, offset: i64) -> Vec<Retained> {
         let runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
-        runs.get(run_id).map_or_else(Vec::new, |run| {
+        runs.by_id.get(run_id).map_or_else(Vec::new, |run| {
             run.items
                 .iter()
                 .filter(|d| d.offset > offset && d.tenant == tenant)
@@ -103,25 +111,16 @@ impl Hub {
         });
         let now = Instant::now();
         {
-            let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
-            if runs.len() >= RUNS && !runs.contains_key(&delta.run_id) {
-                runs.retain(|_, run| run.touched.is_some_and(|t| now - t < KEPT_FOR));
-                if runs.len() >= RUNS {
-                    let oldest = runs
-                        .iter()
-                        .min_by_key(|(_, run)| run.touched)
-                        .map(|(id, _)| id.clone());
-                    if let Some(oldest) = oldest {
-                        runs.remove(&oldest);
-                    }
-                }
-            }
-            let run = runs.entry(delta.run_id.clone()).or_default();
+            let mut guard = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+            let runs = &mut *guard;
+            let run = runs.by_id.entry(delta.run_id.clone()).or_default();
             if run.touched.is_some_and(|t| now - t >= KEPT_FOR) {
+                runs.bytes -= run.bytes;
                 *run = RunDeltas::default();
             }
             run.touched = Some(now);
             run.bytes += bytes;
+            runs.bytes += bytes;
             run.items.push_back(Retained {
                 offset,
                 tenant: delta.tenant.clone(),
@@ -130,7 +129,24 @@ impl Hub {
             });
             while run.items.len() > PER_RUN || run.bytes > PER_RUN_BYTES {
                 match run.items.pop_front() {
-                    Some(gone) => run.bytes -= gone.bytes,
+                    Some(gone) => {
+                        run.bytes -= gone.bytes;
+                        runs.bytes -= gone.bytes;
+                    }
+                    None => break,
+                }
+            }
+            // Past the bounds across runs, the least recently updated runs go (never
+            // the one just updated).
+            while runs.by_id.len() > RUNS || runs.bytes > TOTAL_BYTES {
+                let oldest = runs
+                    .by_id
+                    .iter()
+                    .filter(|(id, _)| **id != delta.run_id)
+                    .min_by_key(|(_, run)| run.touched)
+                    .map(|(id, _)| id.clone());
+                match oldest.and_then(|id| runs.by_id.remove(&id)) {
+                    Some(gone) => runs.bytes -= gone.bytes,
                     None => break,
                 }
             }
@@ -234,11 +250,18 @@ async fn keep(
     }
 }
 
-/// The delta's text: a JSON string, sealed with the run's key when sealing is on.
+/// The delta's text: a JSON string, sealed with the run's key when sealing is on. A
+/// sealed run's delta in plaintext is not the executor's (which seals what it sends): it
+/// is dropped, so nobody with write access to the topic puts words in a run's mouth
+/// without its key.
 async fn opened(delta: &w::StepDelta, run_keys: Option<&sortie_seal::RunKeys>) -> Option<String> {
     let mut value: Value = serde_json::from_str(&delta.text).ok()?;
     if let Some(keys) = run_keys {
         let seal = keys.seal(&delta.tenant, &delta.run_id).await.ok()?;
+        if matches!(seal, sortie_seal::RunSeal::Key { .. }) && !sortie_core::seal::is_sealed(&value)
+        {
+            return None;
+        }
         seal.open(&mut value).ok()?;
     }
     match value {
@@ -283,7 +306,16 @@ mod tests {
         assert_eq!(hub.after("acme", "r1", PER_RUN as i64 + 7).len(), 2);
         assert!(hub.after("globex", "r1", -1).is_empty(), "another tenant's");
         assert!(hub.after("acme", "r2", -1).is_empty());
-        // Bytes bound a run too: two 600 KiB texts do not both stay.
+        // Bytes bound a run too: two 600 KiB texts do not both stay; and every run's
+        // together: 120 runs of 600 KiB keep under 64 MiB, the newest kept.
+        for n in 0..120 {
+            let run = format!("many-{n}");
+            hub.keep(n, &delta("acme", &run, 1, "x"), "y".repeat(600 * 1024));
+        }
+        let total = hub.runs.lock().expect("runs").bytes;
+        assert!(total <= TOTAL_BYTES, "{total}");
+        assert_eq!(hub.after("acme", "many-119", -1).len(), 1);
+        assert!(hub.after("acme", "many-0", -1).is_empty());
         let big = "x".repeat(600 * 1024);
         hub.keep(1, &delta("acme", "r3", 1, "x"), big.clone());
         hub.keep(2, &delta("acme", "r3", 2, "x"), big);

@@ -98,9 +98,13 @@ impl Deltas {
             return;
         }
         let (done, flushed) = oneshot::channel();
-        if self.reports.send(Message::Flush(done)).await.is_ok() {
-            let _ = tokio::time::timeout(Duration::from_secs(1), flushed).await;
-        }
+        let flush = async {
+            if self.reports.send(Message::Flush(done)).await.is_ok() {
+                let _ = flushed.await;
+            }
+        };
+        // A result never waits long for progress: past a second it goes regardless.
+        let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
     }
 
     /// The progress sink of one execution of `call`, sealing with `seal`.
