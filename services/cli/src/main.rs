@@ -1,7 +1,7 @@
 //! `sortie`: the command line for the local broker, the topology, the schema registry,
 //! graphs, and the services themselves (`sortie reducer`).
 
-use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 use sortie_process::{connection, seal, telemetry};
 
 mod audit;
@@ -82,9 +82,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    // The matches are kept: the executor's flags are another crate's, read here by name.
-    let matches = Cli::command().get_matches();
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let cli = Cli::parse();
     telemetry::init_logging(&cli.log);
     match cli.command {
         Command::Dev(args) => dev::run(args).await,
@@ -93,25 +91,14 @@ async fn main() -> anyhow::Result<()> {
         Command::Registry(args) => registry::run(args).await,
         Command::Reducer(args) => reducer::run(args).await,
         Command::Executor(args) => {
-            let flag = |id: &str| executor_flag(&matches, id);
-            if let Some(queues) = flag("queues") {
-                check_queues(&queues)?;
-            }
-            let (bootstrap, registry) = (
-                flag("bootstrap_servers").unwrap_or_default(),
-                flag("registry_url").unwrap_or_default(),
-            );
+            let bootstrap = args.bootstrap_servers().to_owned();
+            let registry = args.registry_url().to_owned();
             let ran =
                 sortie_executor::command::run(args, sortie_executor::Handlers::builtin_with).await;
-            match (ran, bootstrap.first()) {
+            match ran {
                 // Given up on Kafka or the registry: if one does not answer now, said first.
-                (Err(error), Some(bootstrap)) => {
-                    Err(
-                        reach::explain(error, bootstrap, registry.first().map(String::as_str))
-                            .await,
-                    )
-                }
-                (ran, _) => ran,
+                Err(error) => Err(reach::explain(error, &bootstrap, Some(&registry)).await),
+                ran => ran,
             }
         }
         Command::Gateway(args) => gateway::run(args).await,
@@ -127,38 +114,6 @@ async fn main() -> anyhow::Result<()> {
 }
 
 pub(crate) use sortie_process::shutdown_signal;
-
-/// The values of the executor's flag `id` (its field's name), or `None` if it has no such
-/// flag (then nothing is checked here: the executor checks what it is given itself).
-fn executor_flag(matches: &clap::ArgMatches, id: &str) -> Option<Vec<String>> {
-    let given = matches.subcommand_matches("executor")?;
-    let values = given.try_get_many::<String>(id).ok()?;
-    Some(values.map(|v| v.cloned().collect()).unwrap_or_default())
-}
-
-/// `sortie executor --queue`: at least one queue, each a legal part of a topic name
-/// (`<prefix>intents.<queue>`), refused here, before anything starts.
-fn check_queues(queues: &[String]) -> anyhow::Result<()> {
-    let named: Vec<&str> = queues
-        .iter()
-        .map(|q| q.trim())
-        .filter(|q| !q.is_empty())
-        .collect();
-    if named.is_empty() {
-        anyhow::bail!(
-            "no queue to serve: name one with --queue NAME (repeat it, or separate by commas; env SORTIE__EXECUTOR__QUEUES)"
-        );
-    }
-    if let Some(bad) = named.iter().find(|q| {
-        !q.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-    }) {
-        anyhow::bail!(
-            "--queue {bad:?} cannot be part of a topic name (intents.<queue>): use letters, digits, '.', '_' and '-'"
-        );
-    }
-    Ok(())
-}
 
 /// Binds `addr` for `what`; an address already taken (or not ours to take) fails with the
 /// address and the flag that changes it, not the bare OS error.
@@ -180,40 +135,4 @@ pub(crate) fn cannot_listen(
     how: &str,
 ) -> anyhow::Error {
     anyhow::anyhow!("the {what} cannot listen on {addr}: {e}; choose another address with {how}")
-}
-
-#[cfg(test)]
-mod tests {
-    use clap::CommandFactory as _;
-
-    /// The executor's flags are read by their ids (another crate's field names): a rename
-    /// there must fail here, not switch the checks off.
-    #[test]
-    fn the_executor_flags_read_by_name_are_there() {
-        let matches = super::Cli::command()
-            .try_get_matches_from([
-                "sortie",
-                "executor",
-                "--queue",
-                "a,b",
-                "--bootstrap-servers",
-                "kafka:9092",
-                "--registry-url",
-                "http://registry:8081",
-            ])
-            .expect("parses");
-        let flag = |id| super::executor_flag(&matches, id);
-        assert_eq!(flag("queues"), Some(vec!["a".to_owned(), "b".to_owned()]));
-        assert_eq!(
-            flag("bootstrap_servers"),
-            Some(vec!["kafka:9092".to_owned()])
-        );
-        assert_eq!(
-            flag("registry_url"),
-            Some(vec!["http://registry:8081".to_owned()])
-        );
-        assert!(super::check_queues(&["".to_owned()]).is_err());
-        assert!(super::check_queues(&["a b".to_owned()]).is_err());
-        assert!(super::check_queues(&["payments.eu-1".to_owned()]).is_ok());
-    }
 }

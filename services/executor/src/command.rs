@@ -149,6 +149,42 @@ pub struct Args {
     print_config: bool,
 }
 
+impl Args {
+    /// `--bootstrap-servers`.
+    pub fn bootstrap_servers(&self) -> &str {
+        &self.connection.brokers.bootstrap_servers
+    }
+
+    /// `--registry-url`.
+    pub fn registry_url(&self) -> &str {
+        &self.connection.registry_url
+    }
+}
+
+/// `--queue`: at least one queue, each a legal part of a topic name
+/// (`<prefix>intents.<queue>`), refused before anything starts.
+fn queues(given: &[String]) -> anyhow::Result<Vec<String>> {
+    let named: Vec<String> = given
+        .iter()
+        .map(|q| q.trim().to_owned())
+        .filter(|q| !q.is_empty())
+        .collect();
+    if named.is_empty() {
+        anyhow::bail!(
+            "no queue to serve: name one with --queue NAME (repeat it, or separate by commas; env SORTIE__EXECUTOR__QUEUES)"
+        );
+    }
+    if let Some(bad) = named.iter().find(|q| {
+        !q.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    }) {
+        anyhow::bail!(
+            "--queue {bad:?} cannot be part of a topic name (intents.<queue>): use letters, digits, '.', '_' and '-'"
+        );
+    }
+    Ok(named)
+}
+
 /// The command line of an executor binary of your own: [`Args`] and the logging flags.
 #[derive(Debug, clap::Parser)]
 #[command(version, about = "A Sortie executor: serves queues with its handlers")]
@@ -186,12 +222,7 @@ pub async fn main(handlers: impl FnOnce(&Egress) -> Handlers) -> anyhow::Result<
 /// and health server, until Ctrl-C or SIGTERM: `sortie executor` is
 /// `run(args, Handlers::builtin_with)`.
 pub async fn run(args: Args, handlers: impl FnOnce(&Egress) -> Handlers) -> anyhow::Result<()> {
-    let queues: Vec<String> = args
-        .queues
-        .iter()
-        .map(|q| q.trim().to_owned())
-        .filter(|q| !q.is_empty())
-        .collect();
+    let queues = queues(&args.queues)?;
     let mut config = ExecutorConfig::new(
         args.connection.kafka_config()?,
         args.connection.registry_url,
@@ -261,4 +292,19 @@ pub async fn run(args: Args, handlers: impl FnOnce(&Egress) -> Handlers) -> anyh
     )
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn queues_are_named_and_fit_a_topic_name() {
+        let given = |list: &[&str]| {
+            super::queues(&list.iter().map(|q| (*q).to_owned()).collect::<Vec<_>>())
+        };
+        assert_eq!(given(&[" a ", "b.c-d_e"]).expect("fine"), ["a", "b.c-d_e"]);
+        assert!(given(&[""]).is_err());
+        assert!(given(&[]).is_err());
+        assert!(given(&["a b"]).is_err());
+        assert!(given(&["a/b"]).is_err());
+    }
 }
