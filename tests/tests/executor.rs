@@ -1174,10 +1174,13 @@ async fn an_unsafe_attempt_given_up_on_is_never_called_late() {
         async move { skipped || ledger.snapshot().await.calls(&op) > 0 }
     })
     .await;
-    assert_eq!(
-        ledger.snapshot().await.calls(&op),
-        0,
-        "attempt 1 was not called"
+    // Skipped, not called. (The ledger cannot tell the attempts apart, and attempt 2, the
+    // retry, may already have been called by now: the one call below is attempt 2's.)
+    assert!(
+        executor
+            .log_text()
+            .contains("deadline passed before it got a slot"),
+        "attempt 1 was called late"
     );
     let states = stack
         .wait_for_states(
