@@ -73,7 +73,12 @@ pub fn own_executor_bin() -> PathBuf {
                 .current_dir(&root)
                 .status()
                 .expect("cargo build runs");
-            assert!(status.success(), "building examples/rust-executor failed");
+            assert!(
+                status.success(),
+                "building examples/rust-executor failed; after a dependency change of \
+                 sortie-executor, refresh its lock file: cp Cargo.lock examples/rust-executor/ \
+                 && cargo metadata --manifest-path examples/rust-executor/Cargo.toml >/dev/null"
+            );
             root.join("target").join("debug").join("my-executor")
         })
         .clone()
