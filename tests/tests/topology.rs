@@ -425,6 +425,7 @@ fn shipped_topology_agrees_with_wire_names() -> anyhow::Result<()> {
             CleanupPolicy::Delete,
             false,
         ),
+        (topics.step_deltas(), "run_id", CleanupPolicy::Delete, true),
     ];
     for queue in topology.queues() {
         expected.push((
