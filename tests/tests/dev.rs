@@ -61,28 +61,6 @@ fn sortie_dev(name: &str, gateway: &str, ledger: &str, kafka_port: u16) -> (Comm
     (command, data)
 }
 
-/// `sortie dev`, stopped with Ctrl-C (SIGINT) when a failed assertion unwinds, so a red
-/// test leaves no broker or service behind (the reader of its stdout is still alive then,
-/// so its goodbye lines do not meet a closed pipe).
-struct DevStack(std::process::Child);
-
-impl Drop for DevStack {
-    fn drop(&mut self) {
-        if !matches!(self.0.try_wait(), Ok(None)) {
-            return;
-        }
-        if let Some(pid) = rustix::process::Pid::from_raw(self.0.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
-        }
-        let deadline = Instant::now() + Duration::from_secs(90);
-        while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
     let bin = sortie_tests::stack::sortie_bin();
@@ -94,7 +72,7 @@ fn sortie_dev_runs_the_demo_to_its_approval_and_stops_cleanly() {
         .stderr(Stdio::null())
         .spawn()
         .expect("sortie dev starts");
-    let mut child = DevStack(child);
+    let mut child = sortie_tests::stack::DevStack(child);
     let stdout = child.0.stdout.take().expect("stdout");
     let (lines, received) = mpsc::channel();
     std::thread::spawn(move || {

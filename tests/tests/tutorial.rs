@@ -14,7 +14,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const PAGE: &str = "docs/guides/first-agent.md";
 const SKIP: &str = "not run by tests/tests/tutorial.rs";
@@ -54,28 +54,8 @@ fn free_port_pair() -> u16 {
         .expect("a free port pair")
 }
 
-/// `sortie dev`, stopped with Ctrl-C (SIGINT) when the test ends or fails.
-struct DevStack(std::process::Child);
-
-impl Drop for DevStack {
-    fn drop(&mut self) {
-        if !matches!(self.0.try_wait(), Ok(None)) {
-            return;
-        }
-        if let Some(pid) = rustix::process::Pid::from_raw(self.0.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
-        }
-        let deadline = Instant::now() + Duration::from_secs(90);
-        while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts `sortie dev --no-demo` on `data` and waits for it to print where its env file is.
-fn start_dev(data: &Path) -> DevStack {
+fn start_dev(data: &Path) -> sortie_tests::stack::DevStack {
     let mut child = Command::new(sortie_tests::stack::sortie_bin())
         .args(["dev", "--no-demo", "--data-dir"])
         .arg(data)
@@ -89,7 +69,7 @@ fn start_dev(data: &Path) -> DevStack {
         .spawn()
         .expect("sortie dev starts");
     let stdout = child.stdout.take().expect("stdout");
-    let stack = DevStack(child);
+    let stack = sortie_tests::stack::DevStack(child);
     let (lines, received) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {

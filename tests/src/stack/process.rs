@@ -236,3 +236,26 @@ impl Process {
         self.own_log_text().contains("dies here on purpose")
     }
 }
+
+/// `sortie dev`, stopped with Ctrl-C (SIGINT) when it drops — a test's end, or a failed
+/// assertion unwinding — so no broker or service is left behind; killed if it has not
+/// stopped within 90 s.
+#[derive(Debug)]
+pub struct DevStack(pub Child);
+
+impl Drop for DevStack {
+    fn drop(&mut self) {
+        if !matches!(self.0.try_wait(), Ok(None)) {
+            return;
+        }
+        if let Some(pid) = rustix::process::Pid::from_raw(self.0.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        while matches!(self.0.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
