@@ -835,16 +835,7 @@ fn agent_graph(model: &str) -> Value {
 /// hold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agents_conversation_reads_in_order_and_the_inbox_shows_the_asking_message() {
-    let fake = sortie_devkit::model::FakeModel::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let model_url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(sortie_devkit::model::serve(
-        listener,
-        fake.clone(),
-        std::future::pending::<()>(),
-    ));
+    let (fake, model_url) = sortie_tests::stack::serve_fake_model().await;
     let stack = Stack::start("console-agent", &[]).await;
     stack.publish(&agent_graph(&model_url).to_string()).await;
     let _reducer = stack.reducer("0");
@@ -1111,16 +1102,7 @@ fn chat_graph(id: &str, model: &str, roles: &[&str]) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_person_talks_with_a_conversation_from_its_run_page() {
     use sortie_devkit::model::{FINAL_ANSWER, REPLY};
-    let fake = sortie_devkit::model::FakeModel::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let model_url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(sortie_devkit::model::serve(
-        listener,
-        fake.clone(),
-        std::future::pending::<()>(),
-    ));
+    let (fake, model_url) = sortie_tests::stack::serve_fake_model().await;
     let stack = Stack::start("console-talk", &[]).await;
     stack
         .publish(&chat_graph("talk", &model_url, &[]).to_string())
@@ -1372,16 +1354,7 @@ async fn a_person_talks_with_a_conversation_from_its_run_page() {
 /// never showed the partial reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_models_answer_grows_on_the_run_page_as_it_is_written() {
-    let fake = sortie_devkit::model::FakeModel::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let model_url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(sortie_devkit::model::serve(
-        listener,
-        fake.clone(),
-        std::future::pending::<()>(),
-    ));
+    let (_fake, model_url) = sortie_tests::stack::serve_fake_model().await;
     let stack = Stack::start("console-stream", &[]).await;
     let mut graph = chat_graph("slow_talk", &model_url, &[]);
     graph["nodes"][0]["config"]["model"] = json!("fake-agent-slow");

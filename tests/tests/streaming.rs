@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use sortie_core::seal::Seal as _;
-use sortie_devkit::model::{self, FakeModel};
+use sortie_devkit::model::FakeModel;
 use sortie_tests::http::Api;
 use sortie_tests::stack::Stack;
 use sortie_tests::Isolation;
@@ -131,16 +131,7 @@ struct Streaming {
 
 impl Streaming {
     async fn start(name: &str, executor_args: &[&str]) -> Streaming {
-        let fake = FakeModel::new();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let model_url = format!("http://{}", listener.local_addr().expect("addr"));
-        tokio::spawn(model::serve(
-            listener,
-            fake.clone(),
-            std::future::pending::<()>(),
-        ));
+        let (fake, model_url) = sortie_tests::stack::serve_fake_model().await;
         let stack = Stack::start(name, &[]).await;
         stack.publish(&graph(&model_url)).await;
         let kek = stack.dir.join("kek.yaml");

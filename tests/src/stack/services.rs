@@ -146,3 +146,20 @@ impl Process {
         self.child.try_wait().ok().flatten()
     }
 }
+
+/// The scripted fake model (`sortie_devkit::model`) served on a free loopback port for the
+/// rest of the test: its memory of what it was asked, and its base URL (`http://…`, the
+/// graphs' `base_url` is this plus `/v1`).
+pub async fn serve_fake_model() -> (Arc<sortie_devkit::model::FakeModel>, String) {
+    let fake = sortie_devkit::model::FakeModel::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(sortie_devkit::model::serve(
+        listener,
+        fake.clone(),
+        std::future::pending::<()>(),
+    ));
+    (fake, url)
+}
